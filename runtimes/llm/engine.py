@@ -1,0 +1,234 @@
+"""The synchronous engine core: submit requests, `step()` until done. One thread drives it.
+
+`step()` reads as its job: schedule a plan, run it, apply the results, turn them into outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtimes.llm.attention import paged_attention_ref
+from runtimes.llm.config import EngineConfig
+from runtimes.llm.detokenizer import IncrementalDetokenizer
+from runtimes.llm.kv_cache_manager import KVCacheManager
+from runtimes.llm.loader import LoadedModel, load_model
+from runtimes.llm.model_runner import ModelRunner, allocate_kv_caches, num_blocks_for_budget
+from runtimes.llm.outputs import RequestOutput, TokenLogprob
+from runtimes.llm.queue_policy import QueuePolicy
+from runtimes.llm.request import Request, RequestStatus
+from runtimes.llm.sampler import Sampler
+from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+from runtimes.llm.scheduler import Scheduler
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one sequence: the detokenizer and where its outputs go."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        policy: QueuePolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.clock = clock
+        device = next(loaded.model.parameters()).device
+        dtype = next(loaded.model.parameters()).dtype
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        budget = config.kv_cache_bytes or _default_kv_bytes(device, config.kv_cache_memory_fraction)
+        num_blocks = num_blocks_for_budget(loaded.config, budget, config.block_size, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={budget} is too small for one block of {config.block_size} tokens")
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, policy
+        )
+        kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, dtype, device)
+        sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.runner = ModelRunner(loaded.model, kv_caches, config.block_size, device, sampler)
+        self._sequences: dict[str, _Sequence] = {}  # internal (child) request id -> state
+        self._children: dict[str, list[str]] = {}  # request id -> its sequences' ids
+        self._staged: dict[str, list[Request]] = {}  # request id -> samples waiting for sample 0's prompt
+        self.num_steps = 0
+
+    @classmethod
+    def from_source(cls, source: str, config: EngineConfig | None = None, **kwargs: object) -> LLMEngine:
+        """Load a model (GGUF file, HF directory or `package:file`) and build an engine for it."""
+        config = config or EngineConfig()
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(device)
+        attention_fn = _attention_backend(config.attention_backend, device)
+        return cls(load_model(source, device, dtype, attention_fn), config, **kwargs)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------------------------------ intake
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises InvalidRequestError naming the field and limit."""
+        params = params or SamplingParams()
+        if request_id in self._children:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self._validate(prompt_ids, params)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        namespace = self.model_name if self.config.enable_prefix_caching else None
+        if namespace is None and params.n > 1:
+            namespace = f"{self.model_name}/group/{request_id}"  # siblings still share the prompt's blocks
+        requests = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            seed = None if params.seed is None else params.seed + index
+            request = Request(child_id, prompt_ids, params, max_tokens, arrival, priority,
+                              self.model_config.eos_token_ids, namespace, seed)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+            )
+            self._sequences[child_id] = _Sequence(request, request_id, index, detok)
+            requests.append(request)
+        self._children[request_id] = [r.request_id for r in requests]
+        self.scheduler.add_request(requests[0])
+        if len(requests) > 1:
+            # The other samples wait until sample 0 has computed the prompt, then reuse its cached blocks.
+            self._staged[request_id] = requests[1:]
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        limit = self.max_model_len
+        num_prompt = len(prompt_ids)
+        if num_prompt >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens; this model's maximum context length is {limit} tokens "
+                "including at least one generated token", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} were "
+                f"requested ({num_prompt} in the prompt, {max_tokens} in max_tokens)", param="max_tokens")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if num_prompt + max_tokens > capacity:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens is {num_prompt + max_tokens} tokens but the KV cache holds at most "
+                f"{capacity} tokens ({self.kv.num_blocks} blocks of {self.kv.block_size})", param="max_tokens")
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Stop a request (all its samples) and free its blocks at once."""
+        outputs = []
+        self._staged.pop(request_id, None)
+        for child_id in self._children.pop(request_id, []):
+            seq = self._sequences.pop(child_id)
+            if not seq.request.status.finished:
+                self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._output(seq, [], "", None))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._children)
+
+    def is_finished(self, request_id: str) -> bool:
+        """True once every sample of the request has finished (or it was never known)."""
+        return request_id not in self._children
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan, self.kv.block_tables)
+        advanced = self.scheduler.update(plan, result.sampled)
+        self.num_steps += 1
+        now = self.clock()
+        outputs = [self._on_token(self._sequences[r.request_id], result.logprobs, now) for r in advanced]
+        self._release_staged()
+        return outputs
+
+    def _on_token(self, seq: _Sequence, logprobs: dict, now: float) -> RequestOutput:
+        request = seq.request
+        token = request.token_ids[-1]
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        text = seq.detokenizer.add(token)
+        if seq.detokenizer.stopped_by is not None and not request.status.finished:
+            request.stop_reason = seq.detokenizer.stopped_by
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.status.finished and seq.detokenizer.stopped_by is None:
+            text += seq.detokenizer.flush()
+        entry = logprobs.get(request.request_id)
+        lp = None if entry is None else [TokenLogprob(token, entry[0], tuple(entry[1] or ()))]
+        out = self._output(seq, [token], text, lp, now)
+        if request.status.finished:
+            self._forget(seq)
+        return out
+
+    def _output(self, seq: _Sequence, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None,
+                now: float | None = None) -> RequestOutput:
+        request = seq.request
+        finished = request.status.finished
+        return RequestOutput(
+            request_id=seq.parent_id, index=seq.index, new_token_ids=tokens, text=text, finished=finished,
+            finish_reason=request.status.value if finished else None, stop_reason=request.stop_reason,
+            logprobs=logprobs, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
+            arrival_time=request.arrival_time, first_token_time=seq.first_token_time,
+            time=self.clock() if now is None else now,
+        )
+
+    def _forget(self, seq: _Sequence) -> None:
+        self._sequences.pop(seq.request.request_id, None)
+        siblings = self._children.get(seq.parent_id)
+        if siblings is not None and all(s not in self._sequences for s in siblings):
+            del self._children[seq.parent_id]
+
+    def _release_staged(self) -> None:
+        for parent_id in list(self._staged):
+            leader = self._sequences.get(self._children[parent_id][0])
+            if leader is None or leader.request.num_computed_tokens >= leader.request.num_prompt_tokens:
+                for request in self._staged.pop(parent_id):
+                    self.scheduler.add_request(request)
+
+
+def _default_kv_bytes(device: torch.device, fraction: float) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return _CPU_DEFAULT_KV_BYTES
+
+
+def _attention_backend(name: str, device: torch.device) -> Callable:
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from runtimes.llm.attention.triton_paged import paged_attention_triton
+
+        return paged_attention_triton
+    return paged_attention_ref

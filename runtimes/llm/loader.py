@@ -1,0 +1,242 @@
+"""Load a Llama-family model from a GGUF file or a Hugging Face directory (config.json + *.safetensors).
+
+GGUF tensors are dequantized with gguf-py (llama.cpp's own, numpy-vectorized) to fp32 and then cast to
+the engine's dtype. llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE works;
+our model uses Hugging Face's rotate-halves RoPE, so those permutations are undone here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from runtimes.llm.config import ModelConfig, RopeScaling
+from runtimes.llm.model import AttentionFn, LlamaForCausalLM
+from runtimes.llm.tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+
+
+def resolve_model_path(source: str | Path) -> Path:
+    """A path, or `package:FILE` naming a file shipped inside an installed Python package."""
+    text = str(source)
+    if ":" in text and not Path(text).exists():
+        package, _, filename = text.partition(":")
+        spec = importlib.util.find_spec(package.replace("-", "_"))
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"model package {package!r} is not installed")
+        path = Path(next(iter(spec.submodule_search_locations))) / filename
+    else:
+        path = Path(text)
+    if not path.exists():
+        raise FileNotFoundError(f"model file or directory not found: {path}")
+    return path
+
+
+def load_model(
+    source: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_fn: AttentionFn | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    path = resolve_model_path(source)
+    if path.is_dir():
+        config = ModelConfig.from_hf_dir(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        tensors = _hf_tensors(path)
+        name = path.name
+    else:
+        reader = _gguf_reader(path)
+        metadata = {key: field.contents() for key, field in reader.fields.items()}
+        config = gguf_model_config(metadata, has_output=any(t.name == "output.weight" for t in reader.tensors))
+        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+        tensors = _gguf_tensors(reader, config)
+        name = path.stem
+    if tokenizer.eos_token_ids and not config.eos_token_ids:
+        config = _with_eos(config, tokenizer.eos_token_ids)
+    kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, **kwargs)
+    model = model.to_empty(device=device).to(dtype)
+    _load_weights(model, tensors, config, device, dtype, progress, desc=f"loading {name}")
+    # Non-persistent buffers (RoPE tables) were created on meta; rebuild them for real on the device.
+    rope = model.layers[0].self_attn.rope
+    fresh = type(rope)(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+    rope.cos, rope.sin = fresh.cos.to(device), fresh.sin.to(device)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name)
+
+
+def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
+    return replace(config, eos_token_ids=eos)
+
+
+# ----------------------------------------------------------------------------------------------- weights
+
+
+def _load_weights(
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool,
+    desc: str,
+) -> None:
+    """Copy checkpoint tensors (Hugging Face names) into the fused model; fail on anything missing or extra."""
+    params = dict(model.named_parameters())
+    fused: dict[str, dict[int, torch.Tensor]] = {}  # fused weight -> its parts by position
+    loaded: set[str] = set()
+    fuse_parts = {
+        "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+        "v_proj": ("self_attn.qkv_proj", 2), "gate_proj": ("mlp.gate_up_proj", 0),
+        "up_proj": ("mlp.gate_up_proj", 1),
+    }
+    total = 2 + (0 if config.tie_word_embeddings else 1) + 9 * config.num_layers
+    for hf_name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not progress):
+        name = hf_name.removeprefix("model.")
+        match = re.fullmatch(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", name)
+        if match and match.group(3) in fuse_parts:
+            target, index = fuse_parts[match.group(3)]
+            key = f"layers.{match.group(1)}.{target}.weight"
+            fused.setdefault(key, {})[index] = tensor
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        _copy(params, name, tensor, device, dtype)
+        loaded.add(name)
+    for key, parts in fused.items():
+        ordered = [parts[i] for i in sorted(parts)]
+        _copy(params, key, torch.cat(ordered, dim=0), device, dtype)
+        loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor,
+          device: torch.device, dtype: torch.dtype) -> None:
+    if name not in params:
+        raise ValueError(f"checkpoint has an unexpected weight {name!r}")
+    param = params[name]
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(device=device, dtype=dtype))
+
+
+def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, handle.get_tensor(key)
+
+
+# ----------------------------------------------------------------------------------------------- GGUF
+
+
+def _gguf_reader(path: Path) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_model_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ("llama",):
+        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // num_heads)),
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=RopeScaling(kind=scaling_type, factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0))),
+        tie_word_embeddings=not has_output,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+_GGUF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's converter permutation of Q/K rows (interleaved-pair RoPE -> rotate-halves)."""
+    out_dim = weight.shape[0]
+    return (
+        weight.reshape(num_heads, out_dim // num_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            raise ValueError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet")
+        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
+            array = array.copy()
+        if tensor.name in _GGUF_NAMES:
+            yield _GGUF_NAMES[tensor.name], torch.from_numpy(array)
+            continue
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
+        if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
+        kind = match.group(2)
+        if kind == "attn_q":
+            array = unpermute_qk(array, config.num_heads)
+        elif kind == "attn_k":
+            array = unpermute_qk(array, config.num_kv_heads)
+        yield f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[kind]}.weight", torch.from_numpy(array)

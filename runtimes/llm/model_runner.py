@@ -1,0 +1,97 @@
+"""Executes a scheduler plan: packs the batch, runs the model over the paged KV cache, samples."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from runtimes.llm.attention import AttentionMetadata
+from runtimes.llm.config import ModelConfig
+from runtimes.llm.model import LlamaForCausalLM
+from runtimes.llm.sampler import Sampler, SamplingRow
+from runtimes.llm.scheduler import SchedulerOutput
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def num_blocks_for_budget(config: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    return kv_cache_bytes // (block_size * config.kv_bytes_per_token(dtype))
+
+
+def allocate_kv_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> KVCaches:
+    """Per layer, K and V block pools: 2 x [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_layers)
+    ]
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, tuple[float, list[tuple[int, float]] | None]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: KVCaches,
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]]) -> StepResult:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_index: list[int] = []
+        rows: list[SamplingRow] = []
+        row_ids: list[str] = []
+        for item in plan.scheduled:
+            request, start, count = item.request, item.start, item.num_new_tokens
+            input_ids.extend(request.token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            query_lens.append(count)
+            seq_lens.append(start + count)
+            tables.append(block_tables[request.request_id])
+            if item.samples:
+                sample_index.append(len(input_ids) - 1)
+                rows.append(
+                    SamplingRow(
+                        params=request.params,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids,
+                        generator=request.generator,
+                        eos_token_ids=request.eos_token_ids,
+                    )
+                )
+                row_ids.append(request.request_id)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)  # [T, H]
+        result = StepResult()
+        if not rows:
+            return result
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)])  # [B, V]
+        out = self.sampler(logits, rows)
+        for i, request_id in enumerate(row_ids):
+            result.sampled[request_id] = out.token_ids[i]
+            if out.logprobs is not None and rows[i].params.logprobs is not None:
+                result.logprobs[request_id] = (out.logprobs[i], out.top_logprobs[i])
+        return result

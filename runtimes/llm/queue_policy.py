@@ -1,0 +1,72 @@
+"""Queue-order policies the scheduler consults: which waiting request goes next, which running one
+is preempted first. FCFS lives here; the multi-level policy (policies/) implements the same protocol.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+from runtimes.llm.request import Request
+
+
+class QueuePolicy(Protocol):
+    def add(self, request: Request) -> None:
+        """A new arrival."""
+
+    def requeue(self, request: Request) -> None:
+        """A preempted request coming back; it should run again soon."""
+
+    def peek(self) -> Request | None: ...
+
+    def pop(self) -> Request: ...
+
+    def remove(self, request: Request) -> bool:
+        """Drop a waiting request (abort); False if it was not waiting."""
+
+    def pick_victim(self, running: Sequence[Request]) -> Request:
+        """The running request to preempt when KV blocks run out."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Request]: ...
+
+
+class FCFSPolicy:
+    """First come, first served; preempted requests go back to the front.
+
+    The victim is the least urgent (highest `priority` value) running request, newest arrival first,
+    so the oldest work keeps its progress.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def requeue(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request | None:
+        return self._queue[0] if self._queue else None
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> bool:
+        try:
+            self._queue.remove(request)
+        except ValueError:
+            return False
+        return True
+
+    def pick_victim(self, running: Sequence[Request]) -> Request:
+        return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)

@@ -1,0 +1,87 @@
+"""A request as the scheduler sees it: tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from runtimes.llm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence. Progress is counted: the engine computes until `num_computed_tokens == num_tokens`,
+    then samples one token, which makes `num_tokens` one larger. Chunked prefill, prefix-cache hits
+    and recompute after preemption all just move `num_computed_tokens`.
+    """
+
+    __slots__ = (
+        "arrival_time", "block_hashes", "cache_namespace", "eos_token_ids", "generator", "max_tokens",
+        "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens", "params",
+        "priority", "request_id", "status", "stop_reason", "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float,
+        priority: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+        cache_namespace: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time
+        self.priority = priority  # lower is more urgent (vLLM convention)
+        self.eos_token_ids = eos_token_ids
+        # Prefix-cache key space; None disables caching for this request.
+        self.cache_namespace = cache_namespace
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,204 @@
+"""Vectorized next-token sampler for the continuous-batching engine.
+
+One call samples one token for every row of a `[B, V]` logits batch, each row with its own
+`SamplingParams`. The pipeline, in order:
+
+1. penalties: repetition (prompt + output tokens, vLLM semantics), then presence / frequency
+   (output tokens only, OpenAI semantics);
+2. `min_tokens`: EOS and `stop_token_ids` get logit -inf while the output is shorter than `min_tokens`;
+3. logprobs: `log_softmax` of the logits at this point, i.e. AFTER penalties and suppression but BEFORE
+   temperature / top-k / top-p / min-p. This is vLLM's default ("raw" model distribution as adjusted by
+   the request's penalties), so reported logprobs do not depend on how the token was sampled;
+4. greedy rows take the argmax; random rows divide by temperature, apply top-k, top-p and min-p masks,
+   and sample with the exponential race: `argmax(probs / q)`, `q ~ Exp(1)` (equivalent to Gumbel-max).
+
+Noise: unseeded rows draw `q` in one batched call from the engine-wide generator; a row with its own
+generator (request `seed`) draws one `[V]` vector from it per sampled token, so its tokens do not depend
+on the rest of the batch or on its position in it. Noise is drawn on the generator's device (a CPU
+generator gives CPU noise) and then moved to `logits.device`; greedy rows draw no noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from runtimes.llm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+# Exp(1) draws can be exactly 0; clamping keeps probs / q finite (1 / tiny < float32 max).
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplingRow:
+    """One row of the batch: the sequence to sample the next token for."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Per-request generator (caller creates it with torch.Generator().manual_seed(seed) when
+    # params.seed is set); advances one [V] draw per token sampled at temperature > 0.
+    generator: torch.Generator | None
+    # Suppressed with params.stop_token_ids while len(output_token_ids) < params.min_tokens
+    # (EOS is not suppressed when params.ignore_eos, as in vLLM: it does not stop the sequence then).
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [B]
+    # [B] logprob of each sampled token, for every row as soon as one row asks; None when no row asks.
+    logprobs: list[float] | None
+    # Per row: the top-`params.logprobs` (token id, logprob) pairs sorted by logprob desc, followed by the
+    # sampled token when it is not among them (so N or N+1 entries); None when the row did not ask.
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _suppressed_ids(row: SamplingRow) -> tuple[int, ...]:
+    p = row.params
+    if len(row.output_token_ids) >= p.min_tokens:
+        return ()
+    return (*(() if p.ignore_eos else row.eos_token_ids), *p.stop_token_ids)
+
+
+def _flat_index(
+    pairs: Sequence[tuple[int, Sequence[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token ids) pairs -> (row indices, token indices) `[N]` long tensors for indexing a [B, V]."""
+    rows = [torch.full((len(ids),), i, dtype=torch.long) for i, ids in pairs]
+    toks = [torch.as_tensor(ids, dtype=torch.long) for _, ids in pairs]
+    return torch.cat(rows).to(device), torch.cat(toks).to(device)
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [B, 1]
+
+
+class Sampler:
+    """Samples one token per row; `generator` serves every row that has no generator of its own."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """`logits` `[B, V]` (any float dtype, any device), one `SamplingRow` per batch row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"expected logits [{len(rows)}, V], got {tuple(logits.shape)}")
+        params = [r.params for r in rows]
+        suppress = [_suppressed_ids(r) for r in rows]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        fast = not want_logprobs and not any(suppress)
+        if fast and all(p.greedy and not _has_penalties(p) for p in params):  # no [B, V] work at all
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
+
+        x = logits.to(torch.float32, copy=True)  # [B, V]; a copy, as it is edited in place below
+        self._apply_penalties(x, rows)
+        if any(suppress):
+            x[_flat_index([(i, ids) for i, ids in enumerate(suppress) if ids], x.device)] = _NEG_INF
+        logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None  # [B, V]
+
+        tokens = x.argmax(dim=-1)  # [B]; final for greedy rows, row-local so independent of the batch
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:
+            idx = torch.tensor(rand, device=x.device)
+            tokens[idx] = self._sample(x[idx], [rows[i] for i in rand])
+
+        token_ids = tokens.tolist()
+        if logprobs is None:
+            return SamplerOutput(token_ids, None, [None] * len(rows))
+        sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()  # [B]
+        top = logprobs.topk(max(p.logprobs or 0 for p in params), dim=-1)  # [B, N_max]
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+        top_logprobs: list[list[tuple[int, float]] | None] = []
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                top_logprobs.append(None)
+                continue
+            ids = top_ids[i][: p.logprobs]
+            entries = list(zip(ids, top_vals[i][: p.logprobs], strict=True))
+            if token_ids[i] not in ids:
+                entries.append((token_ids[i], sampled[i]))  # OpenAI reports the sampled token too
+            top_logprobs.append(entries)
+        return SamplerOutput(token_ids, sampled, top_logprobs)
+
+    @staticmethod
+    def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """In place on `x` [B, V]. Only rows that use a penalty contribute token indices."""
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        if rep:
+            seen = torch.zeros_like(x, dtype=torch.bool)  # [B, V]: token in prompt or output
+            pairs = [(i, ids) for i in rep for ids in (rows[i].prompt_token_ids, rows[i].output_token_ids)]
+            seen[_flat_index(pairs, x.device)] = True
+            penalty = _column([r.params.repetition_penalty for r in rows], x.device)  # [B, 1]
+            # vLLM: divide positive logits, multiply negative ones, so the penalty always lowers them.
+            x.copy_(torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x))
+        pf = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
+        if pf:
+            counts = torch.zeros_like(x)  # [B, V]: occurrences in the output only (OpenAI semantics)
+            row_idx, tok_idx = _flat_index([(i, rows[i].output_token_ids) for i in pf], x.device)
+            counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=x.dtype), accumulate=True)
+            freq = _column([r.params.frequency_penalty for r in rows], x.device)  # [B, 1]
+            presence = _column([r.params.presence_penalty for r in rows], x.device)  # [B, 1]
+            x -= freq * counts + presence * (counts > 0)
+
+    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Random rows only: `x` [R, V] penalised logits -> sampled token ids [R]."""
+        x = x / _column([r.params.temperature for r in rows], x.device)  # [R, V]
+        filtered = [i for i, r in enumerate(rows) if r.params.top_k_enabled or r.params.top_p < 1.0]
+        if filtered:  # only these rows pay for the topk / sort
+            idx = torch.tensor(filtered, device=x.device)
+            x[idx] = _mask_top_k_top_p(x[idx], [rows[i] for i in filtered])
+        probs = x.softmax(dim=-1)  # [R, V]
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            threshold = _column(min_p, x.device) * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+            # No renormalisation needed: argmax(probs / q) is invariant to scaling a row.
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return (probs / self._exponential(rows, probs.shape, x.device)).argmax(dim=-1)
+
+    def _exponential(
+        self, rows: Sequence[SamplingRow], shape: torch.Size, device: torch.device
+    ) -> torch.Tensor:
+        """Exp(1) noise `[R, V]`: one batched draw for unseeded rows, one `[V]` draw per seeded row."""
+        q = torch.empty(shape, device=device)  # [R, V]
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            gen = self.generator
+            noise = torch.empty((len(unseeded), shape[1]), device=gen.device if gen is not None else device)
+            q[unseeded] = noise.exponential_(generator=gen).to(device)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise = torch.empty(shape[1], device=r.generator.device).exponential_(generator=r.generator)
+                q[i] = noise.to(device)
+        return q.clamp_min_(_TINY)
+
+
+def _mask_top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Rows that use top_k and/or top_p: logits `[F, V]` outside the kept set -> -inf.
+
+    Uses torch.topk when no row has top_p < 1, else one sort. top-p applies to the distribution
+    renormalised after top-k (vLLM order) and keeps the smallest prefix whose mass reaches top_p.
+    On the topk path, tokens tied with the k-th logit are all kept.
+    """
+    vocab = x.shape[1]
+    ks = [min(r.params.top_k, vocab) if r.params.top_k_enabled else vocab for r in rows]
+    k = torch.tensor(ks, device=x.device).unsqueeze(1)  # [F, 1]
+    ps = [r.params.top_p for r in rows]
+    if all(p >= 1.0 for p in ps):
+        kth = x.topk(max(ks), dim=-1).values.gather(1, k - 1)  # [F, 1]
+        return x.masked_fill(x < kth, _NEG_INF)
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [F, V]
+    sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=x.device) >= k, _NEG_INF)
+    probs = sorted_x.softmax(dim=-1)  # [F, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [F, V]: mass of strictly better tokens
+    top_p = _column(ps, x.device)  # [F, 1]
+    # `top_p < 1` guard: float cumsum can reach 1.0 before the tail, which must not be cut for top_p=1.
+    sorted_x = sorted_x.masked_fill((mass_before >= top_p) & (top_p < 1.0), _NEG_INF)
+    return torch.empty_like(x).scatter_(1, order, sorted_x)

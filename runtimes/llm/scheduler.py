@@ -1,0 +1,189 @@
+"""Iteration-level scheduler: each step is a plan (which requests, how many tokens each).
+
+Order of one `schedule()`:
+1. Running requests, decodes first, then unfinished prompt chunks, each taking what it still needs
+   from the step's token budget. When the KV pool is exhausted, the policy's victim (least urgent,
+   newest) is preempted: its blocks are freed and it will recompute from scratch later.
+2. Waiting requests, in the policy's order, while budget, `max_num_seqs` and blocks last; prompts
+   longer than the remaining budget are chunked. Nothing new is admitted in a step that preempted.
+
+`update(plan, sampled)` then applies the results: progress, new tokens, stop checks, freeing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from runtimes.llm.kv_cache_manager import KVCacheManager
+from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
+from runtimes.llm.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # num_computed_tokens when scheduled: the new tokens are token_ids[start : start + num_new_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: QueuePolicy | None = None,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: QueuePolicy = policy if policy is not None else FCFSPolicy()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -------------------------------------------------------------------------------------- intake
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stop condition, stop string or abort) and free its blocks at once."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -------------------------------------------------------------------------------------- planning
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        by_id: dict[str, ScheduledRequest] = {}
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + chunks:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.waiting.pick_victim(self.running)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                undone = by_id.pop(victim.request_id, None)
+                if undone is not None:
+                    out.scheduled.remove(undone)
+                    budget += undone.num_new_tokens
+                if victim is request:
+                    break
+            else:
+                item = ScheduledRequest(request, num_new, request.num_computed_tokens)
+                out.scheduled.append(item)
+                by_id[request.request_id] = item
+                budget -= num_new
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if request is None:
+                break
+            hits = self.kv.get_computed_blocks(request)
+            num_computed = len(hits) * self.kv.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.pop()
+            if request.status == RequestStatus.WAITING:  # first admission, not a resume
+                request.num_cached_tokens = num_computed
+                self.kv.stats.queried_tokens += request.num_tokens
+                self.kv.stats.hit_tokens += num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.requeue(request)
+
+    # -------------------------------------------------------------------------------------- results
+
+    def update(self, plan: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Apply a step's results. Returns the requests that received a token (finished ones included)."""
+        advanced = []
+        for item in plan.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is None:  # a prompt chunk that did not reach the end
+                continue
+            request.token_ids.append(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.finish_request(request, status)
+            advanced.append(request)
+        return advanced
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
