@@ -25,7 +25,10 @@ def run_to_completion(
     requests: Mapping[str, tuple[str | Sequence[int], SamplingParams]],
     max_steps: int = 10_000,
 ) -> dict[str, Collected]:
-    """Submit all requests, step until done; results keyed by request id (`id#i` for n > 1 samples)."""
+    """Submit all requests, step until done; results keyed by request id (`id#i` for n > 1 samples).
+
+    Requests submitted earlier to the same engine are driven to completion and collected too.
+    """
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     results: dict[str, Collected] = {}
@@ -33,7 +36,7 @@ def run_to_completion(
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
-            n = requests[out.request_id][1].n
+            n = requests[out.request_id][1].n if out.request_id in requests else 1
             key = out.request_id if n == 1 else f"{out.request_id}#{out.index}"
             got = results.setdefault(key, Collected())
             got.token_ids += out.new_token_ids

@@ -1,0 +1,83 @@
+"""The async face: streaming outputs from the engine thread, aborts on close, errors to the caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtimes.llm.async_engine import AsyncLLMEngine
+from runtimes.llm.config import EngineConfig
+from runtimes.llm.engine import LLMEngine
+from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+from tests.runtimes.llm.engine_utils import run_to_completion
+
+
+@pytest.fixture
+def async_engine(tiny_loaded):
+    engine = AsyncLLMEngine(LLMEngine(tiny_loaded(), EngineConfig(kv_cache_bytes=1 << 20, block_size=4)))
+    yield engine
+    engine.shutdown()
+    assert not engine._thread.is_alive()
+
+
+async def _collect(engine: AsyncLLMEngine, request_id: str, prompt, params: SamplingParams):
+    return [out async for out in engine.generate(request_id, prompt, params)]
+
+
+def test_concurrent_streams_match_sync_results(async_engine, tiny_loaded):
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    prompts = {f"r{i}": [5 + i, 40, 77, 3 + i] for i in range(5)}
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, k, p, params) for k, p in prompts.items()))
+
+    streams = asyncio.run(main())
+    sync = LLMEngine(tiny_loaded(), EngineConfig(kv_cache_bytes=1 << 20, block_size=4))
+    expected = run_to_completion(sync, {k: (p, params) for k, p in prompts.items()})
+    for request_id, outs in zip(prompts, streams, strict=True):
+        assert [o.request_id for o in outs] == [request_id] * 9
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+        assert outs[0].first_token_time is not None and outs[-1].time >= outs[0].first_token_time
+        assert [t for o in outs for t in o.new_token_ids] == expected[request_id].token_ids
+    assert async_engine.engine.kv.num_free_blocks == async_engine.engine.kv.num_blocks
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(async_engine):
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        stream = async_engine.generate("gone", [1, 2, 3, 4, 5], params)
+        async for out in stream:
+            if out.num_output_tokens >= 3:
+                break
+        await stream.aclose()  # what a server does when its client disconnects
+        for _ in range(200):
+            if async_engine.engine.is_finished("gone"):
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    kv = async_engine.engine.kv
+    assert async_engine.engine.is_finished("gone")
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_invalid_request_raises_for_its_caller_only(async_engine):
+    ok = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            await _collect(async_engine, "bad", [1, 100000], ok)
+        return await _collect(async_engine, "good", [1, 2, 3], ok)
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
+
+
+def test_n_samples_stream_until_all_finish(async_engine):
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True)
+    outs = asyncio.run(_collect(async_engine, "pair", [9, 8, 7, 6, 5], params))
+    assert sorted({o.index for o in outs}) == [0, 1]
+    assert sum(o.finished for o in outs) == 2
