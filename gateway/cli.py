@@ -1,0 +1,81 @@
+"""The `multiserve` command line. Subcommands arrive with the issues that build them; today: `generate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+def resolve_model_source(model: str, config_path: Path = DEFAULT_CONFIG) -> str:
+    """A model name or alias from the registry YAML, else a path or `package:file` as given."""
+    from ruamel.yaml import YAML
+
+    if config_path.exists():
+        registry = YAML(typ="safe").load(config_path.read_text()) or {}
+        for entry in registry.get("models", []):
+            if model == entry.get("name") or model in entry.get("aliases", []):
+                source = entry.get("source", {})
+                if "path" in source:
+                    return str(source["path"])
+                return f"{source['package']}:{source['file']}"
+    return model
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from runtimes.llm.config import EngineConfig
+    from runtimes.llm.engine import LLMEngine
+    from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+
+    engine = LLMEngine.from_source(
+        resolve_model_source(args.model, Path(args.config)),
+        EngineConfig(device=args.device, kv_cache_bytes=256 << 20),
+    )
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    try:
+        engine.add_request("cli", prompt, params)
+    except InvalidRequestError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            finish = out.finish_reason or finish
+    sys.stdout.write("\n")
+    print(f"[finish_reason={finish}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="multiserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt with a model (a smoke test for humans)")
+    gen.add_argument("--model", required=True, help="registry name or alias, a GGUF/HF path, or package:file")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    gen.add_argument("--config", default=str(DEFAULT_CONFIG), help="registry YAML used to resolve names")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
