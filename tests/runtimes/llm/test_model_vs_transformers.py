@@ -95,3 +95,35 @@ def test_missing_weight_is_named(tmp_path):
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.gate_up_proj"):
         load_model(path, torch.device("cpu"), torch.float32, progress=False)
+
+
+def _random_k_blocks(array, qtype):
+    """Random but valid K-quant blocks for a weight of `array`'s shape (gguf-py cannot quantize to K-quants)."""
+    import gguf
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, cols = array.shape
+    rng = np.random.default_rng(rows * 7 + cols)
+    blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    scale = np.array([0.004], dtype=np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q4_K:  # d, dmin lead the block
+        blocks[..., 0:2] = scale
+        blocks[..., 2:4] = np.array([0.002], dtype=np.float16).view(np.uint8)
+    else:  # Q6_K: d ends the block
+        blocks[..., -2:] = scale
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_gguf_k_quants_logits_match(tmp_path, qtype):
+    from tests.runtimes.llm.tiny import weights_from_gguf
+
+    spec = TinySpec(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2)  # K-quant rows: 256
+    ref = hf_model(spec, seed=8)
+    path = write_gguf(ref, tmp_path / f"tiny-{qtype}.gguf", qtype, encode=_random_k_blocks)
+    loaded = load_model(path, torch.device("cpu"), torch.float32, progress=False)
+    expected = _reference_logits(weights_from_gguf(ref, path), TOKENS)
+    got = _our_logits(loaded.model, loaded.config, TOKENS, [10, 7])
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)

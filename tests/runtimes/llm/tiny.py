@@ -106,8 +106,11 @@ def permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(model, path: Path, qtype_name: str = "F32") -> Path:
-    """Write `model` as a llama GGUF file, 2-D weights in `qtype_name` (norms stay F32)."""
+def write_gguf(model, path: Path, qtype_name: str = "F32", encode=None) -> Path:
+    """Write `model` as a llama GGUF file, 2-D weights in `qtype_name` (norms stay F32).
+
+    `encode(array, qtype) -> uint8 blocks` replaces gguf-py's quantizer (which lacks K-quants).
+    """
     import gguf
     from gguf.quants import quantize
 
@@ -151,7 +154,8 @@ def write_gguf(model, path: Path, qtype_name: str = "F32") -> Path:
         elif out.endswith("attn_k.weight"):
             array = permute_qk(array, cfg.num_key_value_heads)
         if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(out, quantize(array, qtype), raw_dtype=qtype)
+            blocks = quantize(array, qtype) if encode is None else encode(array, qtype)
+            writer.add_tensor(out, blocks, raw_dtype=qtype)
         else:
             writer.add_tensor(out, array)
     writer.write_header_to_file()
@@ -186,3 +190,42 @@ def loaded_tiny(spec: TinySpec = TinySpec(), seed: int = 0):
     model = load_state_dict(config, ref.state_dict().items(), torch.device("cpu"), torch.float32)
     return LoadedModel(model=model, config=config, tokenizer=Tokenizer.from_gguf_metadata(tokenizer_metadata()),
                        name=f"tiny-{seed}")
+
+
+def inverse_permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo `permute_qk` by index (independent of the loader's own implementation)."""
+    rows = permute_qk(np.arange(weight.shape[0])[:, None], num_heads)[:, 0]
+    out = np.empty_like(weight)
+    out[rows] = weight
+    return out
+
+
+def weights_from_gguf(model, path: Path):
+    """Load into the transformers `model` exactly the (dequantized) weights a GGUF file stores."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    cfg = model.config
+    stored = {t.name: np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in reader.tensors}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            key = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}.get(name)
+            if key is None:
+                parts = name.split(".")
+                module = ".".join(parts[3:-1])
+                suffix = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                          "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+                          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}[module]
+                key = f"blk.{parts[2]}.{suffix}.weight"
+            array = stored[key].reshape(param.shape)
+            if key.endswith("attn_q.weight"):
+                array = inverse_permute_qk(array, cfg.num_attention_heads)
+            elif key.endswith("attn_k.weight"):
+                array = inverse_permute_qk(array, cfg.num_key_value_heads)
+            param.copy_(torch.from_numpy(np.array(array, copy=True)))
+    return model
