@@ -70,9 +70,7 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.stats.queried_tokens += request.num_tokens
-        self.stats.hit_tokens += len(hits) * self.block_size
-        return hits
+        return hits  # stats are counted by the caller, once per request (first admission)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens (after any `computed_blocks` prefix hits).
