@@ -18,7 +18,7 @@ def async_engine(tiny_loaded):
     engine = AsyncLLMEngine(LLMEngine(tiny_loaded(), EngineConfig(kv_cache_bytes=1 << 20, block_size=4)))
     yield engine
     engine.shutdown()
-    assert not engine._thread.is_alive()
+    assert engine._thread is not None and not engine._thread.is_alive()
 
 
 async def _collect(engine: AsyncLLMEngine, request_id: str, prompt, params: SamplingParams):
@@ -81,3 +81,23 @@ def test_n_samples_stream_until_all_finish(async_engine):
     outs = asyncio.run(_collect(async_engine, "pair", [9, 8, 7, 6, 5], params))
     assert sorted({o.index for o in outs}) == [0, 1]
     assert sum(o.finished for o in outs) == 2
+
+
+def test_run_forever_drives_the_engine_on_the_calling_thread(tiny_loaded):
+    """A worker runs the engine loop on its main thread and serves HTTP from another."""
+    import threading
+
+    engine = AsyncLLMEngine(LLMEngine(tiny_loaded(), EngineConfig(kv_cache_bytes=1 << 20, block_size=4)),
+                            start_thread=False)
+    results = []
+
+    def client() -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        results.extend(asyncio.run(_collect(engine, "main-thread", [4, 5, 6], params)))
+        engine.shutdown()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    engine.run_forever()  # returns once the client thread calls shutdown()
+    thread.join(10)
+    assert results[-1].finished and sum(len(o.new_token_ids) for o in results) == 3
