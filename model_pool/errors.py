@@ -1,0 +1,58 @@
+"""Registry problems: where (a field path such as `models[1].engine.block_size`) and what."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+
+class Problem(NamedTuple):
+    """One thing wrong with a registry. `field` is a path like `models[1].engine.block_size`, or for problems that
+    are not about one field, a place such as `line 4, column 7` or `(file)`; empty for the document as a whole."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+def join_field(prefix: str, rest: str) -> str:
+    """`models[1]` + `engine.block_size` -> `models[1].engine.block_size`; `urls` + `[2]` -> `urls[2]`."""
+    if not prefix or not rest:
+        return prefix or rest
+    return f"{prefix}{rest}" if rest.startswith("[") else f"{prefix}.{rest}"
+
+
+class FieldProblems(ValueError):
+    """Raised by cross-field validators: problems with paths relative to the object being validated.
+
+    pydantic reports it at that object's location; `schema.validation_problems` joins the two into full paths.
+    """
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+
+class RegistryError(Exception):
+    """A registry (file content or admin edit) that was not applied, with every problem found.
+
+    str() reads one problem a line: `configs/x.yaml: models[0].replicas: Input should be greater than or equal to 0`.
+    """
+
+    def __init__(self, path: str | Path, problems: Iterable[Problem]) -> None:
+        self.path = str(path)
+        self.problems = tuple(problems)
+        if not self.problems:
+            raise ValueError("RegistryError needs at least one problem")
+        super().__init__("\n".join(f"{self.path}: {p}" for p in self.problems))
+
+
+class ModelNotFound(LookupError):
+    """An admin edit named a model that the registry does not define (HTTP 404, not a rejected edit)."""
+
+    def __init__(self, name: str, hint: str = "") -> None:
+        self.name = name
+        super().__init__(f"no model named {name!r}{hint}")

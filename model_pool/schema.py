@@ -1,0 +1,286 @@
+"""The registry schema: what an operator may write in the registry YAML. Frozen, and strict about unknown keys.
+
+Single-field rules live on the fields; rules that relate fields of one model live on `ModelSpec`, rules across
+models (unique names and aliases, fallbacks) on `Registry`. Cross-field validators raise `FieldProblems` so that
+every error names the field at fault: `models[1].fallbacks[0]: unknown model 'nope'`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from model_pool.errors import FieldProblems, Problem, join_field
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+ModelType = Literal["chat", "completion", "embedding"]
+Launcher = Literal["local", "url", "ray"]
+Device = Literal["auto", "cpu", "cuda"]
+Isolation = Literal["mig", "mps", "timeslice", "exclusive"]
+Scheduling = Literal["fcfs", "multilevel"]
+Routing = Literal["round_robin", "least_outstanding", "power_of_two", "prefix_affinity", "session"]
+
+# Names are what clients send as `model` and what the admin API puts in URLs: keep them URL- and file-safe.
+ModelName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=128)]
+# Aliases may also carry the upper case and '/' of Hugging Face ids (`HuggingFaceTB/SmolLM2-135M-Instruct`).
+Alias = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", max_length=256)]
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+
+
+def _check_http_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")) or len(url) <= len("https://"):
+        raise ValueError(f"must be an http:// or https:// URL, got {url!r}")
+    return url
+
+
+HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GatewayConfig(_Frozen):
+    """Where the gateway listens and where it finds its secrets (names of environment variables, never values)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port (tests)
+    admin_token_env: EnvName = "MULTISERVE_ADMIN_TOKEN"
+    api_keys_env: EnvName | None = None  # None: the OpenAI endpoints need no key
+    # A 128k-token prompt is ~0.5 MB of text; 4 MiB leaves room for JSON escaping and batched embedding inputs.
+    max_body_bytes: int = Field(default=4 * MIB, ge=1024)
+
+
+class ModelSource(_Frozen):
+    """Where the weights come from: exactly one of `{package, file}`, `{path}` or `{url}` (launcher `url` only)."""
+
+    package: str | None = Field(default=None, min_length=1)
+    file: str | None = Field(default=None, min_length=1)
+    path: str | None = Field(default=None, min_length=1)
+    url: HttpUrlStr | None = None
+
+    @property
+    def kind(self) -> Literal["package", "path", "url"]:
+        return "package" if self.package is not None else "path" if self.path is not None else "url"
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ModelSource:
+        given = [k for k in ("package", "path", "url") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise FieldProblems([Problem("", f"give exactly one of package (with file), path or url; got {given}")])
+        if (self.package is None) != (self.file is None):
+            raise FieldProblems([Problem("file", "package and file go together")])
+        return self
+
+
+class Placement(_Frozen):
+    """How this model's replicas share a device; the partitioner turns it into a plan."""
+
+    isolation: Isolation = "timeslice"
+    memory_gib: float | None = Field(default=None, gt=0)
+    sm_percent: int | None = Field(default=None, ge=1, le=100)
+    weight: float = Field(default=1.0, gt=0)  # share of time-slices relative to co-located models
+
+
+class EngineSpec(_Frozen):
+    """Per-replica engine limits; `ModelSpec.engine_kwargs()` maps them onto `runtimes.llm.config.EngineConfig`."""
+
+    block_size: int = 16
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)  # None: the model's own context length
+    max_num_batched_tokens: int = Field(default=512, ge=1)
+    kv_cache_gib: float | None = Field(default=None, gt=0)  # None: the engine sizes the KV cache itself
+    enable_prefix_caching: bool = True
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
+
+
+class PolicySpec(_Frozen):
+    """Which queueing (engine side) and replica-choice (gateway side) policies this model uses."""
+
+    scheduling: Scheduling = "fcfs"
+    routing: Routing = "least_outstanding"
+
+
+class ModelSpec(_Frozen):
+    """One model of the registry and how to run it."""
+
+    name: ModelName
+    aliases: list[Alias] = []
+    type: ModelType
+    source: ModelSource | None = None  # required unless launcher is `url`
+    replicas: int = Field(default=1, ge=0)  # 0: defined, not running
+    launcher: Launcher = "local"
+    urls: list[HttpUrlStr] = []  # launcher `url`: one running OpenAI-compatible server per replica
+    device: Device = "auto"
+    enabled: bool = True
+    placement: Placement = Field(default_factory=Placement)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    policy: PolicySpec = Field(default_factory=PolicySpec)
+    fallbacks: list[ModelName] = []  # names (not aliases) of models of the same type, tried in order
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        problems = [*self._launcher_problems(), *_duplicates("aliases", self.aliases)]
+        problems += _duplicates("fallbacks", self.fallbacks)
+        problems += [Problem(f"aliases[{i}]", "an alias cannot repeat the model's own name")
+                     for i, alias in enumerate(self.aliases) if alias == self.name]
+        problems += [Problem(f"fallbacks[{i}]", "a model cannot fall back to itself")
+                     for i, name in enumerate(self.fallbacks) if name == self.name]
+        if problems:
+            raise FieldProblems(problems)
+        return self
+
+    def _launcher_problems(self) -> list[Problem]:
+        if self.launcher != "url":
+            problems = []
+            if self.urls:
+                problems.append(Problem("urls", f"only used with launcher 'url' (launcher is {self.launcher!r})"))
+            if self.source is None:
+                problems.append(Problem("source", f"required with launcher {self.launcher!r}"))
+            elif self.source.kind == "url":
+                problems.append(Problem("source.url", f"only with launcher 'url' (launcher is {self.launcher!r})"))
+            return problems
+        if not self.urls:
+            return [Problem("urls", "launcher 'url' needs the URL of each replica's server")]
+        if self.replicas not in (0, len(self.urls)):
+            return [Problem("urls", f"launcher 'url' needs one URL per replica: replicas={self.replicas}, "
+                                    f"got {len(self.urls)} url(s)")]
+        return []
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `runtimes.llm.config.EngineConfig` (kept a dict so this module needs no torch)."""
+        gib = self.engine.kv_cache_gib
+        return {
+            "block_size": self.engine.block_size,
+            "max_num_seqs": self.engine.max_num_seqs,
+            "max_model_len": self.engine.max_model_len,
+            "max_num_batched_tokens": self.engine.max_num_batched_tokens,
+            "kv_cache_bytes": None if gib is None else int(gib * GIB),
+            "enable_prefix_caching": self.engine.enable_prefix_caching,
+            "device": self.device,
+        }
+
+
+class Registry(_Frozen):
+    """The whole registry file. `models` is required so that an emptied file is an error, not "stop everything"."""
+
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    models: list[ModelSpec]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Registry:
+        problems = self._name_problems() + self._fallback_problems()
+        if problems:
+            raise FieldProblems(problems)
+        return self
+
+    def _name_problems(self) -> list[Problem]:
+        owner: dict[str, str] = {}  # name or alias -> where it was first defined
+        problems = []
+        for i, model in enumerate(self.models):  # names first, so a clash is always blamed on the alias
+            if model.name in owner:
+                problems.append(Problem(f"models[{i}].name", f"duplicate model name {model.name!r} "
+                                                             f"(also {owner[model.name]})"))
+            owner.setdefault(model.name, f"models[{i}].name")
+        for i, model in enumerate(self.models):
+            for j, alias in enumerate(model.aliases):
+                where = f"models[{i}].aliases[{j}]"
+                if alias in owner:
+                    problems.append(Problem(where, f"{alias!r} is already used by {owner[alias]}"))
+                owner.setdefault(alias, where)
+        return problems
+
+    def _fallback_problems(self) -> list[Problem]:
+        by_name = {m.name: m for m in self.models}
+        aliases = {a: m.name for m in self.models for a in m.aliases}
+        problems = []
+        for i, model in enumerate(self.models):
+            for j, name in enumerate(model.fallbacks):
+                target, where = by_name.get(name), f"models[{i}].fallbacks[{j}]"
+                if target is None:
+                    hint = f" ({name!r} is an alias; fallbacks name models: use {aliases[name]!r})" \
+                        if name in aliases else ""
+                    problems.append(Problem(where, f"unknown model {name!r}{hint}"))
+                elif target.type != model.type:
+                    problems.append(Problem(where, f"{name!r} has type {target.type!r}; a fallback must have "
+                                                   f"the same type as its model ({model.type!r})"))
+        if not problems:
+            problems = self._cycle_problems()
+        return problems
+
+    def _cycle_problems(self) -> list[Problem]:
+        graph = {m.name: m.fallbacks for m in self.models}
+        index = {m.name: i for i, m in enumerate(self.models)}
+        state: dict[str, int] = {}  # 1: on the current path, 2: done
+        problems: list[Problem] = []
+
+        def visit(name: str, path: list[str]) -> None:
+            state[name] = 1
+            for nxt in graph[name]:
+                if state.get(nxt) == 1:
+                    cycle = [*path[path.index(nxt):], nxt]
+                    problems.append(Problem(f"models[{index[name]}].fallbacks",
+                                            "fallback cycle " + " -> ".join(cycle)))
+                elif nxt not in state:
+                    visit(nxt, [*path, nxt])
+            state[name] = 2
+
+        for name in graph:
+            if name not in state:
+                visit(name, [name])
+        return problems
+
+    def resolve(self, name_or_alias: str) -> ModelSpec | None:
+        """The model a client's `model` field names, by name or alias (disabled models included), or None."""
+        for model in self.models:
+            if model.name == name_or_alias or name_or_alias in model.aliases:
+                return model
+        return None
+
+    def names_and_aliases(self) -> dict[str, str]:
+        """Every name and alias a client may send, mapped to the model's name."""
+        return {key: m.name for m in self.models for key in (m.name, *m.aliases)}
+
+
+def _duplicates(field: str, values: list[str]) -> list[Problem]:
+    return [Problem(f"{field}[{i}]", f"{v!r} is listed twice") for i, v in enumerate(values) if v in values[:i]]
+
+
+_SCHEMA_CLASSES: tuple[type[BaseModel], ...] = (
+    Registry, GatewayConfig, ModelSpec, ModelSource, Placement, EngineSpec, PolicySpec)
+_FIELD_NAMES = sorted({name for cls in _SCHEMA_CLASSES for name in cls.model_fields})
+
+
+def format_loc(loc: tuple[int | str, ...]) -> str:
+    """pydantic's `('models', 1, 'engine')` -> `models[1].engine`."""
+    out = ""
+    for part in loc:
+        out = join_field(out, f"[{part}]" if isinstance(part, int) else str(part))
+    return out
+
+
+def validation_problems(exc: ValidationError) -> list[Problem]:
+    """Every error of a schema validation as a `Problem` with the full field path."""
+    problems = []
+    for err in exc.errors():
+        where = format_loc(err["loc"])
+        inner = err.get("ctx", {}).get("error")
+        if isinstance(inner, FieldProblems):
+            problems += [Problem(join_field(where, p.field) or "(top level)", p.message) for p in inner.problems]
+            continue
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), _FIELD_NAMES, n=1)
+            message = "unknown field" + (f"; did you mean {close[0]!r}?" if close else "")
+        problems.append(Problem(where or "(top level)", message))
+    return problems

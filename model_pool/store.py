@@ -1,0 +1,301 @@
+"""The registry's one owner in a process: the last good `Registry`, its version, and every change to it.
+
+Changes come from the file (an operator's edit, picked up by `watch.RegistryWatcher` or a reload) and from the admin
+API (`put_model`, `delete_model`, `scale`). Either way the whole new registry is validated before anything changes;
+a rejected change keeps the last good registry, is recorded as `last_rejected` and raised as `RegistryError`.
+Admin edits are written back to the file atomically, touching only the lines of the edited model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NoReturn, TypeVar
+
+from pydantic import ValidationError
+from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+from model_pool import yaml_edit
+from model_pool.errors import ModelNotFound, Problem, RegistryError
+from model_pool.schema import Registry, validation_problems
+
+__all__ = ["ModelNotFound", "RegistryDiff", "RegistryError", "RegistryStore", "RejectedEdit", "content_hash",
+           "diff_registries", "load_registry", "parse_registry"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RegistryDiff:
+    """What an applied change did, for the pool to act on. A model whose spec changed and whose replica count
+    changed is in both `changed` and `resized`."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # any field other than `replicas` differs
+    resized: tuple[tuple[str, int, int], ...] = ()  # (name, old replicas, new replicas)
+    gateway_changed: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.added or self.removed or self.changed or self.resized or self.gateway_changed)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, for admin responses and logs."""
+        return {"added": list(self.added), "removed": list(self.removed), "changed": list(self.changed),
+                "resized": [{"name": n, "old_replicas": old, "new_replicas": new} for n, old, new in self.resized],
+                "gateway_changed": self.gateway_changed}
+
+
+@dataclass(frozen=True)
+class RejectedEdit:
+    """The last change that was not applied, and why."""
+
+    when: float  # the store's clock, seconds
+    source: Literal["file", "admin"]
+    problems: tuple[Problem, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"when": self.when, "source": self.source,
+                "errors": [{"field": p.field, "message": p.message} for p in self.problems]}
+
+
+def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
+    """The model-level difference between two registries, in registry order."""
+    old_by_name, new_by_name = {m.name: m for m in old.models}, {m.name: m for m in new.models}
+    common = [m.name for m in new.models if m.name in old_by_name]
+    return RegistryDiff(
+        added=tuple(name for name in new_by_name if name not in old_by_name),
+        removed=tuple(name for name in old_by_name if name not in new_by_name),
+        changed=tuple(name for name in common if old_by_name[name].model_dump(exclude={"replicas"})
+                      != new_by_name[name].model_dump(exclude={"replicas"})),
+        resized=tuple((name, old_by_name[name].replicas, new_by_name[name].replicas) for name in common
+                      if old_by_name[name].replicas != new_by_name[name].replicas),
+        gateway_changed=old.gateway != new.gateway,
+    )
+
+
+def content_hash(data: bytes) -> str:
+    """The registry file's identity: `sha256:<hex>` of its bytes."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def parse_registry(text: str, path: str | Path) -> Registry:
+    """Validate registry YAML text; `path` only names the source in errors. Raises `RegistryError`."""
+    try:
+        data = yaml_edit.to_plain(yaml_edit.parse(text))
+    except MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(yaml)"
+        message = " ".join(str(m) for m in (exc.problem, exc.context) if m) or str(exc)
+        raise RegistryError(path, [Problem(where, message)]) from None
+    except YAMLError as exc:
+        raise RegistryError(path, [Problem("(yaml)", str(exc))]) from None
+    if data is None:
+        raise RegistryError(path, [Problem("(top level)", "the file is empty; a registry with no models says "
+                                                          "`models: []`")])
+    try:
+        return Registry.model_validate(data)
+    except ValidationError as exc:
+        raise RegistryError(path, validation_problems(exc)) from None
+
+
+def load_registry(path: str | Path) -> Registry:
+    """Read and validate a registry file. Raises `RegistryError` naming the file and each field at fault."""
+    return parse_registry(_read_text(Path(path)), path)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise RegistryError(path, [Problem("(file)", f"cannot read: {exc.strerror or exc}")]) from None
+    except UnicodeDecodeError as exc:
+        raise RegistryError(path, [Problem("(file)", f"not UTF-8 text: {exc}")]) from None
+
+
+class RegistryStore:
+    """The one owner of a process's registry state. Thread-safe: one lock serializes every change.
+
+    Raises `RegistryError` at construction when the file is not a valid registry (there is no last good one yet).
+    """
+
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+        self._path = Path(path)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._text = _read_text(self._path)
+        self._registry = parse_registry(self._text, self._path)
+        self._hash = content_hash(self._text.encode("utf-8"))
+        self._version = 1
+        self._applied_at = clock()
+        self._last_rejected: RejectedEdit | None = None
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def registry(self) -> Registry:
+        """The last good registry (immutable; a change replaces it)."""
+        return self._registry
+
+    @property
+    def version(self) -> int:
+        """1 for the registry loaded at start, +1 for each applied change; edits that change nothing don't count."""
+        return self._version
+
+    @property
+    def hash(self) -> str:
+        """`content_hash` of the file bytes the registry was last read from or written to."""
+        return self._hash
+
+    @property
+    def last_rejected(self) -> RejectedEdit | None:
+        return self._last_rejected
+
+    def status(self) -> dict[str, Any]:
+        """The body of `GET /admin/registry/status`."""
+        with self._lock:
+            rejected = self._last_rejected
+            return {"path": str(self._path), "version": self._version, "hash": self._hash,
+                    "applied_at": self._applied_at, "num_models": len(self._registry.models),
+                    "last_rejected": rejected.to_dict() if rejected else None}
+
+    def reload_from_file(self) -> RegistryDiff | None:
+        """Apply the file's current content.
+
+        Returns the diff when the registry changed, None when it did not (same bytes, or only comments and layout
+        changed). Invalid content raises `RegistryError` after recording it as `last_rejected`; the last good
+        registry stays.
+        """
+        with self._lock:
+            text = self._guard("file", lambda: _read_text(self._path))
+            digest = content_hash(text.encode("utf-8"))
+            if digest == self._hash:
+                return None
+            registry = self._guard("file", lambda: parse_registry(text, self._path))
+            self._text, self._hash = text, digest
+            diff = diff_registries(self._registry, registry)
+            if diff.is_empty:
+                return None
+            self._apply(registry)
+            return diff
+
+    def put_model(self, spec: Mapping[str, Any]) -> RegistryDiff:
+        """Add a model, or replace the one with the same `name` (a full replacement: absent keys take defaults)."""
+        with self._lock:
+            doc = self._current_document()
+            models = doc["models"]
+            index = next((i for i, m in enumerate(models) if m.get("name") == spec.get("name")), len(models))
+            is_new = index == len(models)
+            models[index:index + 1] = [yaml_edit.to_plain(spec)]
+            registry = self._validated(doc)
+            entry = registry.models[index].model_dump(mode="json", exclude_unset=True)
+            if is_new:
+                return self._commit(registry, lambda text: yaml_edit.append_entry(text, entry))
+            return self._commit(registry, lambda text: yaml_edit.replace_entry(text, index, entry))
+
+    def delete_model(self, name: str) -> RegistryDiff:
+        """Remove a model; rejected while another model lists it as a fallback. Raises `ModelNotFound`."""
+        with self._lock:
+            doc = self._current_document()
+            index = self._index_of(name)
+            del doc["models"][index]
+            registry = self._validated(doc)
+            return self._commit(registry, lambda text: yaml_edit.remove_entry(text, index))
+
+    def scale(self, name: str, replicas: int) -> RegistryDiff:
+        """Set a model's replica count (0 keeps it defined but stops it). Raises `ModelNotFound`."""
+        with self._lock:
+            doc = self._current_document()
+            index = self._index_of(name)
+            doc["models"][index]["replicas"] = replicas
+            registry = self._validated(doc)
+            entry = registry.models[index].model_dump(mode="json", exclude_unset=True)
+            return self._commit(registry, lambda text: yaml_edit.replace_entry(text, index, entry))
+
+    # --- internals; callers hold the lock ---
+
+    def _index_of(self, name: str) -> int:
+        for i, model in enumerate(self._registry.models):
+            if model.name == name:
+                return i
+        owner = self._registry.resolve(name)
+        raise ModelNotFound(name, f" ({name!r} is an alias of {owner.name!r})" if owner else "")
+
+    def _current_document(self) -> dict[str, Any]:
+        """The applied registry as plain data, refusing to edit a file with changes not yet applied."""
+        text = self._guard("admin", lambda: _read_text(self._path))
+        if content_hash(text.encode("utf-8")) != self._hash:
+            self._reject("admin", [Problem("(file)", f"changed on disk since version {self._version} was applied; "
+                                                     "the file must be valid and reloaded before admin edits")])
+        doc = yaml_edit.to_plain(yaml_edit.parse(self._text))
+        assert isinstance(doc, dict) and isinstance(doc.get("models"), list), f"applied registry is {doc!r}"
+        return doc
+
+    def _validated(self, doc: dict[str, Any]) -> Registry:
+        try:
+            return Registry.model_validate(doc)
+        except ValidationError as exc:
+            self._reject("admin", validation_problems(exc))
+
+    def _commit(self, registry: Registry, edit: Callable[[str], str]) -> RegistryDiff:
+        diff = diff_registries(self._registry, registry)
+        if diff.is_empty:
+            return diff
+        text = edit(self._text)
+        data = text.encode("utf-8")
+        try:
+            _write_atomic(self._path, data)
+        except OSError as exc:
+            self._reject("admin", [Problem("(file)", f"cannot write: {exc.strerror or exc}")])
+        self._text, self._hash = text, content_hash(data)
+        self._apply(registry)
+        return diff
+
+    def _apply(self, registry: Registry) -> None:
+        self._registry = registry
+        self._version += 1
+        self._applied_at = self._clock()
+
+    def _guard(self, source: Literal["file", "admin"], step: Callable[[], T]) -> T:
+        try:
+            return step()
+        except RegistryError as exc:
+            self._reject(source, exc.problems)
+
+    def _reject(self, source: Literal["file", "admin"], problems: Iterable[Problem]) -> NoReturn:
+        self._last_rejected = RejectedEdit(when=self._clock(), source=source, problems=tuple(problems))
+        raise RegistryError(self._path, self._last_rejected.problems)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so a reader sees the old or the new file, never a part (temp file, fsync, rename).
+
+    A symlinked registry keeps its link: the file it points to is replaced.
+    """
+    target = Path(os.path.realpath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,161 @@
+"""The registry schema: what validates, and that every rejection names the field at fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from model_pool.errors import RegistryError
+from model_pool.schema import GIB, ModelSpec, Registry
+from model_pool.store import load_registry, parse_registry
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+
+CHAT = "{name: %s, type: chat, source: {path: /m.gguf}%s}"
+
+
+def registry_text(*models: str, extra: str = "") -> str:
+    return "models:\n" + "".join(f"  - {m}\n" for m in models) + extra
+
+
+def chat(name: str, more: str = "") -> str:
+    return CHAT % (name, more)
+
+
+def test_default_config_loads_and_resolves():
+    registry = load_registry(DEFAULT_CONFIG)
+    spec = registry.resolve("smollm2")
+    assert spec is not None and spec.name == "smollm2-135m-instruct"
+    assert spec.source is not None and spec.source.kind == "package"
+    assert registry.resolve("smollm2-135m-instruct") is spec
+    assert registry.resolve("nope") is None
+    assert registry.names_and_aliases() == {"smollm2-135m-instruct": spec.name, "smollm2": spec.name}
+    assert registry.gateway.port == 8000 and registry.gateway.admin_token_env == "MULTISERVE_ADMIN_TOKEN"
+
+
+def test_engine_kwargs_build_an_engine_config():
+    from runtimes.llm.config import EngineConfig  # torch: imported here only
+
+    spec = load_registry(DEFAULT_CONFIG).models[0]
+    config = EngineConfig(**spec.engine_kwargs())
+    assert config.kv_cache_bytes == GIB and config.block_size == 16 and config.max_model_len == 4096
+    assert config.device == "cpu"
+    half = spec.model_copy(update={"engine": spec.engine.model_copy(update={"kv_cache_gib": 0.5})})
+    assert half.engine_kwargs()["kv_cache_bytes"] == GIB // 2
+
+
+def test_defaults_and_minimal_model():
+    registry = parse_registry(registry_text(chat("m")), "x.yaml")
+    spec = registry.models[0]
+    assert (spec.replicas, spec.launcher, spec.device, spec.enabled) == (1, "local", "auto", True)
+    assert (spec.placement.isolation, spec.placement.weight) == ("timeslice", 1.0)
+    assert (spec.engine.block_size, spec.engine.max_num_seqs, spec.engine.enable_prefix_caching) == (16, 64, True)
+    assert (spec.policy.scheduling, spec.policy.routing) == ("fcfs", "least_outstanding")
+    assert spec.engine_kwargs()["kv_cache_bytes"] is None
+    assert parse_registry("models: []\n", "x.yaml").models == []
+
+
+def test_specs_are_frozen():
+    spec = ModelSpec.model_validate({"name": "m", "type": "chat", "source": {"path": "/m"}})
+    with pytest.raises(ValidationError):
+        spec.replicas = 3  # type: ignore[misc]
+
+
+def test_url_launcher_with_one_url_per_replica_or_none_running():
+    urls = "launcher: url, urls: [http://10.0.0.1:8001, http://10.0.0.2:8001]"
+    for replicas in (2, 0):
+        text = registry_text(f"{{name: remote, type: chat, replicas: {replicas}, {urls}}}")
+        assert parse_registry(text, "x.yaml").models[0].source is None
+
+
+INVALID = {
+    "duplicate name": (registry_text(chat("a"), chat("a")),
+                       "models[1].name: duplicate model name 'a' (also models[0].name)"),
+    "alias is another model's name": (registry_text(chat("a"), chat("b", ", aliases: [a]")),
+                                      "models[1].aliases[0]: 'a' is already used by models[0].name"),
+    "alias used twice": (registry_text(chat("a", ", aliases: [x]"), chat("b", ", aliases: [x]")),
+                         "models[1].aliases[0]: 'x' is already used by models[0].aliases[0]"),
+    "alias repeats own name": (registry_text(chat("a", ", aliases: [a]")),
+                               "models[0].aliases[0]: an alias cannot repeat the model's own name"),
+    "block size": (registry_text(chat("a"), chat("b", ", engine: {block_size: 12}")),
+                   "models[1].engine.block_size: must be a power of two, got 12"),
+    "negative replicas": (registry_text(chat("a", ", replicas: -1")),
+                          "models[0].replicas: Input should be greater than or equal to 0"),
+    "typo": (registry_text(chat("a", ", replica: 2")), "models[0].replica: unknown field; did you mean 'replicas'?"),
+    "nested typo": (registry_text(chat("a", ", engine: {blocksize: 8}")),
+                    "models[0].engine.blocksize: unknown field; did you mean 'block_size'?"),
+    "unknown fallback": (registry_text(chat("a", ", fallbacks: [nope]")),
+                         "models[0].fallbacks[0]: unknown model 'nope'"),
+    "fallback by alias": (registry_text(chat("a", ", fallbacks: [bee]"), chat("b", ", aliases: [bee]")),
+                          "models[0].fallbacks[0]: unknown model 'bee' ('bee' is an alias; fallbacks name models: "
+                          "use 'b')"),
+    "fallback to itself": (registry_text(chat("a", ", fallbacks: [a]")),
+                           "models[0].fallbacks[0]: a model cannot fall back to itself"),
+    "fallback cycle": (registry_text(chat("a", ", fallbacks: [b]"), chat("b", ", fallbacks: [c]"),
+                                     chat("c", ", fallbacks: [a]")),
+                       "models[2].fallbacks: fallback cycle a -> b -> c -> a"),
+    "fallback of another type": (registry_text(chat("a", ", fallbacks: [e]"),
+                                               "{name: e, type: embedding, source: {path: /e}}"),
+                                 "models[0].fallbacks[0]: 'e' has type 'embedding'; a fallback must have the same type "
+                                 "as its model ('chat')"),
+    "url launcher without urls": (registry_text("{name: r, type: chat, launcher: url}"),
+                                  "models[0].urls: launcher 'url' needs the URL of each replica's server"),
+    "url count": (registry_text("{name: r, type: chat, launcher: url, replicas: 2, urls: [http://h:1]}"),
+                  "models[0].urls: launcher 'url' needs one URL per replica: replicas=2, got 1 url(s)"),
+    "bad url": (registry_text("{name: r, type: chat, launcher: url, urls: [h:1]}"),
+                "models[0].urls[0]: must be an http:// or https:// URL, got 'h:1'"),
+    "urls without url launcher": (registry_text(chat("a", ", urls: [http://h:1]")),
+                                  "models[0].urls: only used with launcher 'url' (launcher is 'local')"),
+    "source url with local launcher": (registry_text("{name: a, type: chat, source: {url: http://h/m}}"),
+                                       "models[0].source.url: only with launcher 'url'"),
+    "no source": (registry_text("{name: a, type: chat}"), "models[0].source: required with launcher 'local'"),
+    "two sources": (registry_text("{name: a, type: chat, source: {path: /m, url: http://h/m}}"),
+                    "models[0].source: give exactly one of package (with file), path or url"),
+    "package without file": (registry_text("{name: a, type: chat, source: {package: p}}"),
+                             "models[0].source.file: package and file go together"),
+    "name not a slug": (registry_text(chat("Big Model")), "models[0].name: String should match pattern"),
+    "type": (registry_text("{name: a, type: chatty, source: {path: /m}}"),
+             "models[0].type: Input should be 'chat', 'completion' or 'embedding'"),
+    "sm percent": (registry_text(chat("a", ", placement: {sm_percent: 101}")),
+                   "models[0].placement.sm_percent: Input should be less than or equal to 100"),
+    "weight": (registry_text(chat("a", ", placement: {weight: 0}")),
+               "models[0].placement.weight: Input should be greater than 0"),
+    "isolation": (registry_text(chat("a", ", placement: {isolation: vgpu}")),
+                  "models[0].placement.isolation: Input should be 'mig', 'mps', 'timeslice' or 'exclusive'"),
+    "routing": (registry_text(chat("a", ", policy: {routing: random}")), "models[0].policy.routing: Input should be"),
+    "gateway port": (registry_text(chat("a"), extra="gateway: {port: 70000}\n"),
+                     "gateway.port: Input should be less than or equal to 65535"),
+    "no models key": ("gateway: {port: 8000}\n", "models: Field required"),
+    "empty file": ("", "(top level): the file is empty"),
+    "not a mapping": ("- a\n- b\n", "(top level): Input should be a valid dictionary"),
+    "yaml syntax": ("models:\n  - name: a\n    type: chat: x\n", "line 3, column 15: mapping values are not allowed"),
+    "yaml duplicate key": ("models:\n  - name: a\n    name: b\n", 'line 3, column 5: found duplicate key "name"'),
+}
+
+
+@pytest.mark.parametrize("case", INVALID)
+def test_invalid_registry_names_the_field(case):
+    text, expected = INVALID[case]
+    with pytest.raises(RegistryError) as info:
+        parse_registry(text, "configs/x.yaml")
+    message = str(info.value)
+    assert f"configs/x.yaml: {expected}" in message, message
+    assert info.value.path == "configs/x.yaml" and info.value.problems
+
+
+def test_every_problem_is_reported_one_per_line():
+    text = registry_text(chat("a", ", replicas: -1, engine: {block_size: 3}"))
+    with pytest.raises(RegistryError) as info:
+        parse_registry(text, "r.yaml")
+    assert str(info.value).splitlines() == [
+        "r.yaml: models[0].replicas: Input should be greater than or equal to 0",
+        "r.yaml: models[0].engine.block_size: must be a power of two, got 3",
+    ]
+    assert [p.field for p in info.value.problems] == ["models[0].replicas", "models[0].engine.block_size"]
+
+
+def test_registry_validates_from_python_too():
+    with pytest.raises(ValidationError, match="duplicate model name"):
+        Registry.model_validate({"models": [{"name": "a", "type": "chat", "source": {"path": "/m"}}] * 2})
