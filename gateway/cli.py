@@ -1,4 +1,4 @@
-"""The `multiserve` command line. Subcommands arrive with the issues that build them; today: `generate`."""
+"""The `multiserve` command line: `serve` (the gateway), `worker` (one replica), `generate` (a smoke test)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,46 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    from runtimes.server.worker import parse_engine_json, run_worker
+
+    try:
+        config = parse_engine_json(args.engine_json, args.device)
+    except ValueError as err:  # json.JSONDecodeError included
+        print(f"error: --engine-json: {err}", file=sys.stderr)
+        return 2
+    run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level)
+    return 0
+
+
+def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    worker = sub.add_parser("worker", help="serve one model replica over an OpenAI-compatible HTTP API")
+    worker.add_argument("--source", required=True, help="a GGUF/HF path or package:file")
+    worker.add_argument("--name", required=True, help="the model name clients send")
+    worker.add_argument("--alias", action="append", default=[], help="another accepted name (repeatable)")
+    worker.add_argument("--host", default="127.0.0.1")
+    worker.add_argument("--port", type=int, default=8000)
+    worker.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default: engine-json or auto)")
+    worker.add_argument("--engine-json", default=None,
+                        help='EngineConfig fields as JSON, e.g. \'{"block_size": 16, "kv_cache_gib": 1}\'')
+    worker.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    worker.set_defaults(func=_worker)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.server import run_serve
+
+    return run_serve(args.config, args.host, args.port)
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="run the gateway and the replicas of every model in the registry")
+    serve.add_argument("--config", default=str(DEFAULT_CONFIG), help="the registry YAML (watched for edits)")
+    serve.add_argument("--host", default=None, help="default: gateway.host from the registry (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="default: gateway.port from the registry")
+    serve.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multiserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto", help="auto | cpu | cuda")
     gen.add_argument("--config", default=str(DEFAULT_CONFIG), help="registry YAML used to resolve names")
     gen.set_defaults(func=_generate)
+    _add_worker_parser(sub)
+    _add_serve_parser(sub)
     return parser
 
 

@@ -14,6 +14,7 @@ tests and embedders may let the engine start its own thread (`start_thread=True`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -113,7 +114,8 @@ class AsyncLLMEngine:
             self.dead_error = exc
             log.exception("engine thread died")
             for sink, loop in self._sinks.values():
-                loop.call_soon_threadsafe(sink.put_nowait, exc)
+                with contextlib.suppress(RuntimeError):  # that caller's loop is already closed
+                    loop.call_soon_threadsafe(sink.put_nowait, exc)
             raise
 
     def _drain_commands(self, block: bool) -> bool:
@@ -144,6 +146,11 @@ class AsyncLLMEngine:
         if target is None:
             return
         sink, loop = target
-        loop.call_soon_threadsafe(sink.put_nowait, out)
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, out)
+        except RuntimeError:  # the caller's event loop has closed: nobody is listening any more
+            del self._sinks[out.request_id]
+            self.engine.abort_request(out.request_id)
+            return
         if out.finished and self.engine.is_finished(out.request_id):
             del self._sinks[out.request_id]

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible HTTP face of one engine (one replica). It serves one model and never routes.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
+GET /health, GET /ready, GET /metrics. Every error leaves in OpenAI's shape via runtimes.server.errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import anyio
+import jinja2
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from runtimes.llm.async_engine import AsyncLLMEngine
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.server.errors import APIError, exception_handlers
+from runtimes.server.generation import Generation
+from runtimes.server.metrics import ServerMetrics
+from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from runtimes.server.replica import ReplicaState, run_startup_probe
+from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_body, completion_body
+from runtimes.server.streaming import SSEResponse, chat_events, completion_events, sse_stream, until_disconnect
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+RequestT = TypeVar("RequestT", bound=SamplingFields)
+log = structlog.get_logger(__name__)
+
+
+class _Server:
+    """State shared by the endpoints of one app: the engine, names, metrics and readiness."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_name: str, aliases: Sequence[str],
+                 clock: Callable[[], float], wall_clock: Callable[[], float], max_body_bytes: int,
+                 probe_timeout_s: float) -> None:
+        self.engine = engine
+        self.served_name = served_name
+        self.names = (served_name, *(a for a in aliases if a != served_name))
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.max_body_bytes = max_body_bytes
+        self.probe_timeout_s = probe_timeout_s
+        self.replica = ReplicaState()
+        self.metrics = ServerMetrics(engine.engine, served_name)
+        self.logprobs = LogprobFormatter(engine.engine.tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        probe = asyncio.create_task(run_startup_probe(self.engine, self.replica, self.probe_timeout_s))
+        yield
+        probe.cancel()
+        await asyncio.wait([probe])
+        await self._wait_engine_idle(SHUTDOWN_SETTLE_TIMEOUT_S)
+
+    async def _wait_engine_idle(self, timeout_s: float) -> None:
+        """Keep this event loop open until the engine has let go of every request, aborted ones included.
+
+        The engine thread hands outputs to the loop that submitted the request; one it still delivers to
+        after the loop closed would kill the thread (AsyncLLMEngine does not guard against that).
+        """
+        with anyio.move_on_after(timeout_s) as scope:
+            while self.engine.engine.has_unfinished_requests():
+                await asyncio.sleep(0.005)
+        if scope.cancelled_caught:
+            log.warning("engine still busy at shutdown", timeout_s=timeout_s)
+        await asyncio.sleep(0.02)  # an abort's last output may be between the engine's bookkeeping and delivery
+
+    # ------------------------------------------------------------------------------------------ probes
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.dead_error is not None:
+            return JSONResponse({"status": "dead", "reason": self.replica.unready_reason(self.engine)}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        reason = self.replica.unready_reason(self.engine)
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "model": self.served_name, "reason": reason}, 503)
+        return JSONResponse({"status": "ready", "model": self.served_name})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: Request) -> Response:
+        created = int(self.wall_clock())
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "multiserve",
+                 "root": self.served_name, "parent": None, "max_model_len": self.engine.engine.max_model_len}
+                for name in self.names]
+        return JSONResponse({"object": "list", "data": data})
+
+    # ------------------------------------------------------------------------------------------ generation
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        params = body.to_sampling_params()
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompt = await anyio.to_thread.run_sync(self.engine.engine.tokenizer.encode, prompt)
+        gen = await self._start(f"cmpl-{uuid.uuid4().hex}", prompt, params, body.priority)
+        meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
+        logprobs = self.logprobs if params.logprobs is not None else None
+        if body.stream:
+            return SSEResponse(sse_stream(completion_events(gen, meta, body.include_usage, logprobs), gen))
+        choices = await until_disconnect(request, gen.collect)
+        if choices is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(completion_body(meta, choices, gen.num_prompt_tokens, logprobs))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        params = body.to_sampling_params()
+        prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
+        gen = await self._start(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body.priority)
+        meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
+        logprobs = self.logprobs if params.logprobs is not None else None
+        num_top = body.top_logprobs or 0
+        if body.stream:
+            return SSEResponse(sse_stream(chat_events(gen, meta, body.include_usage, logprobs, num_top), gen))
+        choices = await until_disconnect(request, gen.collect)
+        if choices is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top))
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """Render the chat template and tokenize (templates write their own BOS)."""
+        tokenizer = self.engine.engine.tokenizer
+        if not tokenizer.chat_template:
+            raise APIError(400, f"model {self.served_name!r} has no chat template; use /v1/completions",
+                           param="messages")
+        try:
+            text = tokenizer.apply_chat_template(body.template_messages(),
+                                                 add_generation_prompt=body.add_generation_prompt)
+        except jinja2.TemplateError as exc:  # the template's raise_exception (e.g. roles must alternate)
+            raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def _start(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int) -> Generation:
+        """Submit to the engine and wait for its first output; a refused request raises here (400)."""
+        gen = Generation(self.engine, request_id, prompt, params, priority, self.metrics, self.clock)
+        await gen.start()
+        return gen
+
+    async def _parse(self, request: Request, model: type[RequestT]) -> RequestT:
+        refusal = self.replica.refusal(self.engine)
+        if refusal is not None:
+            raise APIError(503, f"replica of {self.served_name!r} is unavailable: {refusal}", retry_after_s=1)
+        body = model.model_validate_json(await self._read_body(request))
+        if body.model not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
+            raise APIError(404, f"the model {body.model!r} does not exist on this replica (it serves {served})",
+                           param="model", code="model_not_found")
+        return body
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body is {declared} bytes, over the limit of {limit} bytes",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    served_name: str,
+    aliases: Sequence[str] = (),
+    clock: Callable[[], float] = time.monotonic,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    probe_timeout_s: float = 300.0,
+) -> Starlette:
+    """The per-replica OpenAI-compatible app for `engine`, answering to `served_name` and `aliases`.
+
+    `clock` times latencies (TTFT, ITL, end to end); `wall_clock` stamps `created`. The lifespan runs a
+    1-token startup probe; /ready is 200 once it passed. `app.state.replica` (a ReplicaState) holds
+    readiness; set its `draining` to refuse new requests with 503. `app.state.metrics` is the replica's
+    ServerMetrics (its own prometheus registry); `app.state.engine` the engine, which the caller owns and
+    shuts down.
+    """
+    server = _Server(engine, served_name, aliases, clock, wall_clock, max_body_bytes, probe_timeout_s)
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/ready", server.ready, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=server.lifespan)
+    app.state.engine = engine
+    app.state.replica = server.replica
+    app.state.metrics = server.metrics
+    return app

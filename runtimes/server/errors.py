@@ -1,0 +1,135 @@
+"""HTTP error mapping in one place: exceptions become OpenAI's `{"error": {message, type, param, code}}`.
+
+Both the per-replica server and the gateway install these handlers, so a client sees one error shape
+whichever hop refused its request. The message always names the field or limit at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from runtimes.llm.sampling_params import InvalidRequestError
+
+log = structlog.get_logger(__name__)
+
+# OpenAI's `type` for each status; APIError may override it.
+_DEFAULT_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error a client should see as-is: HTTP status plus OpenAI's error fields.
+
+    `retry_after_s` (429 and 503) becomes a `Retry-After` header.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _DEFAULT_TYPES.get(status, "api_error")
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+def format_loc(loc: Sequence[str | int]) -> str:
+    """Pydantic's location tuple as a field path: ("messages", 0, "role") -> "messages[0].role"."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """A 400 naming the first field at fault, e.g. "temperature: Input should be greater than or equal to 0"."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", first["msg"])
+        return APIError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
+    param = format_loc(first["loc"]) or None
+    message = first["msg"].removeprefix("Value error, ")
+    message = f"{param}: {message}" if param else f"request body: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def to_api_error(exc: Exception) -> APIError:
+    """Map any exception to the APIError a client should see; unknown ones become an opaque 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return from_validation_error(exc)
+    if isinstance(exc, json.JSONDecodeError):
+        return APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                        code="invalid_json")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, HTTPException):
+        return APIError(exc.status_code, str(exc.detail))
+    return APIError(500, "internal server error; see the server log", code="internal_error")
+
+
+def error_payload(exc: Exception) -> dict[str, Any]:
+    """The JSON body for `exc` (also sent as a final SSE event when a stream fails midway)."""
+    return to_api_error(exc).payload()
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """OpenAI-shaped JSON response for `exc`, with its status and any Retry-After header."""
+    error = to_api_error(exc)
+    if error.status >= 500 and not isinstance(exc, APIError):
+        log.error("unhandled error", exc_info=exc)
+    return JSONResponse(error.payload(), status_code=error.status, headers=error.headers())
+
+
+async def _handle(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+def exception_handlers() -> Mapping[Any, Any]:
+    """Starlette `exception_handlers=` mapping that sends every error in OpenAI's shape."""
+    return {
+        APIError: _handle,
+        ValidationError: _handle,
+        json.JSONDecodeError: _handle,
+        InvalidRequestError: _handle,
+        HTTPException: _handle,
+        Exception: _handle,  # Starlette's ServerErrorMiddleware: logs via error_response, then re-raises
+    }

@@ -1,0 +1,130 @@
+"""One request's run on the engine: its outputs, per-choice state, usage and latency metrics.
+
+`start()` waits for the first output, so a request the engine refuses raises (a 400) before any
+response starts. `outputs()` then streams; leaving it early (client gone) closes the engine's
+iterator, which aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import structlog
+
+from runtimes.llm.async_engine import AsyncLLMEngine
+from runtimes.llm.outputs import RequestOutput, TokenLogprob
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.server.metrics import ServerMetrics
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Choice:
+    """What one of the request's `n` sequences has produced so far."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    last_token_s: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class Generation:
+    """Drives `engine.generate()` for one request and records what comes out."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        metrics: ServerMetrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.request_id = request_id
+        self.choices = [Choice(i) for i in range(params.n)]
+        self.num_prompt_tokens = 0
+        self._metrics = metrics
+        self._clock = clock
+        self._start_s = clock()
+        self._first_token_seen = False
+        self._pending: RequestOutput | None = None
+        self._closed = False
+        # generate() is an async generator (annotated as an iterator): aclose() is what aborts the request.
+        self._stream = cast(AsyncGenerator[RequestOutput, None], engine.generate(request_id, prompt, params, priority))
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def start(self) -> None:
+        """Wait for the first output; raises the engine's InvalidRequestError if it refuses the request."""
+        self._pending = await anext(self._stream)
+
+    async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        """Every output after `start()`, recorded; closing this early aborts the request."""
+        if self._pending is None:
+            raise RuntimeError(f"{self.request_id}: outputs() before start()")
+        try:
+            out, self._pending = self._pending, None
+            self._record(out)
+            yield out
+            async for out in self._stream:
+                self._record(out)
+                yield out
+        finally:
+            await self.aclose()
+
+    async def collect(self) -> list[Choice]:
+        """Run to completion (non-streaming requests)."""
+        async for _ in self.outputs():
+            pass
+        return self.choices
+
+    def _record(self, out: RequestOutput) -> None:
+        now = self._clock()
+        choice = self.choices[out.index]
+        if not self._first_token_seen and out.new_token_ids:
+            self._first_token_seen = True
+            self.num_prompt_tokens = out.num_prompt_tokens
+            self._metrics.observe_first_token(now - self._start_s, out.num_prompt_tokens)
+        if out.new_token_ids:
+            itl = None if choice.last_token_s is None else now - choice.last_token_s
+            self._metrics.observe_tokens(len(out.new_token_ids), itl)
+            choice.last_token_s = now
+        choice.text_parts.append(out.text)
+        choice.token_ids.extend(out.new_token_ids)
+        choice.logprobs.extend(out.logprobs or ())
+        if out.finished:
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+            self._metrics.observe_finish(out.finish_reason or "unknown")
+            if self.finished:
+                self._metrics.observe_request_done(now - self._start_s)
+
+    async def aclose(self) -> None:
+        """Abort whatever is still running (idempotent); sequences cut short count as aborted."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stream.aclose()
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+                self._metrics.observe_finish("abort")
+        log.info("request done", request_id=self.request_id, prompt_tokens=self.num_prompt_tokens,
+                 completion_tokens=self.num_completion_tokens, finish_reasons=[c.finish_reason for c in self.choices],
+                 e2e_s=round(self._clock() - self._start_s, 6))

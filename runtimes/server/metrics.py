@@ -1,0 +1,95 @@
+"""Prometheus metrics of one replica, in a registry of its own (never the process-global one).
+
+Latencies and token counts are recorded by the server as outputs stream out; engine state (queue,
+running sequences, KV blocks, prefix-cache hit rate, preemptions) is read at scrape time by a collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from runtimes.llm.engine import LLMEngine
+
+PREFIX = "multiserve"
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0)
+ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
+                 120.0, 240.0, 480.0, 960.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters at scrape time. Plain int reads of state the engine thread owns: a
+    scrape may be one step stale, never torn."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        engine, labels = self.engine, [self.model_name]
+        kv = engine.kv
+        values = [
+            ("num_requests_waiting", "Sequences waiting to be scheduled.", len(engine.scheduler.waiting)),
+            ("num_requests_running", "Sequences in the running batch.", len(engine.scheduler.running)),
+            ("kv_blocks_used", "KV-cache blocks in use.", kv.num_blocks - kv.num_free_blocks),
+            ("kv_blocks_free", "KV-cache blocks free (cached prefixes included).", kv.num_free_blocks),
+            ("kv_blocks_total", "KV-cache blocks in the pool.", kv.num_blocks),
+            ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens queried.",
+             kv.stats.hit_rate),
+        ]
+        for name, doc, value in values:
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+            gauge.add_metric(labels, float(value))
+            yield gauge
+        preemptions = CounterMetricFamily(f"{PREFIX}_num_preemptions", "Sequences preempted for lack of KV blocks.",
+                                          labels=["model_name"])
+        preemptions.add_metric(labels, float(engine.scheduler.num_preemptions))
+        yield preemptions
+
+
+class ServerMetrics:
+    """Every metric of one replica; `render()` is the /metrics body."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, labels, registry=self.registry, buckets=buckets)
+
+        self.ttft_s = histogram("time_to_first_token_seconds", "Time to first token (TTFT).", TTFT_BUCKETS_S)
+        self.itl_s = histogram("inter_token_latency_seconds", "Time between tokens of a sequence (ITL).",
+                               ITL_BUCKETS_S)
+        self.e2e_s = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                               E2E_BUCKETS_S)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", labels,
+                                         registry=self.registry)
+        self.requests = Counter(f"{PREFIX}_request_success", "Finished sequences by finish reason.",
+                                [*labels, "finish_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine, model_name))
+
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft_s.labels(self.model_name).observe(ttft_s)
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def observe_tokens(self, num_tokens: int, itl_s: float | None) -> None:
+        self.generation_tokens.labels(self.model_name).inc(num_tokens)
+        if itl_s is not None:
+            self.itl_s.labels(self.model_name).observe(itl_s)
+
+    def observe_finish(self, finish_reason: str) -> None:
+        self.requests.labels(self.model_name, finish_reason).inc()
+
+    def observe_request_done(self, e2e_s: float) -> None:
+        self.e2e_s.labels(self.model_name).observe(e2e_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,182 @@
+"""OpenAI-compatible request bodies (pydantic v2), validated strictly at the edge.
+
+Unknown fields are ignored (clients send many); known ones are type-checked strictly (no "1" for 1) and
+range-checked, so the 400 names the field and its limit. `to_sampling_params()` maps a request onto the
+engine's SamplingParams, whose own checks raise InvalidRequestError naming the field; it also refuses
+fields we know but cannot honour (`echo`, `best_of`, `suffix`, tools...) rather than drop them silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by both endpoints: OpenAI's sampling knobs plus vLLM's extras."""
+
+    model: str = Field(min_length=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    user: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    priority: int = 0
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+    def _refuse_unsupported(self) -> None:
+        """Cross-field rules and known fields we cannot honour: refused, never silently dropped."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})", param="best_of")
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported by this server", param="logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+def _single_prompt(value: Any) -> str | list[int]:
+    """One prompt: a string or token ids (a one-element batch of either is unwrapped)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a string, a list of token ids, or a one-element list of either")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    if len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise ValueError(f"this server takes one prompt per request; got a batch of {len(value)}")
+    if len(value) == 1 and isinstance(value[0], (str, list)):
+        return _single_prompt(value[0])
+    raise ValueError("must be a string, a list of token ids, or a one-element list of either")
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> str | list[int]:
+        return _single_prompt(value)
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's parameters; raises InvalidRequestError (a 400) naming the field."""
+        self._refuse_unsupported()
+        if self.echo:
+            raise InvalidRequestError("echo is not supported by this server", param="echo")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported by this server", param="suffix")
+        return self._sampling(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (name, tool_calls, tool_call_id...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(_is_text_part(p) for p in value):
+            return value
+        raise ValueError("must be a string or a list of text parts {'type': 'text', 'text': str}")
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's parameters; raises InvalidRequestError (a 400) naming the field.
+
+        Without max_tokens the completion may use the rest of the context, as in OpenAI's chat API.
+        """
+        self._refuse_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.tools:
+            raise InvalidRequestError("tools are not supported by this server", param="tools")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidRequestError(f"response_format type {kind!r} is not supported; only 'text'",
+                                      param="response_format")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template (None values dropped by the tokenizer)."""
+        return [m.model_dump() for m in self.messages]

@@ -1,0 +1,69 @@
+"""Readiness of one replica: the startup probe, the draining flag, and why it is not ready.
+
+A replica is ready once a 1-token generation went end to end through the engine thread at startup,
+and stays ready unless it is draining (a pool stops sending it work) or its engine died.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import anyio
+import structlog
+
+from runtimes.llm.async_engine import AsyncLLMEngine
+from runtimes.llm.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+PROBE_PROMPT = "ping"
+
+
+@dataclass
+class ReplicaState:
+    """Mutable on purpose: the lifespan sets `ready`/`failure`, an operator or pool sets `draining`."""
+
+    ready: bool = False  # the startup probe passed
+    draining: bool = False  # refuse new requests; in-flight ones finish
+    failure: str | None = None  # why the startup probe failed
+
+    def unready_reason(self, engine: AsyncLLMEngine) -> str | None:
+        """None when ready; otherwise what an operator should read in /ready's 503."""
+        if engine.dead_error is not None:
+            return f"the engine thread died: {engine.dead_error!r}"
+        if self.failure is not None:
+            return self.failure
+        if self.draining:
+            return "draining: this replica takes no new requests"
+        if not self.ready:
+            return "loading: the startup probe has not passed yet"
+        return None
+
+    def refusal(self, engine: AsyncLLMEngine) -> str | None:
+        """Why a new request must be refused (503); a replica still warming up accepts work."""
+        reason = self.unready_reason(engine)
+        return None if reason is None or reason.startswith("loading") else reason
+
+
+async def run_startup_probe(engine: AsyncLLMEngine, state: ReplicaState, timeout_s: float) -> None:
+    """Generate one greedy token; mark the replica ready, or record why it is broken.
+
+    Any failure (bad weights, a dead engine thread, a timeout) must show up in /ready instead of
+    killing the server, so it is recorded and logged here rather than raised.
+    """
+    prompt = engine.engine.tokenizer.encode(PROBE_PROMPT) or [0]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    try:
+        with anyio.fail_after(timeout_s):
+            outputs = [out async for out in engine.generate(f"probe-{uuid.uuid4().hex}", prompt, params)]
+    except Exception as exc:
+        state.failure = f"startup probe failed: {exc!r}"
+        log.exception("startup probe failed")
+        return
+    num_tokens = sum(len(out.new_token_ids) for out in outputs)
+    if num_tokens != 1:
+        state.failure = f"startup probe failed: expected 1 generated token, got {num_tokens}"
+        log.error("startup probe failed", num_tokens=num_tokens)
+        return
+    state.ready = True
+    log.info("replica ready", model=engine.engine.model_name)

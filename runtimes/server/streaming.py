@@ -1,0 +1,115 @@
+"""Talking to a client that may leave: SSE event streams and disconnect-aware non-streaming work.
+
+Whatever way a client goes away, the request's engine iterator is closed, which aborts the request and
+frees its KV blocks: a streaming response closes its event generator when the send fails or Starlette
+cancels it on `http.disconnect`; a non-streaming one races its work against `http.disconnect`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from runtimes.server.errors import error_payload
+from runtimes.server.generation import Generation
+from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its event generator, however the response ends."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # A failed send (client gone) leaves the generator suspended at a yield; close it now, not at GC.
+            await self._events.aclose()
+
+
+async def sse_stream(events: AsyncGenerator[dict[str, Any], None],
+                     generation: Generation) -> AsyncGenerator[str, None]:
+    """Encode `events` as SSE, then `[DONE]`; a failure midway becomes a final error event (the status line
+    has been sent already, so OpenAI and vLLM report it in-band)."""
+    try:
+        try:
+            async for event in events:
+                yield sse(event)
+        except Exception as exc:
+            log.exception("stream failed", request_id=generation.request_id)
+            yield sse(error_payload(exc))
+        yield DONE
+    finally:
+        await events.aclose()
+        await generation.aclose()
+
+
+async def completion_events(gen: Generation, meta: ResponseMeta, include_usage: bool,
+                            logprobs: LogprobFormatter | None) -> AsyncGenerator[dict[str, Any], None]:
+    """`text_completion` chunks: one per engine output, then the usage chunk if asked."""
+    offsets = [0] * len(gen.choices)
+    async with aclosing(gen.outputs()) as outputs:
+        async for out in outputs:
+            lp = None
+            if logprobs is not None:
+                lp, offsets[out.index] = logprobs.completion(out.logprobs or (), offsets[out.index])
+            yield completion_chunk(meta, out, lp, include_usage)
+    if include_usage:
+        yield usage_chunk(meta, "text_completion", gen.num_prompt_tokens, gen.num_completion_tokens)
+
+
+async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, logprobs: LogprobFormatter | None,
+                      num_top: int) -> AsyncGenerator[dict[str, Any], None]:
+    """`chat.completion.chunk`s: the role for each choice, content deltas (the last carries finish_reason),
+    then the usage chunk if asked."""
+    for choice in gen.choices:
+        yield chat_chunk(meta, choice.index, {"role": "assistant", "content": ""}, include_usage=include_usage)
+    async with aclosing(gen.outputs()) as outputs:
+        async for out in outputs:
+            lp = None if logprobs is None else logprobs.chat(out.logprobs or (), num_top)
+            yield chat_chunk(meta, out.index, {"content": out.text}, lp, out.finish_reason, out.stop_reason,
+                             include_usage)
+    if include_usage:
+        yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens)
+
+
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run `work()`; cancel it (None) if the client disconnects first.
+
+    The body has been read, so the next ASGI message is `http.disconnect`, which servers send when the
+    client closes the connection (uvicorn) or once the response is complete (test transports).
+    """
+    result: T | None = None
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.info("client disconnected; aborting", path=request.url.path)
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        result = await work()
+        group.cancel_scope.cancel()
+    return result
