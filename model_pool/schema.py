@@ -22,7 +22,8 @@ Launcher = Literal["local", "url", "ray"]
 Device = Literal["auto", "cpu", "cuda"]
 Isolation = Literal["mig", "mps", "timeslice", "exclusive"]
 Scheduling = Literal["fcfs", "multilevel"]
-Routing = Literal["round_robin", "least_outstanding", "power_of_two", "prefix_affinity", "session"]
+# prefix_affinity and session arrive with the policies issue; until then the schema refuses them by name.
+Routing = Literal["round_robin", "least_outstanding", "power_of_two"]
 
 # Names are what clients send as `model` and what the admin API puts in URLs: keep them URL- and file-safe.
 ModelName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=128)]

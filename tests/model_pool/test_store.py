@@ -153,11 +153,11 @@ def test_put_new_model_appends_and_keeps_everything_else(make_store):
 def test_put_replaces_only_changed_keys(make_store):
     store = make_store()
     spec = {"name": "chat-b", "type": "chat", "source": {"path": "/models/b.gguf"}, "replicas": 2,
-            "policy": {"routing": "session"}, "enabled": False}
+            "policy": {"routing": "power_of_two"}, "enabled": False}
     diff = store.put_model(spec)
     assert diff == RegistryDiff(changed=("chat-b",))
     assert changed_lines(SAMPLE, store.path.read_text()) == (
-        ["      routing: round_robin  # stateless"], ["      routing: session      # stateless", "    enabled: false"])
+        ["      routing: round_robin  # stateless"], ["      routing: power_of_two # stateless", "    enabled: false"])
 
 
 def test_put_is_a_full_replacement(make_store):

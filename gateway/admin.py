@@ -1,0 +1,143 @@
+"""Admin API: edit the registry live (persisted to the YAML, comments kept), scale, drain, status.
+
+Every call needs `Authorization: Bearer <token>` with the token from the environment variable the
+registry names (`gateway.admin_token_env`); without it set, the admin API answers 401 to everyone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from model_pool.errors import ModelNotFound
+from model_pool.store import RegistryError
+from runtimes.server.errors import APIError
+
+
+def _state(request: Request) -> Any:
+    state = request.app.state.gateway
+    token = state.admin_token
+    auth = request.headers.get("authorization", "")
+    given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if not token or not hmac.compare_digest(given.encode(), token.encode()):
+        hint = "" if token else " (the admin API is disabled: its token environment variable is not set)"
+        raise APIError(401, f"admin endpoints need `Authorization: Bearer <admin token>`{hint}",
+                       code="invalid_admin_token")
+    return state
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
+
+
+def _rejected(err: RegistryError) -> APIError:
+    return APIError(400, f"registry edit rejected, nothing changed: {err}", code="registry_rejected")
+
+
+def _model_or_404(state: Any, name: str) -> Any:
+    spec = next((m for m in state.store.registry.models if m.name == name), None)
+    if spec is None:
+        raise APIError(404, f"model {name!r} is not in the registry", param="name", code="model_not_found")
+    return spec
+
+
+async def list_models(request: Request) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse({"models": [m.model_dump(mode="json") for m in state.store.registry.models],
+                         "version": state.store.version})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse(_model_or_404(state, request.path_params["name"]).model_dump(mode="json"))
+
+
+async def put_model(request: Request) -> JSONResponse:
+    state = _state(request)
+    name = request.path_params["name"]
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a model object (the YAML entry as JSON)", code="invalid_json")
+    if body.setdefault("name", name) != name:
+        raise APIError(400, f"name: the body names {body['name']!r} but the URL names {name!r}", param="name")
+    try:
+        diff = state.store.put_model(body)
+    except ModelNotFound as err:
+        raise APIError(404, f"model {err.name!r} is not in the registry", param="name",
+                       code="model_not_found") from err
+    except RegistryError as err:
+        raise _rejected(err) from err
+    await state.pool.apply(state.store.registry)
+    return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
+
+
+async def delete_model(request: Request) -> JSONResponse:
+    state = _state(request)
+    name = request.path_params["name"]
+    _model_or_404(state, name)
+    try:
+        diff = state.store.delete_model(name)
+    except ModelNotFound as err:
+        raise APIError(404, f"model {err.name!r} is not in the registry", param="name",
+                       code="model_not_found") from err
+    except RegistryError as err:
+        raise _rejected(err) from err
+    await state.pool.apply(state.store.registry)
+    return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
+
+
+async def scale_model(request: Request) -> JSONResponse:
+    state = _state(request)
+    name = request.path_params["name"]
+    _model_or_404(state, name)
+    body = await _json_body(request)
+    replicas = body.get("replicas") if isinstance(body, dict) else None
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+        raise APIError(400, f"replicas: must be an integer >= 0, got {replicas!r}", param="replicas")
+    try:
+        diff = state.store.scale(name, replicas)
+    except ModelNotFound as err:
+        raise APIError(404, f"model {err.name!r} is not in the registry", param="name",
+                       code="model_not_found") from err
+    except RegistryError as err:
+        raise _rejected(err) from err
+    await state.pool.apply(state.store.registry)
+    return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
+
+
+def _replica_action(drain: bool):
+    async def endpoint(request: Request) -> JSONResponse:
+        state = _state(request)
+        replica_id = request.path_params["replica_id"]
+        replica = state.pool.drain(replica_id) if drain else state.pool.undrain(replica_id)
+        if replica is None:
+            raise APIError(404, f"replica {replica_id!r} does not exist", param="replica_id")
+        return JSONResponse(replica.snapshot())
+
+    return endpoint
+
+
+async def registry_status(request: Request) -> JSONResponse:
+    state = _state(request)
+    return JSONResponse(state.store.status())
+
+
+def admin_routes() -> list[Route]:
+    return [
+        Route("/admin/models", list_models, methods=["GET"]),
+        Route("/admin/models/{name}", get_model, methods=["GET"]),
+        Route("/admin/models/{name}", put_model, methods=["PUT"]),
+        Route("/admin/models/{name}", delete_model, methods=["DELETE"]),
+        Route("/admin/models/{name}/scale", scale_model, methods=["POST"]),
+        Route("/admin/replicas/{replica_id:path}/drain", _replica_action(drain=True), methods=["POST"]),
+        Route("/admin/replicas/{replica_id:path}/undrain", _replica_action(drain=False), methods=["POST"]),
+        Route("/admin/registry/status", registry_status, methods=["GET"]),
+    ]

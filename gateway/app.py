@@ -1,0 +1,118 @@
+"""The gateway's Starlette app: OpenAI endpoints routed by model, health and readiness, metrics, admin.
+
+`GatewayState` holds the live pieces (registry store, pool, forwarder); the app only wires routes and
+middleware to them, so tests can build one around a pool of fake or in-process replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from model_pool.store import RegistryStore
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gateway.admin import admin_routes
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from gateway.proxy import Forwarder
+from model_pool.pool import ModelPool
+from model_pool.replica import ReplicaState
+from runtimes.server.errors import exception_handlers
+
+
+@dataclass
+class GatewayState:
+    store: RegistryStore
+    pool: ModelPool
+    forwarder: Forwarder
+    metrics: GatewayMetrics
+    admin_token: str | None  # None: admin API disabled (every call 401)
+    api_keys: dict[str, frozenset[str] | None]
+    started_at: float
+
+
+def _endpoint(name: str) -> Callable[[Request], Any]:
+    async def handler(request: Request) -> Response:
+        state: GatewayState = request.app.state.gateway
+        return await state.forwarder.forward(request, name)
+
+    return handler
+
+
+async def list_models(request: Request) -> JSONResponse:
+    state: GatewayState = request.app.state.gateway
+    allowed = request.scope.get("state", {}).get("allowed_models")
+    data = []
+    for spec in state.store.registry.models:
+        if not spec.enabled or (allowed is not None and spec.name not in allowed):
+            continue
+        for model_id in (spec.name, *spec.aliases):
+            data.append({"id": model_id, "object": "model", "created": int(state.started_at),
+                         "owned_by": "multiserve", "root": spec.name, "type": spec.type})
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+def readiness(state: GatewayState) -> tuple[bool, dict[str, Any]]:
+    """Ready when every enabled model with replicas wanted has at least one ready replica."""
+    detail: dict[str, Any] = {}
+    ok = True
+    for spec in state.store.registry.models:
+        if not spec.enabled or spec.replicas == 0:
+            continue
+        group = state.pool.group(spec.name)
+        replicas = [] if group is None else group.replicas
+        ready = sum(r.state == ReplicaState.READY for r in replicas)
+        detail[spec.name] = {"ready_replicas": ready, "replicas": len(replicas),
+                             "states": [r.state.value for r in replicas]}
+        ok = ok and ready > 0
+    return ok, detail
+
+
+async def ready(request: Request) -> JSONResponse:
+    ok, detail = readiness(request.app.state.gateway)
+    return JSONResponse({"status": "ready" if ok else "not_ready", "models": detail}, status_code=200 if ok else 503)
+
+
+async def health_models(request: Request) -> JSONResponse:
+    state: GatewayState = request.app.state.gateway
+    return JSONResponse({"models": state.pool.health()})
+
+
+async def metrics(request: Request) -> Response:
+    state: GatewayState = request.app.state.gateway
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int = 4 << 20) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", _endpoint("chat"), methods=["POST"]),
+        Route("/v1/completions", _endpoint("completions"), methods=["POST"]),
+        Route("/v1/embeddings", _endpoint("embeddings"), methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/health/models", health_models, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *admin_routes(),
+    ]
+    middleware = [
+        Middleware(RequestIdMiddleware),
+        Middleware(AccessLogMiddleware),
+        Middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes),
+        Middleware(ApiKeyMiddleware, keys=state.api_keys),
+    ]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=exception_handlers())
+    app.state.gateway = state
+    state.started_at = state.started_at or time.time()
+    return app

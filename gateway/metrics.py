@@ -1,0 +1,61 @@
+"""Gateway metrics in a registry of its own: requests by model and status, TTFT and end-to-end
+latency, retries and failovers; replica and breaker states are read from the pool at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from model_pool.health import BreakerState
+from model_pool.pool import ModelPool
+from model_pool.replica import ReplicaState
+from runtimes.server.metrics import E2E_BUCKETS_S, TTFT_BUCKETS_S
+
+PREFIX = "multiserve_gateway"
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: ModelPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        states = GaugeMetricFamily(f"{PREFIX}_replica_state", "1 for the state each replica is in.",
+                                   labels=["model", "replica", "state"])
+        breakers = GaugeMetricFamily(f"{PREFIX}_breaker_state", "1 for the state of each replica's breaker.",
+                                     labels=["model", "replica", "state"])
+        in_flight = GaugeMetricFamily(f"{PREFIX}_replica_in_flight", "Requests in flight per replica.",
+                                      labels=["model", "replica"])
+        for name, group in self.pool.groups.items():
+            for replica in group.replicas:
+                for state in ReplicaState:
+                    states.add_metric([name, replica.replica_id, state.value], float(replica.state == state))
+                current = replica.breaker.state
+                for bstate in BreakerState:
+                    breakers.add_metric([name, replica.replica_id, bstate.value], float(current == bstate))
+                in_flight.add_metric([name, replica.replica_id], float(replica.outstanding))
+        yield states
+        yield breakers
+        yield in_flight
+
+
+class GatewayMetrics:
+    def __init__(self, pool: ModelPool) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(f"{PREFIX}_requests", "Requests by model, endpoint and status.",
+                                ["model", "endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_byte_seconds",
+                              "Streaming: time until the first event reached the client (the first token).",
+                              ["model"], buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds", "End-to-end request latency.",
+                             ["model"], buckets=E2E_BUCKETS_S, registry=self.registry)
+        self.retries = Counter(f"{PREFIX}_retries", "Requests re-sent to another replica after a failure.",
+                               ["model"], registry=self.registry)
+        self.failovers = Counter(f"{PREFIX}_failovers", "Requests served by a fallback model.",
+                                 ["model", "fallback"], registry=self.registry)
+        self.registry.register(_PoolCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

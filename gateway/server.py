@@ -1,0 +1,116 @@
+"""`multiserve serve`: the gateway process. It loads the registry, starts the pool's replicas, keeps
+them supervised, watches the registry file, and shuts everything down cleanly on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import FrameType
+
+import httpx
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+
+from gateway.app import GatewayState, build_gateway
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import parse_api_keys
+from gateway.proxy import Forwarder, ProxySettings
+from model_pool.launcher import LocalLauncher, UrlLauncher
+from model_pool.pool import ModelPool, PoolSettings
+from model_pool.schema import ModelSpec
+from model_pool.store import RegistryError, RegistryStore
+from model_pool.watch import RegistryWatcher
+
+log = structlog.get_logger(__name__)
+
+
+def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
+               proxy_settings: ProxySettings | None = None, log_dir: Path | None = None,
+               env: dict[str, str] | None = None) -> GatewayState:
+    """Everything the gateway needs, wired together (no I/O yet: `lifespan` starts it)."""
+    env = dict(os.environ) if env is None else env
+    gateway_cfg = store.registry.gateway
+    # Connections to replicas are kept alive and pooled; no timeout here: each request sets its own.
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=None)
+    pool = ModelPool({"local": LocalLauncher(log_dir=log_dir), "url": UrlLauncher()}, http, pool_settings)
+    metrics = GatewayMetrics(pool)
+
+    def resolve(model: str) -> ModelSpec | None:
+        spec = store.registry.resolve(model)
+        return spec if spec is not None and spec.enabled else None
+
+    def known() -> list[str]:
+        return sorted(k for k, name in store.registry.names_and_aliases().items()
+                      if resolve(name) is not None)
+
+    forwarder = Forwarder(pool, resolve, known, http, metrics, proxy_settings)
+    api_keys = parse_api_keys(env.get(gateway_cfg.api_keys_env)) if gateway_cfg.api_keys_env else {}
+    return GatewayState(store=store, pool=pool, forwarder=forwarder, metrics=metrics,
+                        admin_token=env.get(gateway_cfg.admin_token_env) or None, api_keys=api_keys,
+                        started_at=time.time())
+
+
+def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await state.pool.apply(state.store.registry)
+        applying: set[asyncio.Task[None]] = set()
+
+        def on_change(diff: object) -> None:
+            log.info("registry_applied", version=state.store.version, diff=getattr(diff, "as_dict", dict)())
+            task = asyncio.create_task(state.pool.apply(state.store.registry))
+            applying.add(task)
+            task.add_done_callback(applying.discard)
+
+        def on_reject(err: RegistryError) -> None:
+            log.error("registry_rejected", error=str(err))
+
+        watcher = RegistryWatcher(state.store, interval_s=watch_interval_s, on_change=on_change, on_reject=on_reject)
+        tasks = [asyncio.create_task(state.pool.run(), name="pool-supervisor"),
+                 asyncio.create_task(watcher.run(), name="registry-watcher")]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, *applying, return_exceptions=True)
+            await state.pool.shutdown()
+            await state.forwarder.http.aclose()
+            log.info("gateway_stopped")
+
+    return lifespan
+
+
+def run_serve(config: str | Path, host: str | None = None, port: int | None = None) -> int:
+    from runtimes.server.worker import configure_logging
+
+    configure_logging()  # structlog JSON lines, the same shape as the workers'
+    try:
+        store = RegistryStore(config)
+    except RegistryError as err:
+        print(f"error: {err}")
+        return 2
+    cfg = store.registry.gateway
+    state = make_state(store, log_dir=Path(os.environ.get("MULTISERVE_LOG_DIR", ".multiserve/logs")))
+    app = build_gateway(state, lifespan=lifespan_for(state), max_body_bytes=cfg.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port,
+                                           log_level="warning", lifespan="on", timeout_graceful_shutdown=30))
+    # uvicorn handles SIGTERM/SIGINT (stop accepting, finish in-flight requests, then our lifespan stops the
+    # pool), then re-raises the signal to the handler it found: make that a clean exit with status 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_cleanly)
+    try:
+        server.run()
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)

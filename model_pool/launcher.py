@@ -1,0 +1,144 @@
+"""Launchers start a replica and hand back a handle: the local one spawns a worker process on loopback
+with the environment the partitioner planned; the URL one adopts a replica started elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class ReplicaHandle(Protocol):
+    base_url: str
+
+    @property
+    def pid(self) -> int | None:
+        """The local process id, for operators (and failover tests); None for replicas started elsewhere."""
+
+    def exit_code(self) -> int | None:
+        """The process's exit status once it has ended; None while running (or not ours to watch)."""
+
+    async def stop(self, timeout_s: float) -> None:
+        """Ask it to stop (SIGTERM), then kill it after `timeout_s`."""
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    model: str
+    index: int
+    source: str  # path or package:file, as `multiserve worker --source` takes it
+    aliases: tuple[str, ...] = ()
+    device: str = "cpu"
+    engine: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    env: Mapping[str, str] = field(default_factory=dict)  # from the partitioner's plan
+    url: str | None = None  # for replicas started elsewhere
+
+
+class Launcher(Protocol):
+    async def start(self, request: LaunchRequest) -> ReplicaHandle: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the worker gets SIGTERM if the gateway dies, even by SIGKILL, so no orphan keeps a port."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class ProcessHandle:
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    async def stop(self, timeout_s: float) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.process.wait), timeout_s)
+        except TimeoutError:
+            self.process.kill()
+            await asyncio.to_thread(self.process.wait)
+
+    def kill(self) -> None:
+        """Hard kill (tests use it to simulate a crash)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+
+
+class LocalLauncher:
+    """Spawns `multiserve worker` processes bound to 127.0.0.1 on free ports."""
+
+    def __init__(self, host: str = "127.0.0.1", log_dir: Path | None = None, python: str = sys.executable) -> None:
+        self.host = host
+        self.log_dir = log_dir
+        self.python = python
+
+    def command(self, request: LaunchRequest, port: int) -> list[str]:
+        cmd = [self.python, "-m", "gateway.cli", "worker", "--source", request.source, "--name", request.model,
+               "--host", self.host, "--port", str(port), "--device", request.device,
+               "--engine-json", json.dumps(dict(request.engine))]
+        for alias in request.aliases:
+            cmd += ["--alias", alias]
+        return cmd
+
+    async def start(self, request: LaunchRequest) -> ProcessHandle:
+        port = free_port(self.host)
+        env = {**os.environ, **request.env, "PYTHONUNBUFFERED": "1"}
+        log_path = None
+        stdout: Any = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / f"{request.model}-{request.index}.log"
+            stdout = log_path.open("ab")
+        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        process = subprocess.Popen(  # our own interpreter and module, no shell
+            self.command(request, port), env=env, stdout=stdout, stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
+        )
+        if stdout is not subprocess.DEVNULL:
+            stdout.close()
+        return ProcessHandle(f"http://{self.host}:{port}", process, log_path)
+
+
+@dataclass
+class RemoteHandle:
+    base_url: str
+    pid: int | None = None
+
+    def exit_code(self) -> int | None:
+        return None
+
+    async def stop(self, timeout_s: float) -> None:
+        return None
+
+
+class UrlLauncher:
+    """Replicas started elsewhere (another host, a Ray cluster): listed by URL in the registry."""
+
+    async def start(self, request: LaunchRequest) -> RemoteHandle:
+        if not request.url:
+            raise ValueError(f"model {request.model!r}: replica {request.index} has no URL")
+        return RemoteHandle(request.url.rstrip("/"))

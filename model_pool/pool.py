@@ -1,0 +1,256 @@
+"""Instance groups and replica lifecycle: launch, probe, supervise (restart with backoff, give up on a
+crash loop), drain and stop. The registry says what should run; `apply()` makes it so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import structlog
+
+from model_pool.health import BreakerConfig, CircuitBreaker
+from model_pool.launcher import Launcher, LaunchRequest
+from model_pool.replica import Replica, ReplicaState
+from model_pool.schema import ModelSpec, Registry
+from policies.routing import Candidate, RoutingPolicy, make_policy
+
+log = structlog.get_logger(__name__)
+EnvFor = Callable[[ModelSpec, int], Mapping[str, str]]
+
+
+def source_ref(spec: ModelSpec) -> str:
+    """The registry's source as `multiserve worker --source` takes it: `package:file` or a path."""
+    source = spec.source
+    if source is None or source.kind == "url":
+        return ""
+    if source.kind == "package":
+        return f"{source.package}:{source.file}"
+    return str(source.path)
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    probe_interval_s: float = 2.0
+    probe_timeout_s: float = 2.0
+    ready_timeout_s: float = 180.0  # a replica not ready this long after launch counts as a failed start
+    unhealthy_after: int = 2  # consecutive failed probes before a ready replica is taken out
+    max_crashes: int = 5  # within crash_window_s: then the replica is marked failed, not restarted
+    crash_window_s: float = 300.0
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    drain_timeout_s: float = 30.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+
+
+@dataclass
+class InstanceGroup:
+    spec: ModelSpec
+    routing: RoutingPolicy
+    replicas: list[Replica] = field(default_factory=list)
+
+
+@dataclass
+class _Schedule:
+    launched_at: dict[str, float] = field(default_factory=dict)
+    restart_at: dict[str, float] = field(default_factory=dict)
+
+
+class ModelPool:
+    def __init__(
+        self,
+        launchers: Mapping[str, Launcher],
+        http: httpx.AsyncClient,
+        settings: PoolSettings | None = None,
+        env_for: EnvFor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.launchers = launchers
+        self.http = http
+        self.settings = settings or PoolSettings()
+        self.env_for = env_for or (lambda spec, index: {})
+        self.clock = clock
+        self.sleep = sleep
+        self.groups: dict[str, InstanceGroup] = {}
+        self._schedule = _Schedule()
+        self._lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------------------------ desired state
+
+    async def apply(self, registry: Registry) -> None:
+        """Start, stop, replace or resize groups so the pool matches the registry; unchanged ones are untouched."""
+        async with self._lock:
+            wanted = {m.name: m for m in registry.models if m.enabled}
+            for name in [n for n in self.groups if n not in wanted]:
+                await self._stop_group(self.groups.pop(name))
+            for name, spec in wanted.items():
+                group = self.groups.get(name)
+                if group is not None and group.spec.model_copy(update={"replicas": spec.replicas}) != spec:
+                    await self._stop_group(self.groups.pop(name))  # source/engine/placement changed: replace
+                    group = None
+                if group is None:
+                    group = self.groups[name] = InstanceGroup(spec, make_policy(spec.policy.routing))
+                group.spec = spec
+                await self._resize(group, spec.replicas)
+
+    async def _resize(self, group: InstanceGroup, count: int) -> None:
+        live = [r for r in group.replicas if r.state != ReplicaState.STOPPED]
+        for index in range(len(live), count):
+            replica = Replica(f"{group.spec.name}/{index}", group.spec.name, index,
+                              CircuitBreaker(self.settings.breaker, self.clock))
+            group.replicas.append(replica)
+            await self._launch(group, replica)
+        for replica in sorted(live, key=lambda r: r.index)[count:]:
+            await self._retire(group, replica)
+
+    async def _launch(self, group: InstanceGroup, replica: Replica) -> None:
+        spec = group.spec
+        urls = spec.urls or []
+        request = LaunchRequest(
+            model=spec.name, index=replica.index, source=source_ref(spec), aliases=tuple(spec.aliases),
+            device=spec.device, engine={k: v for k, v in spec.engine_kwargs().items() if k != "device"},
+            env=dict(self.env_for(spec, replica.index)),
+            url=urls[replica.index] if replica.index < len(urls) else None,
+        )
+        replica.handle = await self.launchers[spec.launcher].start(request)
+        replica.set_state(ReplicaState.STARTING, self.clock())
+        self._schedule.launched_at[replica.replica_id] = self.clock()
+        log.info("replica_launched", replica=replica.replica_id, url=replica.handle.base_url)
+
+    async def _retire(self, group: InstanceGroup, replica: Replica) -> None:
+        await self.stop_replica(replica)
+        group.replicas.remove(replica)
+
+    async def _stop_group(self, group: InstanceGroup) -> None:
+        await asyncio.gather(*(self.stop_replica(r) for r in group.replicas))
+        group.replicas.clear()
+
+    async def stop_replica(self, replica: Replica) -> None:
+        """Drain (no new requests; in-flight ones finish up to the deadline), then stop the process."""
+        # Forget its schedule: a pending restart must not fire on a later replica that reuses the id.
+        self._schedule.restart_at.pop(replica.replica_id, None)
+        self._schedule.launched_at.pop(replica.replica_id, None)
+        replica.set_state(ReplicaState.DRAINING, self.clock())
+        deadline = self.clock() + self.settings.drain_timeout_s
+        while replica.outstanding > 0 and self.clock() < deadline:
+            await self.sleep(0.05)
+        if replica.handle is not None:
+            await replica.handle.stop(timeout_s=10.0)
+        replica.set_state(ReplicaState.STOPPED, self.clock())
+        log.info("replica_stopped", replica=replica.replica_id)
+
+    async def shutdown(self) -> None:
+        async with self._lock:
+            await asyncio.gather(*(self._stop_group(g) for g in self.groups.values()))
+            self.groups.clear()
+
+    # ------------------------------------------------------------------------------------ supervision
+
+    async def run(self) -> None:
+        """Supervise forever: one `tick()` every probe interval."""
+        while True:
+            await self.tick()
+            await self.sleep(self.settings.probe_interval_s)
+
+    async def tick(self) -> None:
+        """One pass: restart what crashed (with backoff), probe everything else."""
+        async with self._lock:
+            replicas = [(g, r) for g in self.groups.values() for r in g.replicas]
+            await asyncio.gather(*(self._supervise(g, r) for g, r in replicas))
+
+    async def _supervise(self, group: InstanceGroup, replica: Replica) -> None:
+        if replica.state in (ReplicaState.STOPPED, ReplicaState.FAILED):
+            return
+        now = self.clock()
+        restart_at = self._schedule.restart_at.get(replica.replica_id)
+        if restart_at is not None:
+            if now >= restart_at:
+                del self._schedule.restart_at[replica.replica_id]
+                await self._launch(group, replica)
+            return
+        handle = replica.handle
+        exited = None if handle is None else handle.exit_code()
+        started = self._schedule.launched_at.get(replica.replica_id, now)
+        if exited is not None or (replica.state == ReplicaState.STARTING
+                                  and now - started > self.settings.ready_timeout_s):
+            await self._on_crash(replica, exited)
+            return
+        await self._probe(replica)
+
+    async def _on_crash(self, replica: Replica, exit_code: int | None) -> None:
+        now = self.clock()
+        if replica.handle is not None and exit_code is None:
+            await replica.handle.stop(timeout_s=5.0)  # hung start: make sure it is gone
+        replica.crash_times.append(now)
+        recent = [t for t in replica.crash_times if now - t <= self.settings.crash_window_s]
+        replica.consecutive_failures += 1
+        if len(recent) >= self.settings.max_crashes:
+            replica.set_state(ReplicaState.FAILED, now)
+            log.error("replica_failed", replica=replica.replica_id, crashes=len(recent), exit_code=exit_code)
+            return
+        delay = min(self.settings.restart_backoff_max_s, self.settings.restart_backoff_s * 2 ** (len(recent) - 1))
+        replica.restarts += 1
+        replica.set_state(ReplicaState.UNHEALTHY, now)
+        self._schedule.restart_at[replica.replica_id] = now + delay
+        log.warning("replica_crashed", replica=replica.replica_id, exit_code=exit_code, restart_in_s=delay)
+
+    async def _probe(self, replica: Replica) -> None:
+        now = self.clock()
+        try:
+            response = await self.http.get(f"{replica.base_url}/ready", timeout=self.settings.probe_timeout_s)
+            ok = response.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        replica.last_probe_at, replica.last_probe_ok = time.time(), ok
+        if ok:
+            replica.consecutive_failures = 0
+            replica.breaker.record_success()
+            if replica.state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY) and not replica.manually_drained:
+                replica.set_state(ReplicaState.READY, now)
+            return
+        replica.consecutive_failures += 1
+        if replica.state == ReplicaState.READY:
+            replica.breaker.record_failure()
+            if replica.consecutive_failures >= self.settings.unhealthy_after:
+                replica.set_state(ReplicaState.UNHEALTHY, now)
+
+    # ------------------------------------------------------------------------------------ routing support
+
+    def group(self, name: str) -> InstanceGroup | None:
+        return self.groups.get(name)
+
+    def choose(self, group: InstanceGroup, exclude: set[str], key: str | None = None) -> Replica | None:
+        """A routable replica not yet tried for this request, by the group's routing policy."""
+        live = [r for r in group.replicas if r.replica_id not in exclude and r.routable()]
+        if not live:
+            return None
+        by_id = {r.replica_id: r for r in live}
+        pick = group.routing.choose([Candidate(r.replica_id, r.outstanding) for r in live], key)
+        return by_id[pick.replica_id]
+
+    def find_replica(self, replica_id: str) -> Replica | None:
+        return next((r for g in self.groups.values() for r in g.replicas if r.replica_id == replica_id), None)
+
+    def drain(self, replica_id: str) -> Replica | None:
+        replica = self.find_replica(replica_id)
+        if replica is not None:
+            replica.manually_drained = True
+            replica.set_state(ReplicaState.DRAINING, self.clock())
+        return replica
+
+    def undrain(self, replica_id: str) -> Replica | None:
+        replica = self.find_replica(replica_id)
+        if replica is not None and replica.manually_drained:
+            replica.manually_drained = False
+            replica.set_state(ReplicaState.READY if replica.last_probe_ok else ReplicaState.STARTING, self.clock())
+        return replica
+
+    def health(self) -> dict[str, Any]:
+        return {name: {"replicas": [r.snapshot() for r in g.replicas],
+                       "ready_replicas": sum(r.state == ReplicaState.READY for r in g.replicas)}
+                for name, g in self.groups.items()}

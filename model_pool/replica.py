@@ -1,0 +1,74 @@
+"""A replica as the pool and gateway see it: where it is, its state, load and health record."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_pool.health import BreakerState, CircuitBreaker
+from model_pool.launcher import ReplicaHandle
+
+
+class ReplicaState(enum.Enum):
+    STARTING = "starting"  # launched, /ready not yet 200
+    READY = "ready"
+    UNHEALTHY = "unhealthy"  # probes failing; restarted if its process died
+    DRAINING = "draining"  # no new requests; in-flight ones finish
+    STOPPED = "stopped"
+    FAILED = "failed"  # crash-looping: given up on
+
+
+@dataclass
+class Replica:
+    replica_id: str  # "<model>/<index>"
+    model: str
+    index: int
+    breaker: CircuitBreaker
+    handle: ReplicaHandle | None = None
+    state: ReplicaState = ReplicaState.STARTING
+    outstanding: int = 0  # requests in flight through this gateway
+    last_probe_at: float | None = None
+    last_probe_ok: bool | None = None
+    consecutive_failures: int = 0
+    restarts: int = 0
+    crash_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+    transitions: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))
+    manually_drained: bool = False
+
+    @property
+    def base_url(self) -> str:
+        if self.handle is None:
+            raise RuntimeError(f"replica {self.replica_id} has not been launched")
+        return self.handle.base_url
+
+    def routable(self) -> bool:
+        return self.state == ReplicaState.READY and self.breaker.allows_request()
+
+    def set_state(self, state: ReplicaState, now: float) -> None:
+        """`now` is the pool's (monotonic) clock; transitions are recorded in wall time for people to read."""
+        if state != self.state:
+            self.state = state
+            self.transitions.append((time.time(), state.value))
+
+    def snapshot(self) -> dict[str, Any]:
+        """What GET /health/models shows for this replica."""
+        return {
+            "id": self.replica_id,
+            "url": None if self.handle is None else self.handle.base_url,
+            "pid": None if self.handle is None else self.handle.pid,
+            "state": self.state.value,
+            "last_probe_at": self.last_probe_at,
+            "last_probe_ok": self.last_probe_ok,
+            "consecutive_failures": self.consecutive_failures,
+            "breaker": self.breaker.state.value,
+            "in_flight": self.outstanding,
+            "restarts": self.restarts,
+            "transitions": [{"at": t, "state": s} for t, s in self.transitions],
+        }
+
+    @property
+    def breaker_open(self) -> bool:
+        return self.breaker.state == BreakerState.OPEN

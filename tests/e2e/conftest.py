@@ -1,0 +1,102 @@
+"""A real gateway (`multiserve serve`) in a subprocess, with real worker processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from model_pool.launcher import free_port
+from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
+
+ADMIN_TOKEN = "e2e-admin-token"
+REGISTRY = """\
+# e2e registry: the operator's comments must survive admin edits
+gateway: {{host: 127.0.0.1, port: {port}}}
+models:
+  - name: tiny-chat   # two replicas for failover
+    aliases: [tiny]
+    type: chat
+    source: {{path: {model}}}
+    replicas: 2
+    device: cpu
+    engine: {{block_size: 16, kv_cache_gib: 0.02, max_model_len: 512, max_num_seqs: 32}}
+"""
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: subprocess.Popen[bytes]
+    registry_path: Path
+    model_path: Path
+    log_path: Path
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"gateway exited: {self.log_path.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"gateway not ready in {timeout_s} s: {self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("gateway")
+    model = write_gguf(hf_model(TinySpec(max_position_embeddings=512), seed=2), root / "tiny.gguf")
+    port = free_port()
+    registry = root / "registry.yaml"
+    registry.write_text(REGISTRY.format(port=port, model=model))
+    log_path = root / "gateway.log"
+    env = {**os.environ, "MULTISERVE_ADMIN_TOKEN": ADMIN_TOKEN, "MULTISERVE_LOG_DIR": str(root / "logs")}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(registry)],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+    gw = Gateway(f"http://127.0.0.1:{port}", process, registry, model, log_path)
+    try:
+        gw.wait_ready()
+        yield gw
+    finally:
+        gw.stop()

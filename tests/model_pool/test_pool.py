@@ -1,0 +1,493 @@
+"""ModelPool: apply a registry, supervise replicas (probe, restart with backoff, give up on crash loops), drain,
+choose. Replicas are fakes behind an httpx mock transport, launched by a fake launcher, on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from model_pool.health import BreakerConfig
+from model_pool.launcher import RemoteHandle, UrlLauncher
+from model_pool.pool import InstanceGroup, ModelPool, PoolSettings
+from model_pool.replica import Replica, ReplicaState
+from model_pool.schema import ModelSpec, Registry
+from tests.gateway.fakes import FakeClock, FakeLauncher, FakeReplicas, FakeSleep
+
+READY, STARTING, UNHEALTHY = ReplicaState.READY, ReplicaState.STARTING, ReplicaState.UNHEALTHY
+
+
+def model(name: str, replicas: int = 1, **fields: Any) -> dict[str, Any]:
+    return {"name": name, "type": "chat", "source": {"path": f"/models/{name}.gguf"}, "replicas": replicas,
+            **fields}
+
+
+def registry(*models: dict[str, Any]) -> Registry:
+    """A new Registry object each call, as the store hands the pool after every change."""
+    return Registry.model_validate({"models": list(models)})
+
+
+@dataclass
+class Harness:
+    pool: ModelPool
+    launcher: FakeLauncher
+    replicas: FakeReplicas
+    clock: FakeClock
+    sleep: FakeSleep
+
+    def group(self, name: str) -> InstanceGroup:
+        group = self.pool.group(name)
+        assert group is not None, f"no group {name!r}; groups: {sorted(self.pool.groups)}"
+        return group
+
+    def replica(self, replica_id: str) -> Replica:
+        replica = self.pool.find_replica(replica_id)
+        assert replica is not None, f"no replica {replica_id!r}"
+        return replica
+
+    def states(self, name: str) -> list[ReplicaState]:
+        return [r.state for r in self.group(name).replicas]
+
+    async def ticks(self, count: int, every_s: float = 0.0) -> None:
+        for _ in range(count):
+            await self.pool.tick()
+            self.clock.advance(every_s)
+
+
+@asynccontextmanager
+async def open_pool(settings: PoolSettings | None = None,
+                    env_for: Callable[[ModelSpec, int], dict[str, str]] | None = None) -> AsyncIterator[Harness]:
+    clock = FakeClock()
+    launcher, replicas, sleep = FakeLauncher(), FakeReplicas(), FakeSleep(clock)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handler)) as http:
+        pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, settings, env_for=env_for, clock=clock,
+                         sleep=sleep)
+        try:
+            yield Harness(pool, launcher, replicas, clock, sleep)
+        finally:
+            await pool.shutdown()
+
+
+def run(scenario: Callable[[Harness], Awaitable[None]], **options: Any) -> None:
+    async def main() -> None:
+        async with open_pool(**options) as harness:
+            await scenario(harness)
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------ apply
+
+
+def test_apply_starts_the_wanted_replicas_of_each_enabled_model():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(
+            model("alpha", 2, aliases=["a"], device="cpu", engine={"block_size": 32}),
+            {"name": "beta", "type": "chat", "source": {"package": "llm-pkg", "file": "w.gguf"}},
+            model("off", 2, enabled=False),
+        ))
+        assert sorted(h.pool.groups) == ["alpha", "beta"]
+        assert [(h.request.model, h.request.index) for h in h.launcher.handles] == [
+            ("alpha", 0), ("alpha", 1), ("beta", 0)]
+        assert h.states("alpha") == [STARTING, STARTING]
+        first = h.launcher.latest("alpha/0").request
+        assert (first.source, first.aliases, first.device) == ("/models/alpha.gguf", ("a",), "cpu")
+        assert first.engine["block_size"] == 32 and "device" not in first.engine
+        assert first.env == {"SLOT": "alpha-0"}  # what the partitioner's plan (env_for) says
+        assert h.launcher.latest("beta/0").request.source == "llm-pkg:w.gguf"
+
+    run(scenario, env_for=lambda spec, index: {"SLOT": f"{spec.name}-{index}"})
+
+
+def test_replicas_become_ready_after_a_successful_probe():
+    async def scenario(h: Harness) -> None:
+        h.replicas.set("beta/0", "not_ready")
+        await h.pool.apply(registry(model("alpha", 2), model("beta")))
+        await h.pool.tick()
+        assert h.states("alpha") == [READY, READY]
+        assert h.states("beta") == [STARTING]  # still loading: stays starting, never routable
+        assert h.pool.choose(h.group("beta"), set()) is None
+        assert h.replicas.probes["fake-alpha-0"] == 1
+        h.replicas.set("beta/0", "ok")
+        await h.pool.tick()
+        assert h.states("beta") == [READY]
+        assert [s for _, s in h.replica("beta/0").transitions] == ["ready"]
+
+    run(scenario)
+
+
+def test_scaling_up_starts_only_the_new_replicas():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2), model("beta")))
+        await h.pool.tick()
+        before = list(h.group("alpha").replicas)
+        beta = h.replica("beta/0")
+        await h.pool.apply(registry(model("alpha", 3), model("beta")))
+        assert len(h.launcher.handles) == 4
+        assert h.launcher.handles[-1].request.index == 2
+        assert h.group("alpha").replicas[:2] == before
+        assert all(a is b for a, b in zip(h.group("alpha").replicas, before, strict=False))  # same objects
+        assert h.states("alpha") == [READY, READY, STARTING]
+        assert h.replica("beta/0") is beta
+        assert not any(handle.stopped for handle in h.launcher.handles)
+
+    run(scenario)
+
+
+def test_scaling_down_stops_only_the_highest_indexes():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 3)))
+        await h.pool.tick()
+        keep = h.replica("alpha/0")
+        await h.pool.apply(registry(model("alpha", 1)))
+        assert h.group("alpha").replicas == [keep]
+        assert h.group("alpha").replicas[0] is keep and keep.state == READY
+        assert [h.launcher.latest(f"alpha/{i}").stopped for i in range(3)] == [False, True, True]
+        assert len(h.launcher.handles) == 3  # nothing restarted
+        await h.pool.apply(registry(model("alpha", 0)))  # defined, not running
+        assert h.group("alpha").replicas == [] and h.launcher.running() == []
+
+    run(scenario)
+
+
+def test_reapplying_an_equal_registry_touches_nothing():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        replicas = list(h.group("alpha").replicas)
+        await h.pool.apply(registry(model("alpha", 2)))
+        assert len(h.launcher.handles) == 2 and h.launcher.running() == h.launcher.handles
+        assert all(a is b for a, b in zip(h.group("alpha").replicas, replicas, strict=True))
+        assert h.states("alpha") == [READY, READY]
+
+    run(scenario)
+
+
+def test_a_changed_spec_replaces_the_whole_group():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2), model("beta")))
+        await h.pool.tick()
+        old, beta = list(h.group("alpha").replicas), h.replica("beta/0")
+        await h.pool.apply(registry(model("alpha", 2, engine={"block_size": 32}), model("beta")))
+        new = h.group("alpha").replicas
+        assert len(new) == 2 and not any(n is o for n in new for o in old)
+        assert all(o.state == ReplicaState.STOPPED for o in old)
+        assert [handle.stopped for handle in h.launcher.handles_of("alpha/0")] == [True, False]
+        assert [handle.request.engine["block_size"] for handle in h.launcher.running("alpha")] == [32, 32]
+        assert h.replica("beta/0") is beta and not h.launcher.latest("beta/0").stopped
+        assert h.states("alpha") == [STARTING, STARTING]
+
+    run(scenario)
+
+
+def test_removing_or_disabling_a_model_stops_its_replicas():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2), model("beta"), model("gamma")))
+        await h.pool.tick()
+        await h.pool.apply(registry(model("alpha", 2), model("gamma", enabled=False)))
+        assert sorted(h.pool.groups) == ["alpha"]
+        assert h.launcher.latest("beta/0").stopped and h.launcher.latest("gamma/0").stopped
+        assert sorted(h.pool.health()) == ["alpha"]
+        assert h.launcher.running() == h.launcher.handles_of("alpha/0") + h.launcher.handles_of("alpha/1")
+
+    run(scenario)
+
+
+def test_url_launcher_adopts_replicas_started_elsewhere():
+    async def scenario(h: Harness) -> None:
+        urls = ["http://fake-remote-0:80/", "http://fake-remote-1:80"]
+        await h.pool.apply(registry({"name": "remote", "type": "chat", "launcher": "url", "urls": urls,
+                                     "replicas": 2}))
+        await h.pool.tick()
+        replicas = h.group("remote").replicas
+        assert all(isinstance(r.handle, RemoteHandle) for r in replicas)
+        assert [r.base_url for r in replicas] == ["http://fake-remote-0:80", "http://fake-remote-1:80"]
+        assert h.states("remote") == [READY, READY]
+        assert h.launcher.handles == []
+
+    run(scenario)
+
+
+# ------------------------------------------------------------------------------------ supervision
+
+
+def test_a_crashed_replica_is_restarted_after_an_exponential_backoff():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        replica = h.replica("alpha/0")
+        h.launcher.latest("alpha/0").crash()
+        await h.pool.tick()
+        assert replica.state == UNHEALTHY and replica.restarts == 1
+        assert h.pool.choose(h.group("alpha"), set()) is h.replica("alpha/1")  # the other one takes the traffic
+        h.clock.advance(0.4)
+        await h.pool.tick()
+        assert len(h.launcher.handles_of("alpha/0")) == 1  # backoff (0.5 s) not over yet
+        h.clock.advance(0.1)
+        await h.pool.tick()
+        assert len(h.launcher.handles_of("alpha/0")) == 2 and replica.state == STARTING
+        await h.pool.tick()
+        assert replica.state == READY and h.replica("alpha/0") is replica
+        assert [s for _, s in replica.transitions] == ["ready", "unhealthy", "starting", "ready"]
+
+        h.launcher.latest("alpha/0").crash()  # a second crash soon after: the backoff doubles
+        await h.pool.tick()
+        assert replica.restarts == 2
+        h.clock.advance(0.5)
+        await h.pool.tick()
+        assert len(h.launcher.handles_of("alpha/0")) == 2
+        h.clock.advance(0.5)
+        await h.pool.tick()
+        assert len(h.launcher.handles_of("alpha/0")) == 3
+        assert h.replica("alpha/1").restarts == 0 and len(h.launcher.handles_of("alpha/1")) == 1
+
+    run(scenario, settings=PoolSettings(restart_backoff_s=0.5, restart_backoff_max_s=30.0))
+
+
+def test_a_crash_looping_replica_is_marked_failed_and_never_restarted():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        replica = h.replica("alpha/0")
+        for _ in range(2):
+            h.launcher.latest("alpha/0").crash()
+            await h.pool.tick()  # noticed: restart scheduled
+            h.clock.advance(5.0)
+            await h.pool.tick()  # restarted
+        h.launcher.latest("alpha/0").crash()
+        await h.pool.tick()
+        assert replica.state == ReplicaState.FAILED
+        assert replica.restarts == 2 and len(h.launcher.handles_of("alpha/0")) == 3
+        for _ in range(3):
+            h.clock.advance(1000.0)
+            await h.pool.tick()
+        assert replica.state == ReplicaState.FAILED and len(h.launcher.handles_of("alpha/0")) == 3
+        assert {h.pool.choose(h.group("alpha"), set()).replica_id for _ in range(4)} == {"alpha/1"}
+        assert h.pool.health()["alpha"]["ready_replicas"] == 1
+
+    run(scenario, settings=PoolSettings(max_crashes=3, crash_window_s=60.0, restart_backoff_s=1.0))
+
+
+def test_crashes_spread_wider_than_the_window_are_not_a_loop():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        for _ in range(4):
+            h.launcher.latest("alpha/0").crash()
+            await h.pool.tick()
+            h.clock.advance(11.0)  # the previous crash leaves the 10 s window
+            await h.pool.tick()
+            await h.pool.tick()
+            assert h.states("alpha") == [READY]
+        assert h.replica("alpha/0").restarts == 4
+        # the backoff counts recent crashes only, so it stays at its base
+        assert len(h.launcher.handles_of("alpha/0")) == 5
+
+    run(scenario, settings=PoolSettings(max_crashes=2, crash_window_s=10.0, restart_backoff_s=0.5))
+
+
+def test_a_replica_not_ready_within_the_ready_timeout_is_stopped_and_restarted():
+    async def scenario(h: Harness) -> None:
+        h.replicas.set("alpha/0", "not_ready")
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        first = h.launcher.latest("alpha/0")
+        h.clock.advance(10.0)
+        await h.pool.tick()
+        assert h.states("alpha") == [STARTING] and not first.stopped  # exactly the timeout: still waiting
+        h.clock.advance(1.0)
+        await h.pool.tick()
+        assert first.stopped  # a hung start is killed before the restart
+        assert h.states("alpha") == [UNHEALTHY]
+        h.replicas.set("alpha/0", "ok")
+        h.clock.advance(0.5)
+        await h.ticks(2)
+        assert len(h.launcher.handles_of("alpha/0")) == 2 and h.states("alpha") == [READY]
+
+    run(scenario, settings=PoolSettings(ready_timeout_s=10.0, restart_backoff_s=0.5))
+
+
+@pytest.mark.parametrize("behaviour", ["not_ready", "down", "hang"])
+def test_failed_probes_mark_a_replica_unhealthy_and_a_good_probe_recovers_it(behaviour):
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        replica = h.replica("alpha/0")
+        h.replicas.set("alpha/0", behaviour)
+        await h.pool.tick()
+        assert replica.state == READY and replica.consecutive_failures == 1 and replica.last_probe_ok is False
+        await h.pool.tick()
+        assert replica.state == UNHEALTHY and replica.consecutive_failures == 2
+        assert not replica.routable()
+        h.replicas.set("alpha/0", "ok")
+        await h.pool.tick()
+        assert replica.state == READY and replica.consecutive_failures == 0 and replica.routable()
+        assert len(h.launcher.handles_of("alpha/0")) == 1  # the process was alive: no restart
+        assert h.replica("alpha/1").state == READY
+
+    run(scenario, settings=PoolSettings(unhealthy_after=2))
+
+
+def test_drain_makes_a_replica_unroutable_until_undrained():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        group = h.group("alpha")
+        drained = h.pool.drain("alpha/0")
+        assert drained is h.replica("alpha/0") and drained.state == ReplicaState.DRAINING
+        assert not drained.routable()
+        assert {h.pool.choose(group, set()).replica_id for _ in range(4)} == {"alpha/1"}
+        await h.pool.tick()  # a good probe does not undo a manual drain
+        assert drained.state == ReplicaState.DRAINING
+        assert not h.launcher.latest("alpha/0").stopped  # drained, not stopped
+        assert h.pool.undrain("alpha/0") is drained and drained.state == READY
+        assert {h.pool.choose(group, set()).replica_id for _ in range(4)} == {"alpha/0", "alpha/1"}
+        assert h.pool.drain("alpha/9") is None and h.pool.undrain("nope/0") is None
+
+    run(scenario)
+
+
+def test_undrain_leaves_a_replica_that_was_not_drained_alone():
+    async def scenario(h: Harness) -> None:
+        h.replicas.set("alpha/0", "not_ready")
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        h.pool.undrain("alpha/0")
+        assert h.states("alpha") == [STARTING]  # not made READY without a good probe
+
+    run(scenario)
+
+
+def test_choose_respects_exclude_and_routability():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 3, policy={"routing": "round_robin"})))
+        await h.pool.tick()
+        group = h.group("alpha")
+        assert h.pool.choose(group, {"alpha/0", "alpha/1"}) is h.replica("alpha/2")
+        assert h.pool.choose(group, {"alpha/0", "alpha/1", "alpha/2"}) is None
+        h.replica("alpha/2").breaker.record_failure()  # threshold 1: the breaker opens
+        assert h.pool.choose(group, {"alpha/0", "alpha/1"}) is None
+        h.replica("alpha/1").outstanding = 5  # round robin ignores load, but not routability
+        picks = [h.pool.choose(group, set()).replica_id for _ in range(4)]
+        assert sorted(set(picks)) == ["alpha/0", "alpha/1"]
+
+    run(scenario, settings=PoolSettings(breaker=BreakerConfig(failure_threshold=1, cooldown_s=5.0)))
+
+
+def test_health_snapshot_reports_each_replica():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        h.replicas.set("alpha/1", "down")
+        await h.pool.tick()
+        h.replica("alpha/0").outstanding = 3
+        health = h.pool.health()
+        assert health["alpha"]["ready_replicas"] == 2
+        first, second = health["alpha"]["replicas"]
+        assert first["id"] == "alpha/0" and first["url"] == "http://fake-alpha-0:80"
+        assert first["pid"] == h.launcher.latest("alpha/0").pid
+        assert first["state"] == "ready" and first["last_probe_ok"] is True
+        assert isinstance(first["last_probe_at"], float)
+        assert first["consecutive_failures"] == 0 and first["breaker"] == "closed" and first["in_flight"] == 3
+        assert second["last_probe_ok"] is False and second["consecutive_failures"] == 1
+        assert second["breaker"] == "open"  # the failed probe counted against it (threshold 1)
+        assert second["in_flight"] == 0 and second["restarts"] == 0
+        assert [t["state"] for t in second["transitions"]] == ["ready"]
+        assert all(isinstance(t["at"], float) for t in second["transitions"])
+
+    run(scenario, settings=PoolSettings(breaker=BreakerConfig(failure_threshold=1)))
+
+
+# ------------------------------------------------------------------------------------ stopping
+
+
+def test_retiring_a_replica_lets_its_in_flight_requests_finish_first():
+    outstanding_at_stop: list[int] = []
+
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        busy = h.replica("alpha/1")
+        busy.outstanding = 2
+        h.sleep.on_sleep = lambda _: setattr(busy, "outstanding", busy.outstanding - 1)  # one finishes per wait
+        handle = h.launcher.latest("alpha/1")
+        real_stop = handle.stop
+
+        async def stop(timeout_s: float) -> None:
+            outstanding_at_stop.append(busy.outstanding)
+            await real_stop(timeout_s)
+
+        handle.stop = stop  # type: ignore[method-assign]
+        await h.pool.apply(registry(model("alpha", 1)))
+        assert outstanding_at_stop == [0]
+        assert len(h.sleep.delays) == 2 and busy.state == ReplicaState.STOPPED
+
+    run(scenario)
+
+
+def test_draining_gives_up_waiting_at_the_drain_timeout():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        h.replica("alpha/1").outstanding = 1  # a request that never finishes
+        await h.pool.apply(registry(model("alpha", 1)))
+        assert h.launcher.latest("alpha/1").stopped
+        assert 3.0 <= sum(h.sleep.delays) < 3.2
+
+    run(scenario, settings=PoolSettings(drain_timeout_s=3.0))
+
+
+def test_shutdown_stops_every_replica():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2), model("beta")))
+        await h.pool.shutdown()
+        assert h.pool.groups == {} and h.launcher.running() == []
+        assert len(h.launcher.handles) == 3
+
+    run(scenario)
+
+
+# ------------------------------------------------------------------------------------ regressions
+
+
+def test_a_replaced_group_does_not_inherit_a_pending_restart():
+    """A crash schedules a restart; replacing the group (say, to fix the engine config) must not let that stale
+    schedule relaunch the fresh replica of the same id and orphan the process it just started."""
+
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        h.launcher.latest("alpha/0").crash()
+        await h.pool.tick()  # restart scheduled in 0.5 s
+        await h.pool.apply(registry(model("alpha", engine={"block_size": 32})))
+        fresh = h.launcher.latest("alpha/0")
+        h.clock.advance(1.0)
+        await h.ticks(2)
+        assert h.launcher.latest("alpha/0") is fresh  # not relaunched on top of itself
+        assert h.launcher.running() == [fresh]
+        assert h.states("alpha") == [READY]
+
+    run(scenario, settings=PoolSettings(restart_backoff_s=0.5))
+
+
+def test_a_replica_scaled_away_and_back_does_not_inherit_a_pending_restart():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        h.launcher.latest("alpha/1").crash()
+        await h.pool.tick()
+        await h.pool.apply(registry(model("alpha", 1)))
+        await h.pool.apply(registry(model("alpha", 2)))
+        fresh = h.launcher.latest("alpha/1")
+        h.clock.advance(1.0)
+        await h.ticks(2)
+        assert h.launcher.latest("alpha/1") is fresh
+        assert len(h.launcher.running("alpha")) == 2
+        assert h.states("alpha") == [READY, READY]
+
+    run(scenario, settings=PoolSettings(restart_backoff_s=0.5))
