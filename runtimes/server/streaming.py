@@ -83,10 +83,16 @@ async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, 
                       num_top: int) -> AsyncGenerator[dict[str, Any], None]:
     """`chat.completion.chunk`s: the role for each choice, content deltas (the last carries finish_reason),
     then the usage chunk if asked."""
-    for choice in gen.choices:
-        yield chat_chunk(meta, choice.index, {"role": "assistant", "content": ""}, include_usage=include_usage)
+    # The role chunks go out with the first token, not before: a client's (and the gateway's) first byte then
+    # marks the first token (TTFT), and a replica that fails during prefill can still be retried elsewhere.
+    started = False
     async with aclosing(gen.outputs()) as outputs:
         async for out in outputs:
+            if not started:
+                started = True
+                for choice in gen.choices:
+                    yield chat_chunk(meta, choice.index, {"role": "assistant", "content": ""},
+                                     include_usage=include_usage)
             lp = None if logprobs is None else logprobs.chat(out.logprobs or (), num_top)
             yield chat_chunk(meta, out.index, {"content": out.text}, lp, out.finish_reason, out.stop_reason,
                              include_usage)
