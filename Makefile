@@ -23,12 +23,12 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	$(BIN)/multiserve serve --config configs/default.yaml --host 127.0.0.1 --port 8000
 
-test: install
-	$(BIN)/ruff check .
+test: install lint
 	$(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy gateway policies model_pool partitioner
 
 bench: install
 	$(BIN)/python -m bench.llm_throughput

@@ -7,6 +7,7 @@ blocks and different models or groups never collide.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runtimes.llm.block_pool import BlockPool
@@ -72,7 +73,7 @@ class KVCacheManager:
             hits.append(block_id)
         return hits  # stats are counted by the caller, once per request (first admission)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens (after any `computed_blocks` prefix hits).
 
         Returns False, changing nothing, when the pool cannot supply the blocks.

@@ -88,10 +88,7 @@ def load_state_dict(
         model = LlamaForCausalLM(config, **kwargs)
     model = model.to_empty(device=device).to(dtype)
     _load_weights(model, tensors, config, device, dtype, progress, desc)
-    # Non-persistent buffers (RoPE tables) were created on meta; rebuild them for real on the device.
-    rope = model.layers[0].self_attn.rope
-    fresh = type(rope)(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
-    rope.cos, rope.sin = fresh.cos.to(device), fresh.sin.to(device)
+    model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
     return model.eval().requires_grad_(False)
 
 

@@ -55,12 +55,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves), the layout Hugging Face checkpoints use."""
 
+    cos: torch.Tensor  # [P, D/2]
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.rebuild()
+
+    def rebuild(self, device: torch.device | None = None) -> None:
+        """(Re)compute the fp32 tables, on `device` or the default one (the loader builds on meta, then here)."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.cos, self.sin = freqs.cos(), freqs.sin()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
@@ -138,8 +148,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, attention_fn) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, attention_fn) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
