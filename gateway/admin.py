@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from model_pool.errors import ModelNotFound
-from model_pool.store import RegistryError
+from model_pool.store import RegistryDiff, RegistryError
 from runtimes.server.errors import APIError
 
 
@@ -38,8 +39,16 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
 
 
-def _rejected(err: RegistryError) -> APIError:
-    return APIError(400, f"registry edit rejected, nothing changed: {err}", code="registry_rejected")
+async def _apply(state: Any, edit: Callable[[], RegistryDiff]) -> JSONResponse:
+    """Run one registry edit (validated whole, persisted by the store), then bring the pool in line."""
+    try:
+        diff = edit()
+    except ModelNotFound as err:
+        raise APIError(404, f"model {err.name!r} is not in the registry", param="name", code="model_not_found") from err
+    except RegistryError as err:
+        raise APIError(400, f"registry edit rejected, nothing changed: {err}", code="registry_rejected") from err
+    await state.pool.apply(state.store.registry)
+    return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
 
 
 def _model_or_404(state: Any, name: str) -> Any:
@@ -68,30 +77,14 @@ async def put_model(request: Request) -> JSONResponse:
         raise APIError(400, "the body must be a model object (the YAML entry as JSON)", code="invalid_json")
     if body.setdefault("name", name) != name:
         raise APIError(400, f"name: the body names {body['name']!r} but the URL names {name!r}", param="name")
-    try:
-        diff = state.store.put_model(body)
-    except ModelNotFound as err:
-        raise APIError(404, f"model {err.name!r} is not in the registry", param="name",
-                       code="model_not_found") from err
-    except RegistryError as err:
-        raise _rejected(err) from err
-    await state.pool.apply(state.store.registry)
-    return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
+    return await _apply(state, lambda: state.store.put_model(body))
 
 
 async def delete_model(request: Request) -> JSONResponse:
     state = _state(request)
     name = request.path_params["name"]
     _model_or_404(state, name)
-    try:
-        diff = state.store.delete_model(name)
-    except ModelNotFound as err:
-        raise APIError(404, f"model {err.name!r} is not in the registry", param="name",
-                       code="model_not_found") from err
-    except RegistryError as err:
-        raise _rejected(err) from err
-    await state.pool.apply(state.store.registry)
-    return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
+    return await _apply(state, lambda: state.store.delete_model(name))
 
 
 async def scale_model(request: Request) -> JSONResponse:
@@ -102,15 +95,7 @@ async def scale_model(request: Request) -> JSONResponse:
     replicas = body.get("replicas") if isinstance(body, dict) else None
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
         raise APIError(400, f"replicas: must be an integer >= 0, got {replicas!r}", param="replicas")
-    try:
-        diff = state.store.scale(name, replicas)
-    except ModelNotFound as err:
-        raise APIError(404, f"model {err.name!r} is not in the registry", param="name",
-                       code="model_not_found") from err
-    except RegistryError as err:
-        raise _rejected(err) from err
-    await state.pool.apply(state.store.registry)
-    return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
+    return await _apply(state, lambda: state.store.scale(name, replicas))
 
 
 def _replica_action(drain: bool):
