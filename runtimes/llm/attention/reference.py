@@ -59,13 +59,11 @@ def paged_attention_ref(
         q = query[starts[i] : starts[i] + q_len].transpose(0, 1)  # [H, q, D]
         k = _gather(k_cache, meta.block_tables[i], s_len).transpose(0, 1)  # [KVH, s, D]
         v = _gather(v_cache, meta.block_tables[i], s_len).transpose(0, 1)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
         q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
         k_pos = torch.arange(s_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [q, s]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                           enable_gqa=group > 1)
         out[starts[i] : starts[i] + q_len] = o.transpose(0, 1)
     return out
 
@@ -91,12 +89,10 @@ def _decode_batch(
     q = query.index_select(0, token_idx).unsqueeze(2)  # [B, H, 1, D]
     k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
     v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
     lens_t = torch.tensor(lens, device=query.device)
     mask = torch.arange(max_len, device=query.device)[None, :] < lens_t[:, None]  # [B, L]
+    # enable_gqa: query head h reads KV head h // group without copying K/V per query head
     o = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1
     )  # [B, H, 1, D]
     out.index_copy_(0, token_idx, o.squeeze(2))
