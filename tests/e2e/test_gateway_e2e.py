@@ -193,6 +193,35 @@ def test_live_registry_edits(gateway):
         assert bad.status_code == 400 and path.read_text() == text
 
 
+def _gauge_on_replicas(gateway: Gateway, name: str, label: str = "") -> float:
+    """Sum of a metric over the replicas of tiny-chat, read from each worker's own /metrics."""
+    total = 0.0
+    for replica in _replicas(gateway):
+        text = httpx.get(f"{replica['url']}/metrics", timeout=10).text
+        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(name) and label in line)
+    return total
+
+
+def _aborted_on_replicas(gateway: Gateway) -> float:
+    return _gauge_on_replicas(gateway, "multiserve_request_success_total", 'finish_reason="abort"')
+
+
+def test_streams_pass_through_unbuffered_and_disconnects_abort(gateway):
+    body = {"model": "tiny", "prompt": "stream", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    before = _aborted_on_replicas(gateway)
+    with gateway.client() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        running = _gauge_on_replicas(gateway, "multiserve_num_requests_running")
+        for _ in range(5):
+            next(lines)
+    # the first token reached us while its request was still generating (nothing buffered the reply), and
+    # leaving early (closing the connection) aborted the request on its replica
+    assert '"text"' in first and running >= 1
+    _wait_for(lambda: _aborted_on_replicas(gateway) >= before + 1, timeout_s=30, what="the abort on the replica")
+
+
 def test_sigterm_shuts_down_cleanly(gateway):
     workers = children_of(gateway.process.pid)
     assert len(workers) >= 2
