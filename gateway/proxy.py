@@ -158,6 +158,8 @@ class Forwarder:
                     start: float, model: str) -> Response:
         headers = {"content-type": "application/json",
                    "x-request-id": request.scope.get("state", {}).get("request_id", "")}
+        if "x-priority" in request.headers:  # the replica classifies the request's lane (policies/classify.py)
+            headers["x-priority"] = request.headers["x-priority"]
         timeout = httpx.Timeout(self.settings.request_timeout_s, connect=self.settings.connect_timeout_s)
         upstream = self.http.build_request("POST", replica.base_url + ENDPOINTS[endpoint][0], content=content,
                                            headers=headers, timeout=timeout)

@@ -170,6 +170,7 @@ class ModelSpec(_Frozen):
             "kv_cache_bytes": None if gib is None else int(gib * GIB),
             "enable_prefix_caching": self.engine.enable_prefix_caching,
             "device": self.device,
+            "scheduling": self.policy.scheduling,
         }
 
 

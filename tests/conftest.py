@@ -2,8 +2,22 @@
 
 import os
 
+import pytest
+
 # Triton picks interpreter vs compiler when `@triton.jit` decorates a kernel, i.e. when a kernel module is
 # first imported. Setting this here, before any test module is collected, makes every Triton kernel run on
 # CPU tensors through the interpreter, whichever test happens to import a kernel module first.
 # setdefault: a GPU run can still export TRITON_INTERPRET=0 to test the compiled kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+
+@pytest.fixture
+def tiny_loaded():
+    """Factory: a tiny random-weight Llama in memory, as a LoadedModel (see tests/runtimes/llm/tiny.py)."""
+    from tests.runtimes.llm.tiny import TinySpec, loaded_tiny
+
+    def make(seed: int = 0, **spec: object):
+        return loaded_tiny(TinySpec(**spec), seed)
+
+    return make

@@ -111,6 +111,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on CUDA, fp32 on CPU)
     attention_backend: str = "auto"  # auto | torch | triton
+    scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -129,6 +130,8 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
             (self.attention_backend in ("auto", "torch", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
+            (self.scheduling in ("fcfs", "multilevel"),
+             f"scheduling must be 'fcfs' or 'multilevel', got {self.scheduling!r}"),
         ]
         for ok, message in checks:
             if not ok:

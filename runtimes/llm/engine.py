@@ -18,7 +18,7 @@ from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.loader import LoadedModel, load_model
 from runtimes.llm.model_runner import ModelRunner, allocate_kv_caches, num_blocks_for_budget
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
-from runtimes.llm.queue_policy import QueuePolicy
+from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
 from runtimes.llm.sampler import Sampler
 from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
@@ -61,7 +61,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_bytes={budget} is too small for one block of {config.block_size} tokens")
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, policy
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            policy if policy is not None else _queue_policy(config.scheduling, clock),
         )
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, dtype, device)
         sampler = Sampler(torch.Generator().manual_seed(config.seed))
@@ -217,6 +218,14 @@ class LLMEngine:
             if leader is None or leader.request.num_computed_tokens >= leader.request.num_prompt_tokens:
                 for request in self._staged.pop(parent_id):
                     self.scheduler.add_request(request)
+
+
+def _queue_policy(name: str, clock: Callable[[], float]) -> QueuePolicy:
+    if name == "multilevel":
+        from policies.multilevel import MultiLevelPolicy
+
+        return MultiLevelPolicy(clock=clock)  # type: ignore[return-value]  # structurally a QueuePolicy
+    return FCFSPolicy()
 
 
 def _default_kv_bytes(device: torch.device, fraction: float) -> int:

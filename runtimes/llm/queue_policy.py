@@ -28,6 +28,12 @@ class QueuePolicy(Protocol):
     def pick_victim(self, running: Sequence[Request]) -> Request:
         """The running request to preempt when KV blocks run out."""
 
+    def urgent_victim(self, waiting: Request, running: Sequence[Request]) -> Request | None:
+        """A running request that `waiting` (which cannot be admitted) may preempt, or None."""
+
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        """The scheduler gave `request` this many tokens this step (for share accounting)."""
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Request]: ...
@@ -64,6 +70,12 @@ class FCFSPolicy:
 
     def pick_victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (r.priority, r.arrival_time))
+
+    def urgent_victim(self, waiting: Request, running: Sequence[Request]) -> Request | None:
+        return None  # FCFS never displaces running work for a newcomer
+
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        return None
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -122,19 +122,31 @@ class Scheduler:
                 by_id[request.request_id] = item
                 budget -= num_new
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, by_id)
+        for item in out.scheduled:
+            self.waiting.on_scheduled(item.request, item.num_new_tokens)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, by_id: dict[str, ScheduledRequest]) -> None:
+        while budget > 0:
             request = self.waiting.peek()
             if request is None:
                 break
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
-                break
+            if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
+                # The policy may let an urgent arrival displace less urgent running work (never FCFS).
+                victim = self.waiting.urgent_victim(request, self.running)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                undone = by_id.pop(victim.request_id, None)
+                if undone is not None:
+                    out.scheduled.remove(undone)
+                    budget += undone.num_new_tokens
+                continue
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = num_computed
@@ -143,7 +155,9 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new, num_computed))
+            item = ScheduledRequest(request, num_new, num_computed)
+            out.scheduled.append(item)
+            by_id[request.request_id] = item
             budget -= num_new
 
     def _preempt(self, request: Request) -> None:

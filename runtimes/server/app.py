@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from policies.classify import classify
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.server.errors import APIError, exception_handlers
@@ -108,7 +109,8 @@ class _Server:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompt = await anyio.to_thread.run_sync(self.engine.engine.tokenizer.encode, prompt)
-        gen = await self._start(f"cmpl-{uuid.uuid4().hex}", prompt, params, body.priority)
+        lane = self._lane(request, body.priority, prompt, params)
+        gen = await self._start(f"cmpl-{uuid.uuid4().hex}", prompt, params, lane)
         meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
         logprobs = self.logprobs if params.logprobs is not None else None
         if body.stream:
@@ -122,7 +124,8 @@ class _Server:
         body = await self._parse(request, ChatCompletionRequest)
         params = body.to_sampling_params()
         prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
-        gen = await self._start(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, body.priority)
+        lane = self._lane(request, body.priority, prompt, params)
+        gen = await self._start(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane)
         meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
         logprobs = self.logprobs if params.logprobs is not None else None
         num_top = body.top_logprobs or 0
@@ -145,6 +148,14 @@ class _Server:
         except jinja2.TemplateError as exc:  # the template's raise_exception (e.g. roles must alternate)
             raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)
+
+    @staticmethod
+    def _lane(request: Request, priority: int | None, prompt: list[int], params: SamplingParams) -> int:
+        """The scheduling lane (policies/classify.py): the body's priority, X-Priority, else by length."""
+        try:
+            return classify(priority, request.headers.get("x-priority"), None, len(prompt), params.max_tokens)
+        except ValueError as err:
+            raise APIError(400, str(err), param="priority") from err
 
     async def _start(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                      priority: int) -> Generation:

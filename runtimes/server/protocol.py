@@ -47,7 +47,7 @@ class SamplingFields(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
-    priority: int = 0
+    priority: int | None = None  # lane: 0 interactive, 1 normal, 2 background; None: classified
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True

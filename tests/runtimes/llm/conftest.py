@@ -47,15 +47,4 @@ def smollm2_reference() -> Iterator[object]:
         yield model, tokenizer
 
 
-@pytest.fixture
-def tiny_loaded():
-    """Factory: a tiny random-weight model in memory (see tiny.py)."""
-    from tests.runtimes.llm.tiny import TinySpec, loaded_tiny
-
-    def make(seed: int = 0, **spec: object):
-        return loaded_tiny(TinySpec(**spec), seed)
-
-    return make
-
-
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,55 @@
+"""Which lane a request runs in: interactive (0), normal (1) or background (2).
+
+In order: the request's own `priority` field (vLLM convention: lower is more urgent; values are
+clamped to the lanes) or an `X-Priority` header (a lane name or number), then the API key's default,
+then its length: short prompts with short answers are interactive, very long prompts background.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.multilevel import BACKGROUND, INTERACTIVE, LANES, NORMAL
+
+
+@dataclass(frozen=True)
+class LaneThresholds:
+    interactive_max_prompt_tokens: int = 512
+    interactive_max_tokens: int = 256
+    background_min_prompt_tokens: int = 4096
+
+
+def parse_lane(value: str | int) -> int:
+    """A lane from a number (clamped) or a name; ValueError naming the accepted values otherwise."""
+    if isinstance(value, int):
+        return min(max(value, INTERACTIVE), BACKGROUND)
+    text = value.strip().lower()
+    if text in LANES:
+        return LANES.index(text)
+    try:
+        return parse_lane(int(text))
+    except ValueError:
+        raise ValueError(f"priority must be a number or one of {', '.join(LANES)}; got {value!r}") from None
+
+
+def classify(
+    priority: int | None,
+    header: str | None,
+    key_default: int | None,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    thresholds: LaneThresholds | None = None,
+) -> int:
+    if priority is not None:
+        return parse_lane(priority)
+    if header:
+        return parse_lane(header)
+    if key_default is not None:
+        return parse_lane(key_default)
+    limits = thresholds or LaneThresholds()
+    if num_prompt_tokens >= limits.background_min_prompt_tokens:
+        return BACKGROUND
+    short_answer = max_tokens is not None and max_tokens <= limits.interactive_max_tokens
+    if num_prompt_tokens <= limits.interactive_max_prompt_tokens and short_answer:
+        return INTERACTIVE
+    return NORMAL

@@ -1,0 +1,133 @@
+"""Multi-level queue policy for the engine scheduler: interactive, normal and background lanes.
+
+A request's lane is its `priority` (0 interactive, 1 normal, 2 background; the classifier in
+`policies/classify.py` decides it). Rules, in order:
+
+- Within a lane: first come, first served; preempted requests return to the front of their lane.
+- Across lanes: the most urgent non-empty lane goes first, except that
+  * waiting promotes (aging): every `aging_s` a request has waited lifts it one lane;
+  * normal keeps a minimum share: when normal's share of recently scheduled tokens is below
+    `normal_min_share` and normal has work waiting, normal goes before interactive;
+  * background only runs on idle capacity: it is admitted only when no other lane is waiting.
+- Preemption: the victim is the least urgent, newest running request; an interactive arrival that
+  cannot be admitted may preempt a running normal or background request (`urgent_victim`).
+
+Pure logic: the clock is injected, no I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+INTERACTIVE, NORMAL, BACKGROUND = 0, 1, 2
+LANES = ("interactive", "normal", "background")
+
+
+class Queued(Protocol):
+    """What the policy reads of a request (the engine's Request satisfies it)."""
+
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class MultiLevelConfig:
+    aging_s: float = 10.0  # waiting this long lifts a request one lane
+    normal_min_share: float = 0.2  # of recently scheduled tokens, kept for normal when it has work
+    share_window_tokens: int = 4096  # the "recently" of normal_min_share (exponential decay horizon)
+
+
+def lane_of(request: Queued) -> int:
+    return min(max(request.priority, INTERACTIVE), BACKGROUND)
+
+
+class MultiLevelPolicy:
+    """Implements the scheduler's QueuePolicy protocol (see runtimes/llm/queue_policy.py)."""
+
+    def __init__(self, config: MultiLevelConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config or MultiLevelConfig()
+        self.clock = clock
+        self._lanes: tuple[deque[Queued], ...] = (deque(), deque(), deque())
+        self._recent_tokens = [0.0, 0.0, 0.0]  # decayed count of scheduled tokens per lane
+
+    # -------------------------------------------------------------------------------- queue protocol
+
+    def add(self, request: Queued) -> None:
+        self._lanes[lane_of(request)].append(request)
+
+    def requeue(self, request: Queued) -> None:
+        self._lanes[lane_of(request)].appendleft(request)
+
+    def peek(self) -> Queued | None:
+        lane = self._next_lane()
+        return None if lane is None else self._lanes[lane][0]
+
+    def pop(self) -> Queued:
+        lane = self._next_lane()
+        if lane is None:
+            raise IndexError("pop from an empty multi-level queue")
+        return self._lanes[lane].popleft()
+
+    def remove(self, request: Queued) -> bool:
+        for lane in self._lanes:
+            try:
+                lane.remove(request)
+            except ValueError:
+                continue
+            return True
+        return False
+
+    def pick_victim(self, running: Sequence[Queued]) -> Queued:
+        return max(running, key=lambda r: (lane_of(r), r.arrival_time))
+
+    def urgent_victim(self, waiting: Queued, running: Sequence[Queued]) -> Queued | None:
+        """A running request an interactive arrival may displace: strictly less urgent, least urgent first."""
+        if lane_of(waiting) != INTERACTIVE:
+            return None
+        candidates = [r for r in running if lane_of(r) > INTERACTIVE]
+        return self.pick_victim(candidates) if candidates else None
+
+    def on_scheduled(self, request: Queued, num_tokens: int) -> None:
+        """Feed the share accounting: tokens the scheduler just gave `request`."""
+        decay = max(0.0, 1.0 - num_tokens / self.config.share_window_tokens)
+        self._recent_tokens = [count * decay for count in self._recent_tokens]
+        self._recent_tokens[lane_of(request)] += num_tokens
+
+    def __len__(self) -> int:
+        return sum(len(lane) for lane in self._lanes)
+
+    def __iter__(self) -> Iterator[Queued]:
+        for lane in self._lanes:
+            yield from lane
+
+    # -------------------------------------------------------------------------------- lane choice
+
+    def _effective_lane(self, lane: int) -> float:
+        """The lane of a lane's head after aging (fractional: longer waits rank first within a level)."""
+        head = self._lanes[lane][0]
+        waited = max(0.0, self.clock() - head.arrival_time)
+        return lane - waited / self.config.aging_s
+
+    def _next_lane(self) -> int | None:
+        waiting = [lane for lane in range(3) if self._lanes[lane]]
+        if not waiting:
+            return None
+        if NORMAL in waiting and self._normal_starved():
+            return NORMAL
+        foreground = [lane for lane in waiting if lane != BACKGROUND]
+        if not foreground:
+            return BACKGROUND
+        # aging may lift a long-waiting background head into the foreground competition
+        contenders = foreground + ([BACKGROUND] if BACKGROUND in waiting
+                                   and self._effective_lane(BACKGROUND) < BACKGROUND - 1 else [])
+        return min(contenders, key=lambda lane: (self._effective_lane(lane), lane))
+
+    def _normal_starved(self) -> bool:
+        total = sum(self._recent_tokens)
+        if total < 1.0:
+            return False
+        return self._recent_tokens[NORMAL] / total < self.config.normal_min_share
