@@ -1,0 +1,191 @@
+"""`multiserve partition plan|status`: the partitioner from the command line (gateway/cli.py only registers it).
+
+Exit status: 0 done; 1 the plan is infeasible or a device read failed (the message says what and where);
+2 bad input (registry, inventory or shapes file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from partitioner.backend import DeviceBackend, DeviceError
+from partitioner.inventory import GIB, Inventory, InventoryFileError, inventory_to_dict, read_inventory
+from partitioner.plan import InfeasiblePlan, Plan
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+INVENTORIES = "configs/inventories"
+
+
+def add_partition_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `partition plan` and `partition status` on the `multiserve` parser."""
+    part = sub.add_parser("partition", help="plan and inspect how replicas share GPUs (MIG, MPS, time-slicing)")
+    actions = part.add_subparsers(dest="partition_command", required=True)
+    plan = actions.add_parser("plan", help="print where every replica of the registry would run, and with what")
+    plan.add_argument("--config", default=str(DEFAULT_CONFIG), help="the registry YAML")
+    _add_inventory_argument(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--gpus", default=None, help="GPU indices the plan may use, e.g. 0,1 (default: all)")
+    plan.add_argument("--shapes", default=None,
+                      help="JSON of model name -> {num_layers, num_kv_heads, head_dim, weights_bytes, ...}")
+    plan.add_argument("--mig-fallback", choices=["mps", "timeslice"], default=None,
+                      help="isolation for mig models when no GPU the plan may use can do MIG")
+    plan.add_argument("--max-memory-fraction", type=float, default=0.95,
+                      help="of each GPU's (or MIG device's) memory, at most this much for our replicas")
+    plan.set_defaults(func=run_plan)
+    status = actions.add_parser("status", help="print the device inventory (NVML, or a fake/CPU one)")
+    _add_inventory_argument(status)
+    status.add_argument("--json", action="store_true", help="print the inventory as JSON")
+    status.set_defaults(func=run_status)
+
+
+def _add_inventory_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--inventory", default=None,
+                        help=f"plan for the GPUs of this file (e.g. {INVENTORIES}/h100-80gb.json) instead of NVML's")
+
+
+def load_host_inventory(inventory_file: str | None, env: Mapping[str, str]) -> Inventory:
+    """The inventory file's GPUs (a fake backend), else this host's through NVML (a CPU inventory without it)."""
+    backend: DeviceBackend
+    if inventory_file is not None:
+        from partitioner.fake_backend import FakeBackend
+
+        backend = FakeBackend.from_file(inventory_file)
+    else:
+        from partitioner.mps_probe import candidate_pipe_directories, probe_mps
+        from partitioner.nvml_backend import NvmlBackend
+
+        backend = NvmlBackend(mps_probe=lambda: probe_mps(candidate_pipe_directories(env)))
+    return read_inventory(backend)
+
+
+def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+             env: Mapping[str, str] | None = None) -> int:
+    """`partition plan`: the registry's replicas planned onto the inventory, as a table or JSON."""
+    out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
+    from model_pool.errors import RegistryError
+    from model_pool.store import load_registry
+    from partitioner.demand import load_shapes, replica_demands
+    from partitioner.planner import PlanOptions, plan
+
+    try:
+        registry = load_registry(args.config)
+        shapes = load_shapes(args.shapes) if args.shapes else {}
+        gpus = _gpu_indices(args.gpus) if args.gpus is not None else None
+        inventory = load_host_inventory(args.inventory, env)
+        options = PlanOptions(gpus=gpus, mig_fallback=args.mig_fallback,
+                              max_memory_fraction=args.max_memory_fraction)
+    except (RegistryError, InventoryFileError, ValueError) as exc:
+        print(f"error: {exc}", file=err)
+        return 2
+    except DeviceError as exc:
+        print(f"error: reading the devices: {exc}", file=err)
+        return 1
+    try:
+        result = plan(inventory, replica_demands(registry, shapes), options)
+    except InfeasiblePlan as exc:
+        print(f"error: infeasible plan for {args.config} on {inventory.source}:", file=err)
+        for problem in exc.problems:
+            print(f"  - {problem}", file=err)
+        return 1
+    out.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else render_plan(result))
+    return 0
+
+
+def run_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+               env: Mapping[str, str] | None = None) -> int:
+    """`partition status`: the inventory, saying plainly when it is a CPU or fake one."""
+    out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
+    try:
+        inventory = load_host_inventory(args.inventory, env)
+    except InventoryFileError as exc:
+        print(f"error: {exc}", file=err)
+        return 2
+    except DeviceError as exc:
+        print(f"error: reading the devices: {exc}", file=err)
+        return 1
+    if args.json:
+        out.write(json.dumps({"kind": inventory_kind(inventory), **inventory_to_dict(inventory)}, indent=2) + "\n")
+    else:
+        out.write(render_inventory(inventory))
+    return 0
+
+
+def _gpu_indices(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        raise ValueError(f"--gpus: expected GPU indices such as 0,1; got {text!r}") from None
+
+
+def inventory_kind(inventory: Inventory) -> str:
+    """"nvml" (this host's GPUs), "fake" (a file's) or "cpu" (no GPU)."""
+    return "cpu" if inventory.is_cpu else "fake" if inventory.source.startswith("fake:") else "nvml"
+
+
+def render_inventory(inventory: Inventory) -> str:
+    kind = inventory_kind(inventory)
+    lines = [f"inventory: {inventory.source}"]
+    if kind == "cpu":
+        lines.append("CPU inventory: no GPU listed because " + (inventory.note or "none was found") + ".")
+        lines.append(f"To plan for a GPU host, pass --inventory {INVENTORIES}/<gpu>.json.")
+    elif kind == "fake":
+        lines.append(f"FAKE inventory read from {inventory.source[5:]}: not this machine's GPUs.")
+    if inventory.note and kind != "cpu":
+        lines.append(f"note: {inventory.note}")
+    rows = [[f"gpu{d.index}", d.name, d.uuid, f"{_gib(d.memory_used_bytes)} / {_gib(d.memory_total_bytes)}",
+             _mig_mode(d.mig_mode, d.mig_mode_pending),
+             ", ".join(f"{m.profile}@{m.start}" for m in d.mig_devices) or "-",
+             ", ".join(str(p.pid) for p in d.processes) or "-"] for d in inventory.devices]
+    if rows:
+        lines += ["", *table(["GPU", "NAME", "UUID", "MEMORY USED", "MIG", "MIG DEVICES", "PIDS"], rows)]
+    mps = inventory.mps
+    lines.append("")
+    lines.append("MPS control daemon: " + (f"running (pids {list(mps.control_pids)}, pipe directories "
+                                           f"{list(mps.pipe_directories)})" if mps.running else "not running"))
+    return "\n".join(lines) + "\n"
+
+
+def render_plan(plan: Plan) -> str:
+    lines = [f"inventory: {plan.inventory_source}", ""]
+    rows = [[d.key, d.name, d.mode + ("" if d.managed else " (not ours)"),
+             f"{_gib(d.planned_bytes)} / {_gib(d.capacity_bytes)}" if d.capacity_bytes is not None else "-",
+             _gib(d.foreign_bytes) if d.foreign_bytes else "-", ", ".join(d.replica_ids) or "-"]
+            for d in plan.devices]
+    lines += table(["DEVICE", "NAME", "MODE", "PLANNED / USABLE", "OTHERS USE", "REPLICAS"], rows)
+    rows = [[r.replica_id, r.device_key, r.isolation, _gib(r.memory_bytes),
+             "-" if r.memory_fraction is None else f"{r.memory_fraction:.3f}", _gib(r.kv_cache_bytes),
+             "-" if r.sm_percent is None else str(r.sm_percent), f"{r.weight:g} ({r.weight_share:.0%})",
+             r.env.get("CUDA_VISIBLE_DEVICES") or "(none)"] for r in plan.replicas]
+    lines += ["", *table(["REPLICA", "DEVICE", "ISOLATION", "MEMORY", "FRACTION", "KV CACHE", "SM %", "WEIGHT",
+                          "CUDA_VISIBLE_DEVICES"], rows)]
+    actions = plan.actions()
+    lines += ["", "actions:" if actions else "actions: none (the devices already match the plan)"]
+    lines += [f"  - {a.describe()}" for a in actions]
+    notes = [*plan.notes, *(f"{r.replica_id}: {r.note}" for r in plan.replicas if r.note)]
+    if notes:
+        lines += ["", "notes:", *(f"  - {n}" for n in notes)]
+    return "\n".join(lines) + "\n"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=False)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in [list(headers), *rows]]
+
+
+def _mig_mode(current: bool | None, pending: bool | None) -> str:
+    if current is None:
+        return "n/a"
+    state = "on" if current else "off"
+    return state if pending == current else f"{state} (pending {'on' if pending else 'off'})"
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:.2f} GiB"

@@ -1,0 +1,149 @@
+"""What each replica asks of a device: memory (weights + KV budget), SM share, isolation and time-slice weight.
+
+Model shapes are inputs (`ModelShape`, e.g. from a `--shapes` file), never read from the weights here: the
+planner is pure and fast, and plans can be made for models that are not on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from model_pool.schema import Device, Isolation, ModelSpec, Registry
+from partitioner.inventory import GIB, MIB
+from partitioner.plan import InfeasiblePlan
+
+# Each process on a GPU pays for its CUDA context, cuBLAS workspaces and activations on top of weights and KV.
+DEFAULT_OVERHEAD_BYTES = 512 * MIB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a model that size its memory (from its config: layers, KV heads, head size, context)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    weights_bytes: int  # as loaded on the device (dequantized size if the runtime dequantizes)
+    kv_dtype_bytes: int = 2  # fp16/bf16 KV cache
+    context_len: int | None = None  # the model's own maximum context (max_position_embeddings)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, for every layer and KV head: 2 × layers × kv_heads × head_dim × dtype bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+
+@dataclass(frozen=True)
+class ReplicaDemand:
+    """One replica's ask. `memory_bytes` None: unknown (no shape and no `placement.memory_gib`)."""
+
+    model: str
+    replica: int
+    isolation: Isolation
+    memory_bytes: int | None
+    kv_cache_bytes: int | None = None
+    sm_percent: int | None = None
+    weight: float = 1.0
+    device: Device = "auto"
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.model}/{self.replica}"
+
+
+def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None = None,
+                    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> list[ReplicaDemand]:
+    """One demand per replica of every enabled, locally launched model. Raises `InfeasiblePlan` when a model's own
+    numbers contradict each other (its `memory_gib` cannot hold its weights and KV budget)."""
+    shapes = shapes or {}
+    demands, problems = [], []
+    for i, model in enumerate(registry.models):
+        if not model.enabled or model.replicas == 0 or model.launcher == "url":
+            continue  # nothing of ours runs on a device for it
+        try:
+            memory, kv = replica_memory(model, shapes.get(model.name), overhead_bytes)
+        except ValueError as exc:
+            problems.append(f"models[{i}] {model.name}: {exc}")
+            continue
+        placement = model.placement
+        demands += [ReplicaDemand(model=model.name, replica=r, isolation=placement.isolation, memory_bytes=memory,
+                                  kv_cache_bytes=kv, sm_percent=placement.sm_percent, weight=placement.weight,
+                                  device=model.device) for r in range(model.replicas)]
+    if problems:
+        raise InfeasiblePlan(problems)
+    return demands
+
+
+def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: int) -> tuple[int | None, int | None]:
+    """(device memory, KV-cache bytes) of one replica; either may be None (unknown). Raises ValueError.
+
+    KV budget: `engine.kv_cache_gib` when set; else what `placement.memory_gib` leaves after weights and overhead;
+    else one `max_model_len` sequence (the least that serves a full-length request). Embedding models have none.
+    """
+    is_llm = model.type != "embedding"
+    explicit_kv = _bytes(model.engine.kv_cache_gib) if is_llm else None
+    one_seq = _one_sequence_kv(model, shape) if is_llm else None
+    weights = shape.weights_bytes if shape is not None else None
+    total = _bytes(model.placement.memory_gib)
+    if total is not None:
+        if weights is None:
+            return total, explicit_kv
+        budget = explicit_kv if explicit_kv is not None else (total - weights - overhead_bytes if is_llm else 0)
+        need = weights + budget + overhead_bytes
+        if need > total:
+            raise ValueError(f"placement.memory_gib {_gib(total)} cannot hold weights {_gib(weights)} + KV cache "
+                             f"{_gib(budget)} + overhead {_gib(overhead_bytes)}: short by {_gib(need - total)}")
+        _check_kv(budget if is_llm else None, one_seq, model)
+        return total, budget if is_llm else None
+    kv = explicit_kv if explicit_kv is not None else one_seq
+    _check_kv(kv, one_seq, model)
+    if weights is None:
+        return None, kv
+    return weights + (kv or 0) + overhead_bytes, kv
+
+
+def _one_sequence_kv(model: ModelSpec, shape: ModelShape | None) -> int | None:
+    tokens = model.engine.max_model_len or (shape.context_len if shape is not None else None)
+    if shape is None or tokens is None:
+        return None
+    block = model.engine.block_size
+    return math.ceil(tokens / block) * block * shape.kv_bytes_per_token
+
+
+def _check_kv(kv: int | None, one_seq: int | None, model: ModelSpec) -> None:
+    if kv is not None and one_seq is not None and kv < one_seq:
+        raise ValueError(f"a KV cache of {_gib(kv)} holds less than one {model.engine.max_model_len or 'full'}-token "
+                         f"sequence ({_gib(one_seq)}): short by {_gib(one_seq - kv)}")
+
+
+def _bytes(gib: float | None) -> int | None:
+    return None if gib is None else int(gib * GIB)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def load_shapes(path: str | Path) -> dict[str, ModelShape]:
+    """A JSON file `{model name: {num_layers, num_kv_heads, head_dim, weights_bytes, ...}}`. Raises ValueError."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object of model name -> shape")
+    allowed = {f.name for f in fields(ModelShape)}
+    shapes = {}
+    for name, entry in data.items():
+        unknown = set(entry) - allowed if isinstance(entry, dict) else {"(not an object)"}
+        if unknown:
+            raise ValueError(f"{path}: {name}: unknown field(s) {sorted(unknown)}; known: {sorted(allowed)}")
+        try:
+            shapes[name] = ModelShape(**entry)
+        except TypeError as exc:
+            raise ValueError(f"{path}: {name}: {exc}") from None
+    return shapes

@@ -1,0 +1,191 @@
+"""`DeviceBackend` over NVML. The only module of multiserve that imports `pynvml` (package nvidia-ml-py).
+
+It only reads: nothing here changes MIG mode, instances, clocks or any other device setting. A host without the
+NVML library or driver is not an error: `open` raises `BackendUnavailable` with the reason, and
+`inventory.read_inventory` turns that into a CPU inventory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+from partitioner.backend import BackendUnavailable, DeviceError, ErrorKind
+from partitioner.inventory import MIB, DeviceProcess, GpuDevice, MigDevice, MigProfile, MpsStatus
+from partitioner.mps_probe import DEFAULT_PIPE_DIRECTORY, probe_mps
+
+# NVML error class name -> our kind. Names, not codes, so a fake module in tests needs only the classes it raises.
+_KINDS: dict[str, ErrorKind] = {
+    "NVMLError_NoPermission": "no_permission",
+    "NVMLError_InUse": "in_use",
+    "NVMLError_InsufficientResources": "insufficient_resources",
+    "NVMLError_NotSupported": "not_supported",
+    "NVMLError_InvalidArgument": "invalid_argument",
+    "NVMLError_NotFound": "not_found",
+}
+_INIT_REASONS = {
+    "NVMLError_LibraryNotFound": "the NVML library (libnvidia-ml.so.1) was not found: no NVIDIA driver here",
+    "NVMLError_DriverNotLoaded": "the NVIDIA driver is not loaded",
+    "NVMLError_NoPermission": "no permission to open NVML",
+}
+_PROFILE_NAME = re.compile(r"(\d+g\.\d+gb(?:\+me)?)")
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class NvmlBackend:
+    """Reads GPUs through NVML. `nvml` replaces the `pynvml` module (tests); `mps_probe` the MPS scan."""
+
+    source = "nvml"
+
+    def __init__(self, nvml: ModuleType | None = None,
+                 mps_probe: Callable[[], MpsStatus] | None = None) -> None:
+        self._module = nvml
+        self._mps_probe = mps_probe or (lambda: probe_mps([DEFAULT_PIPE_DIRECTORY]))
+        self._nvml: Any = None
+
+    def open(self) -> None:
+        try:
+            nvml = self._module or importlib.import_module("pynvml")
+        except ImportError as exc:
+            raise BackendUnavailable(f"pynvml is not installed ({exc})") from None
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            reason = _INIT_REASONS.get(type(exc).__name__, f"NVML did not start: {exc}")
+            raise BackendUnavailable(reason) from None
+        except OSError as exc:  # a broken library that loads but cannot be called
+            raise BackendUnavailable(f"NVML did not start: {exc}") from None
+        self._nvml = nvml
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """NVML errors -> `DeviceError` naming what was being read."""
+        try:
+            yield
+        except self._nvml.NVMLError as exc:
+            raise DeviceError(_KINDS.get(type(exc).__name__, "unknown"), f"{what}: {exc}") from None
+
+    def _lib(self) -> Any:
+        if self._nvml is None:
+            raise RuntimeError("NvmlBackend used before open()")
+        return self._nvml
+
+    def gpu_count(self) -> int:
+        nvml = self._lib()
+        with self._errors("counting GPUs"):
+            return int(nvml.nvmlDeviceGetCount())
+
+    def read_gpu(self, index: int) -> GpuDevice:
+        nvml = self._lib()
+        with self._errors(f"GPU {index}"):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            mig_mode, pending = self._mig_mode(handle)
+            profiles = self._profiles(handle) if mig_mode else ()
+            mig_devices, processes = (self._mig_devices(handle, profiles) if mig_mode
+                                      else ((), self._processes(handle, None)))
+            return GpuDevice(
+                index=index, uuid=_text(nvml.nvmlDeviceGetUUID(handle)), name=_text(nvml.nvmlDeviceGetName(handle)),
+                memory_total_bytes=int(memory.total), memory_free_bytes=int(memory.free),
+                memory_used_bytes=int(memory.used), mig_mode=mig_mode, mig_mode_pending=pending,
+                mig_profiles=profiles, mig_devices=mig_devices,
+                processes=processes)
+
+    def read_mps(self) -> MpsStatus:
+        return self._mps_probe()
+
+    def _mig_mode(self, handle: Any) -> tuple[bool | None, bool | None]:
+        nvml = self._nvml
+        try:
+            current, pending = nvml.nvmlDeviceGetMigMode(handle)
+        except nvml.NVMLError_NotSupported:
+            return None, None
+        enabled = nvml.NVML_DEVICE_MIG_ENABLE
+        return current == enabled, pending == enabled
+
+    def _profiles(self, handle: Any) -> tuple[MigProfile, ...]:
+        """Every GPU-instance profile NVML offers (only while MIG mode is on), with its possible placements."""
+        nvml = self._nvml
+        profiles: list[MigProfile] = []
+        for enum_id in range(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            try:
+                info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, enum_id)
+            except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument, nvml.NVMLError_NotFound):
+                continue  # this GPU has no such profile
+            if info.instanceCount == 0:
+                continue
+            starts, size = self._placements(handle, info.id, info.instanceCount)
+            match = _PROFILE_NAME.search(_text(info.name))
+            profiles.append(MigProfile(
+                name=match.group(1) if match else _text(info.name), profile_id=int(info.id),
+                slice_count=int(info.sliceCount), memory_slices=size, memory_bytes=int(info.memorySizeMB) * MIB,
+                sm_count=int(info.multiprocessorCount), max_instances=int(info.instanceCount), placements=starts))
+        return tuple(profiles)
+
+    def _placements(self, handle: Any, profile_id: int, capacity: int) -> tuple[tuple[int, ...], int]:
+        nvml = self._nvml
+        # The placement list holds at most one entry per slot; 8 slots on every MIG GPU so far, 16 leaves room.
+        array = (nvml.c_nvmlGpuInstancePlacement_t * max(16, capacity))()
+        count = ctypes.c_uint(len(array))
+        try:
+            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile_id, array, ctypes.byref(count))
+        except nvml.NVMLError_FunctionNotFound:  # a driver too old for the _v2 call: no placements known
+            return (), 0
+        entries = [array[i] for i in range(count.value)]
+        return tuple(sorted(int(e.start) for e in entries)), (int(entries[0].size) if entries else 0)
+
+    def _mig_devices(self, handle: Any, profiles: tuple[MigProfile, ...],
+                     ) -> tuple[tuple[MigDevice, ...], tuple[DeviceProcess, ...]]:
+        nvml = self._nvml
+        devices: list[MigDevice] = []
+        processes: list[DeviceProcess] = []
+        for i in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except nvml.NVMLError_NotFound:
+                continue  # no MIG device at this index
+            uuid = _text(nvml.nvmlDeviceGetUUID(mig))
+            match = _PROFILE_NAME.search(_text(nvml.nvmlDeviceGetName(mig)))
+            attributes = nvml.nvmlDeviceGetAttributes(mig)
+            gi_id = int(nvml.nvmlDeviceGetGpuInstanceId(mig))
+            profile = match.group(1) if match else "unknown"
+            start, size = self._gpu_instance_placement(handle, gi_id)
+            if size is None:  # not allowed to ask: the profile's placement size is the same number
+                size = next((p.memory_slices for p in profiles if p.name == profile), 0)
+            devices.append(MigDevice(
+                uuid=uuid, profile=profile, start=start,
+                memory_slices=size, slice_count=int(attributes.gpuInstanceSliceCount),
+                memory_total_bytes=int(nvml.nvmlDeviceGetMemoryInfo(mig).total), gpu_instance_id=gi_id))
+            processes += self._processes(mig, uuid)
+        return tuple(devices), tuple(processes)
+
+    def _gpu_instance_placement(self, handle: Any, gi_id: int) -> tuple[int | None, int | None]:
+        nvml = self._nvml
+        try:
+            info = nvml.nvmlGpuInstanceGetInfo(nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id))
+        except nvml.NVMLError_NoPermission:  # listing GPU instances is privileged
+            return None, None
+        return int(info.placement.start), int(info.placement.size)
+
+    def _processes(self, handle: Any, device_uuid: str | None) -> tuple[DeviceProcess, ...]:
+        nvml = self._nvml
+        try:
+            found = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except nvml.NVMLError_NotSupported:
+            return ()
+        return tuple(DeviceProcess(pid=int(p.pid), device_uuid=device_uuid,
+                                   used_memory_bytes=None if p.usedGpuMemory is None else int(p.usedGpuMemory))
+                     for p in found)

@@ -1,0 +1,275 @@
+"""The planner: a pure function from an inventory and replica demands to a `Plan` (or `InfeasiblePlan`).
+
+Each GPU gets one mode. `mig`: every replica its own MIG device (an existing free one first, else the smallest
+profile that holds it, placed by an exhaustive slot search). `mps`: replicas share the GPU under MPS with thread
+percentages summing to at most 100 and pinned-memory limits. `timeslice`: replicas share it by weight (the
+arbiter enforces it). `exclusive`: one replica alone. Replicas on the CPU are time-sliced by weight.
+
+Demands are placed in a fixed order (exclusive, mig, mps, timeslice; larger first; then by id), each on the first
+GPU that takes it (GPUs already in its mode first), so the same input always gives the same plan. Memory admission
+counts what processes that are not ours use. GPUs outside `PlanOptions.gpus` are never touched, and MIG mode is
+never turned off.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from partitioner.demand import ReplicaDemand
+from partitioner.inventory import GIB, GpuDevice, Inventory, MigDevice, MigProfile
+from partitioner.mig_fit import Slot, fit_placements, max_compute_slices, plannable_profiles
+from partitioner.mps_probe import MULTISERVE_PIPE_ROOT
+from partitioner.plan import DeviceMode, InfeasiblePlan, Plan
+from partitioner.plan_build import build_plan
+
+_ORDER = {"exclusive": 0, "mig": 1, "mps": 2, "timeslice": 3}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the operator decides beyond the registry."""
+
+    gpus: tuple[int, ...] | None = None  # GPU indices the config lets us use; None: every GPU of the inventory
+    own_pids: frozenset[int] = frozenset()  # our replicas' processes: their memory is ours to re-plan, not foreign
+    max_memory_fraction: float = 0.95  # of a GPU's (or MIG device's) memory, for our replicas together
+    mig_fallback: Literal["mps", "timeslice"] | None = None  # for mig demands when no named GPU can do MIG
+    mps_pipe_root: str = MULTISERVE_PIPE_ROOT  # one pipe directory per GPU below it
+    max_mps_clients: int = 48  # MPS's per-device client limit
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_memory_fraction <= 1:
+            raise ValueError(f"max_memory_fraction must be in (0, 1], got {self.max_memory_fraction}")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A demand with the isolation it gets and where it goes."""
+
+    demand: ReplicaDemand
+    isolation: str  # what it gets: mig | mps | timeslice | exclusive, or "cpu" (time-sliced on the CPU)
+    note: str = ""
+    profile: MigProfile | None = None  # a MIG device to create
+    reused: MigDevice | None = None  # an existing MIG device
+
+
+@dataclass
+class GpuState:
+    """One GPU while planning (the only mutable state, local to one `plan` call)."""
+
+    dev: GpuDevice
+    managed: bool
+    foreign_bytes: int
+    capacity_bytes: int
+    mode: DeviceMode = "none"
+    placed: list[Placed] = field(default_factory=list)
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(p.demand.memory_bytes or 0 for p in self.placed)
+
+    def label(self) -> str:
+        return f"GPU {self.dev.index} ({self.dev.name})"
+
+
+def plan(inventory: Inventory, demands: Sequence[ReplicaDemand], options: PlanOptions | None = None) -> Plan:
+    """Place every demand on a device of `inventory`. Raises `InfeasiblePlan` listing every demand that does not
+    fit, where it was tried and by how much it missed."""
+    options = options or PlanOptions()
+    ids = [d.replica_id for d in demands]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"replica ids repeat: {sorted({i for i in ids if ids.count(i) > 1})}")
+    missing = sorted(set(options.gpus or ()) - {dev.index for dev in inventory.devices})
+    if missing:
+        raise InfeasiblePlan([f"the config names GPU(s) {missing}, which the inventory ({inventory.source}) "
+                              f"does not have (it has {[dev.index for dev in inventory.devices]})"])
+    gpus = [_gpu_state(dev, options) for dev in inventory.devices]
+    managed = [g for g in gpus if g.managed]
+    resolved = [_resolve(d, managed, inventory, options) for d in demands]
+    problems = [r for r in resolved if isinstance(r, str)]
+    cpu: list[Placed] = []
+    for placed in sorted((r for r in resolved if not isinstance(r, str)), key=_order_key):
+        if placed.isolation == "cpu":
+            cpu.append(placed)
+            continue
+        problem = _place(placed, managed, options)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise InfeasiblePlan(problems)
+    return build_plan(inventory, gpus, cpu, options)
+
+
+def _gpu_state(dev: GpuDevice, options: PlanOptions) -> GpuState:
+    own = options.own_pids
+    foreign = sum(p.used_memory_bytes or 0 for p in dev.processes if p.pid not in own)
+    if not dev.mig_mode:  # the driver's own reservations show in `used` too; those are not ours either
+        own_used = sum(p.used_memory_bytes or 0 for p in dev.processes if p.pid in own)
+        foreign = max(foreign, dev.memory_used_bytes - own_used)
+    managed = options.gpus is None or dev.index in options.gpus
+    return GpuState(dev, managed, foreign, int(dev.memory_total_bytes * options.max_memory_fraction) - foreign)
+
+
+def _order_key(p: Placed) -> tuple[int, int, int, str, int]:
+    d = p.demand
+    return (_ORDER.get(p.isolation, 4), -(d.memory_bytes or 0), -(d.sm_percent or 0), d.model, d.replica)
+
+
+def _resolve(d: ReplicaDemand, managed: list[GpuState], inventory: Inventory,
+             options: PlanOptions) -> Placed | str:
+    """Where the demand goes (the CPU, or a GPU with which isolation), or the problem why it cannot go anywhere."""
+    on_cpu = "" if d.isolation == "timeslice" else f"{d.isolation} isolation needs a GPU; time-sliced on the CPU"
+    if d.device == "cpu":
+        return Placed(d, "cpu", on_cpu)
+    if not managed:
+        if d.device == "cuda":
+            why = (f"the inventory has none ({inventory.source}{': ' + inventory.note if inventory.note else ''})"
+                   if inventory.is_cpu else f"the config names none of the inventory's GPUs {options.gpus}")
+            return f"{d.replica_id}: needs a GPU (device: cuda), but {why}"
+        return Placed(d, "cpu", on_cpu)
+    if d.memory_bytes is None:
+        return (f"{d.replica_id}: its memory is unknown, so it cannot be admitted to a GPU: set the model's "
+                f"placement.memory_gib, or give its shape (layers, KV heads, head size, weight bytes)")
+    if d.isolation == "mig" and not any(g.dev.mig_capable and plannable_profiles(g.dev) for g in managed):
+        gpus = ", ".join(g.label() for g in managed)
+        if options.mig_fallback is None:
+            return f"{d.replica_id}: needs a MIG device, but no GPU it may use can do MIG ({gpus}); set a fallback"
+        return Placed(d, options.mig_fallback, f"no MIG-capable GPU ({gpus}): {options.mig_fallback} instead of mig")
+    return Placed(d, d.isolation)
+
+
+def _place(p: Placed, gpus: list[GpuState], options: PlanOptions) -> str | None:
+    """Put `p` on a GPU; the problem (with every GPU's reason) if none takes it."""
+    if p.isolation == "mig":
+        return _place_mig(p, gpus, options)
+    reasons = []
+    for gpu in sorted(gpus, key=lambda g: (g.mode != p.isolation, g.dev.index)):
+        reason = _shared_gpu_refusal(p, gpu, options)
+        if reason is None:
+            gpu.mode = p.isolation  # type: ignore[assignment]  # mps | timeslice | exclusive
+            gpu.placed.append(p)
+            return None
+        reasons.append(f"{gpu.label()}: {reason}")
+    return _refused(p, reasons)
+
+
+def _shared_gpu_refusal(p: Placed, gpu: GpuState, options: PlanOptions) -> str | None:
+    if gpu.dev.mig_mode:
+        return "MIG mode is on (only mig replicas; the planner never turns MIG off)"
+    if gpu.mode not in ("none", p.isolation) or (p.isolation == "exclusive" and gpu.placed):
+        return f"already planned for {gpu.mode} with {len(gpu.placed)} replica(s) (one mode per GPU)"
+    need, free = p.demand.memory_bytes or 0, gpu.capacity_bytes - gpu.planned_bytes
+    if need > free:
+        return (f"{_gib(free)} free of {_gib(gpu.capacity_bytes)} usable ({len(gpu.placed)} replica(s) planned, "
+                f"{_gib(gpu.foreign_bytes)} used by other processes): short by {_gib(need - free)}")
+    if p.isolation == "mps":
+        if len(gpu.placed) >= options.max_mps_clients:
+            return f"MPS allows {options.max_mps_clients} clients per device"
+        shares = [q.demand.sm_percent or 1 for q in gpu.placed] + [p.demand.sm_percent or 1]
+        if sum(shares) > 100:
+            return f"MPS thread percentages would sum to {sum(shares)} %: over 100 % by {sum(shares) - 100}"
+    return None
+
+
+def _place_mig(p: Placed, gpus: list[GpuState], options: PlanOptions) -> str | None:
+    reused = _free_mig_device(p, gpus, options)
+    if reused is not None:
+        gpu, device = reused
+        gpu.mode = "mig"
+        gpu.placed.append(Placed(p.demand, "mig", p.note, reused=device))
+        return None
+    reasons = []
+    order = sorted(gpus, key=lambda g: (0 if g.dev.mig_mode else 1 if g.mode == "mig" else 2, g.dev.index))
+    for gpu in order:
+        reason = _mig_refusal(gpu)
+        if reason is None:
+            profile = _first_fitting_profile(p, gpu, options)
+            if profile is not None:
+                gpu.mode = "mig"
+                gpu.placed.append(Placed(p.demand, "mig", p.note, profile=profile))
+                return None
+            reason = _no_profile_reason(p, gpu, options)
+        reasons.append(f"{gpu.label()}: {reason}")
+    return _refused(p, reasons)
+
+
+def _mig_refusal(gpu: GpuState) -> str | None:
+    dev = gpu.dev
+    if not dev.mig_capable or not plannable_profiles(dev):
+        return "cannot do MIG"
+    if not dev.mig_mode:
+        if gpu.mode not in ("none", "mig"):
+            return f"already planned for {gpu.mode}"
+        if dev.processes:
+            return f"MIG mode is off and {len(dev.processes)} process(es) run on it (enabling MIG needs it idle)"
+    if any(m.start is None for m in dev.mig_devices):
+        return "the placements of its MIG devices are unknown (listing GPU instances needs root)"
+    return None
+
+
+def _sm_needed(demand: ReplicaDemand, dev: GpuDevice) -> int:
+    full = max((q.sm_count for q in dev.mig_profiles), default=0)
+    return math.ceil((demand.sm_percent or 0) * full / 100)
+
+
+def _fits(demand: ReplicaDemand, memory_bytes: int, sm_count: int, dev: GpuDevice, options: PlanOptions) -> bool:
+    return ((demand.memory_bytes or 0) <= int(memory_bytes * options.max_memory_fraction)
+            and sm_count >= _sm_needed(demand, dev))
+
+
+def _free_mig_device(p: Placed, gpus: list[GpuState],
+                     options: PlanOptions) -> tuple[GpuState, MigDevice] | None:
+    """The smallest existing MIG device that holds the demand and that nobody else uses."""
+    candidates = []
+    for gpu in gpus:
+        if not gpu.dev.mig_mode:
+            continue
+        busy = {q.device_uuid for q in gpu.dev.processes if q.pid not in options.own_pids}
+        taken = {q.reused.uuid for q in gpu.placed if q.reused is not None}
+        for m in gpu.dev.mig_devices:
+            known = gpu.dev.profile(m.profile)
+            sm = known.sm_count if known else 0
+            if m.uuid not in busy | taken and _fits(p.demand, m.memory_total_bytes, sm, gpu.dev, options):
+                candidates.append(((m.memory_total_bytes, m.slice_count, gpu.dev.index, m.start or 0, m.uuid),
+                                   gpu, m))
+    if not candidates:
+        return None
+    _, gpu, device = min(candidates, key=lambda c: c[0])
+    return gpu, device
+
+
+def _first_fitting_profile(p: Placed, gpu: GpuState, options: PlanOptions) -> MigProfile | None:
+    dev = gpu.dev
+    planned = [q.profile for q in gpu.placed if q.profile is not None]
+    taken = [Slot.of(m) for m in dev.mig_devices]
+    for profile in plannable_profiles(dev):
+        if _fits(p.demand, profile.memory_bytes, profile.sm_count, dev, options) and \
+                fit_placements([*planned, profile], taken, max_compute_slices(dev)) is not None:
+            return profile
+    return None
+
+
+def _no_profile_reason(p: Placed, gpu: GpuState, options: PlanOptions) -> str:
+    fitting = [q for q in plannable_profiles(gpu.dev) if _fits(p.demand, q.memory_bytes, q.sm_count, gpu.dev, options)]
+    if not fitting:
+        largest = plannable_profiles(gpu.dev)[-1]
+        usable = int(largest.memory_bytes * options.max_memory_fraction)
+        short = max((p.demand.memory_bytes or 0) - usable, 0)
+        sm = f" and {_sm_needed(p.demand, gpu.dev)} SMs" if p.demand.sm_percent else ""
+        return (f"no MIG profile holds {_gib(p.demand.memory_bytes or 0)}{sm}: the largest, {largest.name}, "
+                f"gives {_gib(usable)} usable ({largest.sm_count} SMs): short by {_gib(short)}")
+    taken = [f"{m.profile} at slot {m.start} (existing)" for m in gpu.dev.mig_devices]
+    taken += [f"{q.profile.name} for {q.demand.replica_id}" for q in gpu.placed if q.profile is not None]
+    return f"no free slots for {fitting[0].name} or larger: taken by " + ", ".join(taken)
+
+
+def _refused(p: Placed, reasons: list[str]) -> str:
+    d = p.demand
+    sm = f", {d.sm_percent} % SMs" if d.sm_percent else ""
+    return f"{d.replica_id} ({p.isolation}, needs {_gib(d.memory_bytes or 0)}{sm}) does not fit: " + "; ".join(reasons)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"

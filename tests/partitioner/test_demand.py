@@ -1,0 +1,93 @@
+"""Replica demands from the registry: memory = weights + KV budget (+ overhead), KV bytes from the model's shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_pool.schema import Registry
+from partitioner.demand import ModelShape, load_shapes, replica_demands
+from partitioner.inventory import GIB, MIB
+from partitioner.plan import InfeasiblePlan
+
+# Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 weights (8.03 B parameters)
+LLAMA3_8B = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, weights_bytes=16_060_000_000, context_len=8192)
+OVERHEAD = 512 * MIB
+
+
+def registry(*models: dict) -> Registry:
+    base = {"type": "chat", "source": {"path": "/m.gguf"}}
+    return Registry.model_validate({"models": [{**base, **m} for m in models]})
+
+
+def test_kv_bytes_per_token_is_2_layers_kv_heads_head_dim_dtype():
+    assert LLAMA3_8B.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert ModelShape(30, 3, 64, weights_bytes=0, kv_dtype_bytes=1).kv_bytes_per_token == 11520
+
+
+def test_memory_is_weights_plus_kv_budget_plus_overhead():
+    reg = registry({"name": "llama", "replicas": 2, "placement": {"isolation": "mps", "sm_percent": 40, "weight": 2},
+                    "engine": {"kv_cache_gib": 4}})
+    demands = replica_demands(reg, {"llama": LLAMA3_8B}, overhead_bytes=OVERHEAD)
+    assert [d.replica_id for d in demands] == ["llama/0", "llama/1"]
+    d = demands[0]
+    assert d.kv_cache_bytes == 4 * GIB and d.memory_bytes == LLAMA3_8B.weights_bytes + 4 * GIB + OVERHEAD
+    assert (d.isolation, d.sm_percent, d.weight, d.device) == ("mps", 40, 2.0, "auto")
+
+
+def test_without_a_kv_budget_one_max_length_sequence_is_reserved():
+    reg = registry({"name": "llama", "engine": {"max_model_len": 1000, "block_size": 16}})
+    (d,) = replica_demands(reg, {"llama": LLAMA3_8B}, overhead_bytes=0)
+    assert d.kv_cache_bytes == 1008 * 128 * 1024  # 1000 tokens rounded up to whole 16-token blocks
+    assert d.memory_bytes == LLAMA3_8B.weights_bytes + d.kv_cache_bytes
+
+
+def test_memory_gib_is_the_whole_budget_and_leaves_the_rest_to_kv():
+    reg = registry({"name": "llama", "placement": {"memory_gib": 24}})
+    (d,) = replica_demands(reg, {"llama": LLAMA3_8B}, overhead_bytes=OVERHEAD)
+    assert d.memory_bytes == 24 * GIB
+    assert d.kv_cache_bytes == 24 * GIB - LLAMA3_8B.weights_bytes - OVERHEAD
+
+
+def test_memory_gib_without_a_shape_is_taken_as_given_and_unknown_stays_unknown():
+    reg = registry({"name": "a", "placement": {"memory_gib": 3}, "engine": {"kv_cache_gib": 1}},
+                   {"name": "b", "engine": {"kv_cache_gib": 1}})
+    a, b = replica_demands(reg)
+    assert (a.memory_bytes, a.kv_cache_bytes) == (3 * GIB, GIB)
+    assert (b.memory_bytes, b.kv_cache_bytes) == (None, GIB)
+
+
+def test_embedding_models_have_no_kv_cache():
+    reg = registry({"name": "e", "type": "embedding", "engine": {"kv_cache_gib": 1}})
+    (d,) = replica_demands(reg, {"e": ModelShape(6, 12, 32, weights_bytes=90 * MIB)}, overhead_bytes=OVERHEAD)
+    assert d.kv_cache_bytes is None and d.memory_bytes == 90 * MIB + OVERHEAD
+
+
+def test_disabled_scaled_to_zero_and_remote_models_ask_nothing():
+    reg = registry({"name": "off", "enabled": False}, {"name": "zero", "replicas": 0},
+                   {"name": "remote", "launcher": "url", "urls": ["http://h:1"], "source": None},
+                   {"name": "on", "device": "cpu"})
+    assert [(d.replica_id, d.device) for d in replica_demands(reg)] == [("on/0", "cpu")]
+
+
+def test_contradicting_numbers_are_refused_by_how_much():
+    reg = registry({"name": "small", "placement": {"memory_gib": 16}, "engine": {"kv_cache_gib": 4}},
+                   {"name": "tiny-kv", "engine": {"kv_cache_gib": 0.5, "max_model_len": 8192}})
+    with pytest.raises(InfeasiblePlan) as exc:
+        replica_demands(reg, {"small": LLAMA3_8B, "tiny-kv": LLAMA3_8B}, overhead_bytes=OVERHEAD)
+    first, second = exc.value.problems
+    assert first.startswith("models[0] small: placement.memory_gib 16.00 GiB cannot hold weights 14.96 GiB")
+    assert "short by 3.46 GiB" in first
+    assert second.startswith("models[1] tiny-kv: a KV cache of 0.50 GiB holds less than one 8192-token sequence")
+    assert "short by 0.50 GiB" in second
+
+
+def test_shapes_file(tmp_path):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps({"llama": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128,
+                                          "weights_bytes": 16_060_000_000, "context_len": 8192}}))
+    assert load_shapes(path) == {"llama": LLAMA3_8B}
+    path.write_text(json.dumps({"llama": {"layers": 32}}))
+    with pytest.raises(ValueError, match=r"llama: unknown field\(s\) \['layers'\]"):
+        load_shapes(path)

@@ -1,0 +1,191 @@
+"""Properties of every plan, over random inventories (shipped GPU kinds, MIG on or off, existing MIG devices,
+other processes) and random demands: memory within capacity, MPS shares within 100 %, MIG layouts valid and
+non-overlapping, deterministic, GPUs not named left alone, and an applied plan re-planned needs no actions."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partitioner.backend import DeviceError
+from partitioner.fake_backend import FakeBackend
+from partitioner.inventory import GIB, DeviceProcess, Inventory
+from partitioner.mig_fit import max_compute_slices
+from partitioner.plan import InfeasiblePlan, Plan
+from partitioner.planner import PlanOptions, plan
+from tests.partitioner.conftest import GPU_FILES, demand, gpus
+
+PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def inventories(draw: st.DrawFn) -> Inventory:
+    devices = []
+    for index in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(GPU_FILES))
+        fake = FakeBackend(gpus(kind))
+        if draw(st.booleans()):
+            fake.set_mig_mode(0, True)
+            gpu = fake.read_gpu(0)
+            for _ in range(draw(st.integers(0, 3))):  # a few existing MIG devices, wherever they fit
+                profile = draw(st.sampled_from([p for p in gpu.mig_profiles if "+" not in p.name]))
+                try:
+                    made = fake.create_mig_device(0, profile.name, draw(st.sampled_from(profile.placements)))
+                except DeviceError:  # occupied: this layout just has fewer devices
+                    continue
+                if draw(st.integers(0, 3)) == 0:
+                    fake.add_process(0, pid=1000 + index, used_memory_bytes=GIB, device_uuid=made.uuid)
+        elif draw(st.booleans()):
+            fake.add_process(0, pid=2000 + index, used_memory_bytes=draw(st.integers(1, 60)) * GIB,
+                             reported=draw(st.booleans()))
+        gpu = fake.read_gpu(0)
+        devices.append(replace(gpu, index=index, uuid=f"{gpu.uuid[:-2]}{index:02d}"))
+    return Inventory(devices=tuple(devices), source="fake:property")
+
+
+@st.composite
+def demand_lists(draw: st.DrawFn) -> list:
+    out = []
+    for model in range(draw(st.integers(1, 8))):
+        isolation = draw(st.sampled_from(["mig", "mig", "mps", "timeslice", "exclusive"]))
+        out.append(demand(f"m{model}", draw(st.integers(0, 2)), isolation, draw(st.integers(1, 70)),
+                          sm_percent=draw(st.one_of(st.none(), st.integers(1, 60))),
+                          weight=draw(st.sampled_from([0.5, 1.0, 3.0])),
+                          device=draw(st.sampled_from(["auto"] * 6 + ["cpu"]))))
+    return out
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Inventory, list, PlanOptions]:
+    """An inventory, demands, and options naming (or not) some of the inventory's GPUs."""
+    inventory = draw(inventories())
+    count = len(inventory.devices)
+    named = draw(st.one_of(st.none(), st.lists(st.integers(0, count - 1), max_size=count, unique=True).map(tuple)))
+    opts = PlanOptions(gpus=named, mig_fallback=draw(st.sampled_from([None, "mps", "timeslice"])))
+    return inventory, draw(demand_lists()), opts
+
+
+def try_plan(inventory: Inventory, demands: list, opts: PlanOptions) -> Plan | None:
+    try:
+        return plan(inventory, demands, opts)
+    except InfeasiblePlan as exc:
+        assert exc.problems and all(p for p in exc.problems)
+        return None
+
+
+@PROPERTY
+@given(cases())
+def test_memory_fits_and_mps_shares_stay_within_100_percent(case):
+    inventory, demands, opts = case
+    result = try_plan(inventory, demands, opts)
+    if result is None:
+        return
+    assert sorted(r.replica_id for r in result.replicas) == sorted(d.replica_id for d in demands)
+    for device in result.devices:
+        mine = [r for r in result.replicas if r.device_key == device.key]
+        assert sorted(r.replica_id for r in mine) == sorted(device.replica_ids)
+        if device.mode in ("mps", "timeslice", "exclusive") and device.index is not None:
+            assert sum(r.memory_bytes or 0 for r in mine) <= device.capacity_bytes
+            gpu = inventory.gpu(device.index)
+            assert device.capacity_bytes <= gpu.memory_total_bytes * 0.95 - device.foreign_bytes + 1
+        if device.mode == "mps":
+            assert all((r.sm_percent or 0) >= 1 for r in mine) and sum(r.sm_percent or 0 for r in mine) <= 100
+        if device.mode == "exclusive":
+            assert len(mine) == 1
+        if device.mode == "mig":
+            by_replica = {m.replica_id: m for m in device.mig_devices}
+            for r in mine:
+                assert (r.memory_bytes or 0) <= int(by_replica[r.replica_id].memory_bytes * 0.95)
+                assert r.env["CUDA_VISIBLE_DEVICES"] == by_replica[r.replica_id].device_ref
+
+
+@PROPERTY
+@given(cases())
+def test_mig_layouts_are_valid_and_do_not_overlap(case):
+    inventory, demands, opts = case
+    result = try_plan(inventory, demands, opts)
+    if result is None:
+        return
+    for device in result.devices:
+        if device.mode != "mig":
+            continue
+        gpu = inventory.gpu(device.index)
+        used: set[int] = set()
+        existing = [(m.profile, m.start, m.memory_slices, m.slice_count) for m in gpu.mig_devices]
+        planned = []
+        for m in device.mig_devices:
+            profile = gpu.profile(m.profile)
+            if m.uuid is None:
+                assert m.start in profile.placements
+                planned.append((m.profile, m.start, m.memory_slices, profile.slice_count))
+        counts: dict[str, int] = {}
+        for name, start, size, _ in existing + planned:
+            slots = set(range(start, start + size))
+            assert not slots & used, f"overlap at {sorted(slots & used)} on GPU {device.index}"
+            used |= slots
+            counts[name] = counts.get(name, 0) + 1
+            assert counts[name] <= gpu.profile(name).max_instances
+        assert sum(s for *_, s in existing + planned) <= max_compute_slices(gpu)
+        assert all(0 <= s < 8 for s in used)
+
+
+@PROPERTY
+@given(cases(), st.randoms(use_true_random=False))
+def test_planning_is_deterministic(case, rnd: random.Random):
+    inventory, demands, opts = case
+    shuffled = list(demands)
+    rnd.shuffle(shuffled)
+    first, again, other_order = (try_plan(inventory, d, opts) for d in (demands, demands, shuffled))
+    assert first == again == other_order
+
+
+@PROPERTY
+@given(cases())
+def test_gpus_not_named_are_left_alone(case):
+    inventory, demands, opts = case
+    result = try_plan(inventory, demands, opts)
+    if result is None or opts.gpus is None:
+        return
+    for device in result.devices:
+        if device.index is not None and device.index not in opts.gpus:
+            assert not device.managed and device.mode == "none" and not device.replica_ids
+    assert all(a.gpu_index in opts.gpus for a in result.actions())
+    assert all(r.gpu_index is None or r.gpu_index in opts.gpus for r in result.replicas)
+
+
+def apply_on_fake(result: Plan, inventory: Inventory) -> Inventory:
+    """What the applier will do, done on a fake backend (next session's applier replaces this)."""
+    fake = FakeBackend(inventory)
+    for action in result.actions():
+        if action.kind == "enable_mig":
+            fake.set_mig_mode(action.gpu_index, True)
+        elif action.kind == "create_mig_device":
+            fake.create_mig_device(action.gpu_index, action.profile, action.start)
+        else:
+            fake.start_mps(action.pipe_directory, pid=30000 + action.gpu_index)
+    return fake.snapshot()
+
+
+@PROPERTY
+@given(cases())
+def test_an_applied_plan_replans_with_no_actions(case):
+    inventory, demands, opts = case
+    result = try_plan(inventory, demands, opts)
+    if result is None:
+        return
+    applied = apply_on_fake(result, inventory)
+    again = plan(applied, demands, opts)
+    assert again.actions() == ()
+    # the same replicas on the same devices, now on real MIG devices
+    assert [(r.replica_id, r.device_key, r.isolation) for r in again.replicas] == \
+        [(r.replica_id, r.device_key, r.isolation) for r in result.replicas]
+
+
+def test_property_inventories_include_busy_gpus():
+    """A plain example beside the properties: a foreign process's memory shrinks what a GPU offers."""
+    inventory = gpus(processes={0: [DeviceProcess(pid=1, used_memory_bytes=10 * GIB)]})
+    result = plan(inventory, [demand("a", 0, gib=1)])
+    assert result.device("gpu0").foreign_bytes == 10 * GIB
