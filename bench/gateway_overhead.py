@@ -1,24 +1,23 @@
 """Gateway overhead: the latency the gateway adds in front of a fast fake backend, and the rate it holds.
 
-Setup: `bench.fake_backend` (a raw ASGI OpenAI stub, no delays) and `multiserve serve` (the real gateway,
-registry: one chat model `fake`, `launcher: url` pointing at the stub) run as two subprocesses on loopback.
-This process is the load generator: an httpx.AsyncClient per target with keep-alive, `C` requests in flight
-(closed loop), the same request body either way. Latency is time.perf_counter around one request, until
-the whole reply is read; for streams also the time to the first body chunk (TTFB).
+Two subprocesses on loopback: `bench.fake_backend` (a raw ASGI OpenAI stub, no delays) and `multiserve serve`
+(the real gateway; registry: one chat model `fake`, `launcher: url` pointing at the stub). This process is
+the load generator: one keep-alive httpx.AsyncClient per target, C requests in flight (closed loop), the same
+body to both targets. Latency: time.perf_counter around one request until the whole reply is read; streams
+also report TTFB (time to the first body chunk).
 
-Scenarios: non-streaming chat at each `--concurrency` (C=1 is the pure added latency; the highest C gives
-the request rate) and streaming chat at each `--stream-concurrency`. Per scenario: `--warmup` untimed
-requests to each target, then `--repeats` repeats of `--requests` timed requests per target, sent in
-`--chunks` chunks alternating direct/gateway (the first target alternates per repeat) to cancel drift.
-Per repeat: p50/p99 of each target and added = gateway - direct; reported: medians over repeats.
-Also reported: requests/s, and the server process's CPU per request (/proc; the gateway for gateway
-requests, the backend for direct ones). All three processes share this machine's cores: at C>1 the
-client's own CPU competes with the gateway's, so req/s is a floor, and 1e6 / CPU µs the ceiling of one
-gateway process on a free core. Goal (issue): added <= 1 ms at p50 and <= 5 ms at p99 (non-streaming, C=1).
+Scenarios: non-streaming chat at each `--concurrency` (C=1: the pure added latency; higher C: the request
+rate) and streaming chat at each `--stream-concurrency`. Per scenario: `--warmup` untimed requests per
+target, then `--repeats` x `--requests` timed ones per target in `--chunks` chunks alternating direct and
+gateway (the first target alternates per repeat) to cancel drift. Per repeat: p50/p99 per target and
+added = gateway - direct; reported: medians over repeats, req/s, and CPU per request (/proc) of the server
+process (backend for direct, gateway for gateway) and of this client. All processes share the cores, so at
+C>1 the gateway's req/s is a floor and 1e6 / its CPU µs per request the ceiling on a free core.
+Goal (the issue): added <= 1 ms at p50 and <= 5 ms at p99, non-streaming at C=1.
 
-Results: a markdown table on stdout, one JSON line appended to `--out`. `--profile-gateway` runs the
-gateway under cProfile and prints its top functions (the profiler inflates every time, the gateway's start-up
-is included, and cProfile counts each resumption of a coroutine as a call; use few requests).
+Results: a markdown table on stdout, a JSON line appended to `--out`. `--profile-gateway [PROF]` runs the
+gateway under cProfile and prints its top functions (inflated times, start-up included, and each resumption
+of a coroutine counts as a call; use few requests).
 
     python -m bench.gateway_overhead                                   # 3 repeats x 2000 requests, ~2 min
     python -m bench.gateway_overhead --requests 200 --warmup 50 --repeats 1        # smoke test
@@ -69,10 +68,8 @@ class Samples:
     latency: list[float] = field(default_factory=list)
     ttfb: list[float] = field(default_factory=list)
     wall_s: float = 0.0
-    cpu_s: float = 0.0
-
-
-# ------------------------------------------------------------------------------------ processes
+    cpu_s: float = 0.0  # the server process's (backend for direct, gateway for gateway)
+    client_cpu_s: float = 0.0  # this process's: the load generator's httpx client
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -111,15 +108,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc; 0 elsewhere)."""
+    """utime + stime of a process (Linux /proc, 10 ms ticks; 0 elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-# ------------------------------------------------------------------------------------ load
 
 
 async def one_request(client: httpx.AsyncClient, url: str, stream: bool) -> tuple[float, float]:
@@ -148,14 +142,15 @@ async def run_chunk(client: httpx.AsyncClient, url: str, n: int, concurrency: in
             results.append(await one_request(client, url, stream))
 
     gc.collect()
-    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    cpu0, client0, t0 = cpu_seconds(pid), time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
-    wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    wall, cpu, own = time.perf_counter() - t0, cpu_seconds(pid) - cpu0, time.process_time() - client0
     if into is not None:
         into.latency += [r[0] for r in results]
         into.ttfb += [r[1] for r in results]
         into.wall_s += wall
         into.cpu_s += cpu
+        into.client_cpu_s += own
 
 
 async def run_scenario(args: argparse.Namespace, stream: bool, concurrency: int, urls: dict[str, str],
@@ -184,9 +179,6 @@ async def run_scenario(args: argparse.Namespace, stream: bool, concurrency: int,
             await client.aclose()
 
 
-# ------------------------------------------------------------------------------------ report
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -205,20 +197,23 @@ def summarize(name: str, concurrency: int, repeats: list[dict[str, Samples]], me
     for m in MODES:
         row[f"{m}_rps"] = statistics.median(len(s[m].latency) / s[m].wall_s for s in repeats)
         row[f"{m}_server_cpu_us_per_req"] = statistics.median(s[m].cpu_s / len(s[m].latency) * 1e6 for s in repeats)
+        row[f"{m}_client_cpu_us_per_req"] = statistics.median(s[m].client_cpu_s / len(s[m].latency) * 1e6
+                                                              for s in repeats)
     return row
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| scenario | C | metric | direct p50 | direct p99 | gateway p50 | gateway p99 | added p50 | added p99 "
-            "| direct req/s | gateway req/s | backend CPU µs/req | gateway CPU µs/req |")
+            "| direct req/s | gateway req/s | backend CPU µs/req | gateway CPU µs/req | client CPU µs/req |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         ms = " | ".join(f"{r[k]:.3f}" for k in ("direct_p50_ms", "direct_p99_ms", "gateway_p50_ms", "gateway_p99_ms",
                                                  "added_p50_ms", "added_p99_ms"))
         lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['metric']} | {ms} | {r['direct_rps']:.0f} | "
                      f"{r['gateway_rps']:.0f} | {r['direct_server_cpu_us_per_req']:.0f} | "
-                     f"{r['gateway_server_cpu_us_per_req']:.0f} |")
-    return "\n".join(lines) + "\n\n(latencies in ms; added = gateway - direct per repeat, median over repeats)"
+                     f"{r['gateway_server_cpu_us_per_req']:.0f} | {r['direct_client_cpu_us_per_req']:.0f} |")
+    return "\n".join(lines) + ("\n\n(latencies in ms; added = gateway - direct per repeat, median over repeats; "
+                               "CPU per request from /proc, 10 ms ticks; client = this load generator, direct)")
 
 
 def goal_check(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,9 +239,6 @@ def machine_info() -> dict[str, Any]:
             "httpx": httpx.__version__}
 
 
-# ------------------------------------------------------------------------------------ main
-
-
 def start_servers(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, str]]:
     backend_port, gateway_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
@@ -254,13 +246,14 @@ def start_servers(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.
                        tmp / "backend.log"))
     wait_ready(f"http://127.0.0.1:{backend_port}/ready", procs[0], tmp / "backend.log")
     (tmp / "registry.yaml").write_text(REGISTRY.format(port=backend_port))
-    prof = ["-m", "cProfile", "-o", str(tmp / "gateway.prof")] if args.profile_gateway else []
+    prof = ["-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve())] if args.profile_gateway else []
+    if args.profile_gateway:
+        Path(args.profile_gateway).parent.mkdir(parents=True, exist_ok=True)
     procs.append(spawn([sys.executable, *prof, "-m", "gateway.cli", "serve", "--config", str(tmp / "registry.yaml"),
                         "--port", str(gateway_port)], tmp / "gateway.log"))
     wait_ready(f"http://127.0.0.1:{gateway_port}/ready", procs[1], tmp / "gateway.log")
-    path = "/v1/chat/completions"
-    return procs, {"direct": f"http://127.0.0.1:{backend_port}{path}",
-                   "gateway": f"http://127.0.0.1:{gateway_port}{path}"}
+    return procs, {mode: f"http://127.0.0.1:{port}/v1/chat/completions"
+                   for mode, port in zip(MODES, (backend_port, gateway_port), strict=True)}
 
 
 async def run_all(args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int]) -> list[dict[str, Any]]:
@@ -286,8 +279,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stream-concurrency", type=int, nargs="*", default=[1], help="streaming scenarios")
     parser.add_argument("--out", default="bench/results/gateway_overhead.jsonl",
                         help="JSON line appended here ('' to skip)")
-    parser.add_argument("--profile-gateway", action="store_true",
-                        help="run the gateway under cProfile and print its top functions")
+    parser.add_argument("--profile-gateway", nargs="?", const="bench/results/gateway_overhead.prof", default=None,
+                        metavar="PROF", help="run the gateway under cProfile (stats saved to PROF) and print its "
+                                             "top functions")
     return parser.parse_args(argv)
 
 
@@ -300,11 +294,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             procs, urls = start_servers(args, tmp)
             rows = asyncio.run(run_all(args, urls, {"direct": procs[0].pid, "gateway": procs[1].pid}))
+        except Exception:
+            log_path = tmp / "gateway.log"
+            if log_path.exists():
+                print("gateway log tail:\n" + log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise
         finally:
             for proc in reversed(procs):
                 stop(proc)
-        if args.profile_gateway:
-            stats = pstats.Stats(str(tmp / "gateway.prof"), stream=sys.stdout)
+        if args.profile_gateway and Path(args.profile_gateway).exists():
+            stats = pstats.Stats(args.profile_gateway, stream=sys.stdout)
             stats.sort_stats("tottime").print_stats(25)
             stats.sort_stats("cumulative").print_stats(PROFILE_FILTER, 40)
     goal = goal_check(rows)
@@ -313,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(<= {GOAL_MS['p50']}: {'ok' if goal.get('p50_ok') else 'MISSED'}), added p99 {goal.get('added_p99_ms')}"
           f" ms (<= {GOAL_MS['p99']}: {'ok' if goal.get('p99_ok') else 'MISSED'})")
     record = {"bench": "gateway_overhead", "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              **info, "config": {k: v for k, v in vars(args).items() if k != "out"}, "goal": goal, "results": rows}
+              **info, "loadavg_end": os.getloadavg(), "config": {k: v for k, v in vars(args).items() if k != "out"},
+              "goal": goal, "results": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with Path(args.out).open("a") as f:

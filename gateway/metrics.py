@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from model_pool.health import BreakerState
 from model_pool.pool import ModelPool
 from model_pool.replica import ReplicaState
-from runtimes.server.metrics import E2E_BUCKETS_S, TTFT_BUCKETS_S
+from runtimes.server.buckets import E2E_BUCKETS_S, TTFT_BUCKETS_S
 
 PREFIX = "multiserve_gateway"
 

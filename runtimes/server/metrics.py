@@ -13,13 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from runtimes.llm.engine import LLMEngine
+from runtimes.server.buckets import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
 
 PREFIX = "multiserve"
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                  20.0, 40.0, 80.0)
-ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
-                 120.0, 240.0, 480.0, 960.0)
 
 
 class _EngineCollector(Collector):
