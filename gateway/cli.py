@@ -59,11 +59,12 @@ def _worker(args: argparse.Namespace) -> int:
     from runtimes.server.worker import parse_engine_json, run_worker
 
     try:
-        config = parse_engine_json(args.engine_json, args.device)
+        config = parse_engine_json(args.engine_json, args.device, args.type)
     except ValueError as err:  # json.JSONDecodeError included
         print(f"error: --engine-json: {err}", file=sys.stderr)
         return 2
-    run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level)
+    run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level,
+               model_type=args.type)
     return 0
 
 
@@ -71,12 +72,16 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
     worker = sub.add_parser("worker", help="serve one model replica over an OpenAI-compatible HTTP API")
     worker.add_argument("--source", required=True, help="a GGUF/HF path or package:file")
     worker.add_argument("--name", required=True, help="the model name clients send")
+    worker.add_argument("--type", default="chat", choices=("chat", "completion", "embedding"),
+                        help="the registry's model type: chat and completion models get the LLM engine, "
+                             "embedding models the encoder engine and /v1/embeddings (default: chat)")
     worker.add_argument("--alias", action="append", default=[], help="another accepted name (repeatable)")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=8000)
     worker.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default: engine-json or auto)")
     worker.add_argument("--engine-json", default=None,
-                        help='EngineConfig fields as JSON, e.g. \'{"block_size": 16, "kv_cache_gib": 1}\'')
+                        help='EngineConfig (or, for --type embedding, EmbeddingConfig) fields as JSON, '
+                             'e.g. \'{"block_size": 16, "kv_cache_gib": 1}\'')
     worker.add_argument("--log-level", default="warning", help="uvicorn's log level")
     worker.set_defaults(func=_worker)
 
@@ -111,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_worker_parser(sub)
     _add_serve_parser(sub)
+    from partitioner.cli import add_partition_parser
+
+    add_partition_parser(sub)
     return parser
 
 

@@ -37,8 +37,9 @@ class LaunchRequest:
     index: int
     source: str  # path or package:file, as `multiserve worker --source` takes it
     aliases: tuple[str, ...] = ()
+    model_type: str = "chat"  # the registry's type: chat | completion | embedding (`multiserve worker --type`)
     device: str = "cpu"
-    engine: Mapping[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    engine: Mapping[str, Any] = field(default_factory=dict)  # the registry's engine options (as engine_kwargs)
     env: Mapping[str, str] = field(default_factory=dict)  # from the partitioner's plan
     url: str | None = None  # for replicas started elsewhere
 
@@ -98,7 +99,7 @@ class LocalLauncher:
 
     def command(self, request: LaunchRequest, port: int) -> list[str]:
         cmd = [self.python, "-m", "gateway.cli", "worker", "--source", request.source, "--name", request.model,
-               "--host", self.host, "--port", str(port), "--device", request.device,
+               "--type", request.model_type, "--host", self.host, "--port", str(port), "--device", request.device,
                "--engine-json", json.dumps(dict(request.engine))]
         for alias in request.aliases:
             cmd += ["--alias", alias]

@@ -113,7 +113,8 @@ class ModelPool:
         urls = spec.urls or []
         request = LaunchRequest(
             model=spec.name, index=replica.index, source=source_ref(spec), aliases=tuple(spec.aliases),
-            device=spec.device, engine={k: v for k, v in spec.engine_kwargs().items() if k != "device"},
+            model_type=spec.type, device=spec.device,
+            engine={k: v for k, v in spec.engine_kwargs().items() if k != "device"},
             env=dict(self.env_for(spec, replica.index)),
             url=urls[replica.index] if replica.index < len(urls) else None,
         )

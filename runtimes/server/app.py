@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP face of one engine (one replica). It serves one model and never routes.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
-GET /health, GET /ready, GET /metrics. Every error leaves in OpenAI's shape via runtimes.server.errors.
+GET /health, GET /ready, GET /metrics; POST /v1/embeddings answers 400 naming the endpoints that fit
+(embedding models have their own app: runtimes/server/embedding_app.py).
+Every error leaves in OpenAI's shape via runtimes.server.errors.
 """
 
 from __future__ import annotations
@@ -11,12 +13,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 import anyio
 import jinja2
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,36 +25,35 @@ from starlette.routing import Route
 from policies.classify import classify
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.server.errors import APIError, exception_handlers
+from runtimes.server.errors import APIError
 from runtimes.server.generation import Generation
+from runtimes.server.intake import wrong_endpoint
 from runtimes.server.metrics import ServerMetrics
-from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from runtimes.server.replica import ReplicaState, run_startup_probe
+from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
+from runtimes.server.replica import run_startup_probe
+from runtimes.server.replica_app import ReplicaEndpoints, assemble_app
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_body, completion_body
 from runtimes.server.streaming import SSEResponse, chat_events, completion_events, sse_stream, until_disconnect
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
-RequestT = TypeVar("RequestT", bound=SamplingFields)
 log = structlog.get_logger(__name__)
 
 
-class _Server:
+class _Server(ReplicaEndpoints):
     """State shared by the endpoints of one app: the engine, names, metrics and readiness."""
 
     def __init__(self, engine: AsyncLLMEngine, served_name: str, aliases: Sequence[str],
                  clock: Callable[[], float], wall_clock: Callable[[], float], max_body_bytes: int,
                  probe_timeout_s: float) -> None:
+        metrics = ServerMetrics(engine.engine, served_name)
+        super().__init__(engine, served_name, aliases, engine.engine.max_model_len, metrics, wall_clock,
+                         max_body_bytes)
         self.engine = engine
-        self.served_name = served_name
-        self.names = (served_name, *(a for a in aliases if a != served_name))
+        self.metrics: ServerMetrics = metrics  # narrowed: the LLM endpoints record TTFT, ITL, tokens
         self.clock = clock
-        self.wall_clock = wall_clock
-        self.max_body_bytes = max_body_bytes
         self.probe_timeout_s = probe_timeout_s
-        self.replica = ReplicaState()
-        self.metrics = ServerMetrics(engine.engine, served_name)
         self.logprobs = LogprobFormatter(engine.engine.tokenizer)
 
     @asynccontextmanager
@@ -78,33 +77,10 @@ class _Server:
             log.warning("engine still busy at shutdown", timeout_s=timeout_s)
         await asyncio.sleep(0.02)  # an abort's last output may be between the engine's bookkeeping and delivery
 
-    # ------------------------------------------------------------------------------------------ probes
-
-    async def health(self, request: Request) -> Response:
-        if self.engine.dead_error is not None:
-            return JSONResponse({"status": "dead", "reason": self.replica.unready_reason(self.engine)}, 503)
-        return JSONResponse({"status": "ok"})
-
-    async def ready(self, request: Request) -> Response:
-        reason = self.replica.unready_reason(self.engine)
-        if reason is not None:
-            return JSONResponse({"status": "unavailable", "model": self.served_name, "reason": reason}, 503)
-        return JSONResponse({"status": "ready", "model": self.served_name})
-
-    async def metrics_text(self, request: Request) -> Response:
-        return Response(self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def models(self, request: Request) -> Response:
-        created = int(self.wall_clock())
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "multiserve",
-                 "root": self.served_name, "parent": None, "max_model_len": self.engine.engine.max_model_len}
-                for name in self.names]
-        return JSONResponse({"object": "list", "data": data})
-
     # ------------------------------------------------------------------------------------------ generation
 
     async def completions(self, request: Request) -> Response:
-        body = await self._parse(request, CompletionRequest)
+        body = await self.parse_body(request, CompletionRequest)
         params = body.to_sampling_params()
         prompt = body.prompt
         if isinstance(prompt, str):
@@ -121,7 +97,7 @@ class _Server:
         return JSONResponse(completion_body(meta, choices, gen.num_prompt_tokens, logprobs))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await self._parse(request, ChatCompletionRequest)
+        body = await self.parse_body(request, ChatCompletionRequest)
         params = body.to_sampling_params()
         prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
         lane = self._lane(request, body.priority, prompt, params)
@@ -164,31 +140,6 @@ class _Server:
         await gen.start()
         return gen
 
-    async def _parse(self, request: Request, model: type[RequestT]) -> RequestT:
-        refusal = self.replica.refusal(self.engine)
-        if refusal is not None:
-            raise APIError(503, f"replica of {self.served_name!r} is unavailable: {refusal}", retry_after_s=1)
-        body = model.model_validate_json(await self._read_body(request))
-        if body.model not in self.names:
-            served = ", ".join(repr(n) for n in self.names)
-            raise APIError(404, f"the model {body.model!r} does not exist on this replica (it serves {served})",
-                           param="model", code="model_not_found")
-        return body
-
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body is {declared} bytes, over the limit of {limit} bytes",
-                           code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
 
 def build_app(
     engine: AsyncLLMEngine,
@@ -212,13 +163,7 @@ def build_app(
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/ready", server.ready, methods=["GET"]),
-        Route("/metrics", server.metrics_text, methods=["GET"]),
+        Route("/v1/embeddings", wrong_endpoint(served_name, "a generative", "/v1/chat/completions or /v1/completions"),
+              methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers=exception_handlers(), lifespan=server.lifespan)
-    app.state.engine = engine
-    app.state.replica = server.replica
-    app.state.metrics = server.metrics
-    return app
+    return assemble_app(server, routes, engine, server.lifespan)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 import structlog
@@ -19,6 +20,12 @@ log = structlog.get_logger(__name__)
 PROBE_PROMPT = "ping"
 
 
+class EngineLiveness(Protocol):
+    """What readiness reads of an engine's async face (the LLM's or the embedding one's)."""
+
+    dead_error: BaseException | None
+
+
 @dataclass
 class ReplicaState:
     """Mutable on purpose: the lifespan sets `ready`/`failure`, an operator or pool sets `draining`."""
@@ -27,7 +34,7 @@ class ReplicaState:
     draining: bool = False  # refuse new requests; in-flight ones finish
     failure: str | None = None  # why the startup probe failed
 
-    def unready_reason(self, engine: AsyncLLMEngine) -> str | None:
+    def unready_reason(self, engine: EngineLiveness) -> str | None:
         """None when ready; otherwise what an operator should read in /ready's 503."""
         if engine.dead_error is not None:
             return f"the engine thread died: {engine.dead_error!r}"
@@ -39,7 +46,7 @@ class ReplicaState:
             return "loading: the startup probe has not passed yet"
         return None
 
-    def refusal(self, engine: AsyncLLMEngine) -> str | None:
+    def refusal(self, engine: EngineLiveness) -> str | None:
         """Why a new request must be refused (503); a replica still warming up accepts work."""
         reason = self.unready_reason(engine)
         return None if reason is None or reason.startswith("loading") else reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -82,21 +83,28 @@ class Gateway:
         return self.process.returncode
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    root = tmp_path_factory.mktemp("gateway")
-    model = write_gguf(hf_model(TinySpec(max_position_embeddings=512), seed=2), root / "tiny.gguf")
-    port = free_port()
+@contextlib.contextmanager
+def running_gateway(root: Path, registry_text: str, port: int, model_path: Path) -> Iterator[Gateway]:
+    """`multiserve serve` over `registry_text` (written to root/registry.yaml), ready; stopped on exit."""
     registry = root / "registry.yaml"
-    registry.write_text(REGISTRY.format(port=port, model=model))
+    registry.write_text(registry_text)
     log_path = root / "gateway.log"
     env = {**os.environ, "MULTISERVE_ADMIN_TOKEN": ADMIN_TOKEN, "MULTISERVE_LOG_DIR": str(root / "logs")}
     with log_path.open("wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(registry)],
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
-    gw = Gateway(f"http://127.0.0.1:{port}", process, registry, model, log_path)
+    gw = Gateway(f"http://127.0.0.1:{port}", process, registry, model_path, log_path)
     try:
         gw.wait_ready()
         yield gw
     finally:
         gw.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("gateway")
+    model = write_gguf(hf_model(TinySpec(max_position_embeddings=512), seed=2), root / "tiny.gguf")
+    port = free_port()
+    with running_gateway(root, REGISTRY.format(port=port, model=model), port, model) as gw:
+        yield gw

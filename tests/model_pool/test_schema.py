@@ -31,7 +31,10 @@ def test_default_config_loads_and_resolves():
     assert spec.source is not None and spec.source.kind == "package"
     assert registry.resolve("smollm2-135m-instruct") is spec
     assert registry.resolve("nope") is None
-    assert registry.names_and_aliases() == {"smollm2-135m-instruct": spec.name, "smollm2": spec.name}
+    embedder = registry.resolve("minilm")
+    assert embedder is not None and embedder.type == "embedding" and embedder.name == "all-minilm-l6-v2"
+    assert registry.names_and_aliases() == {"smollm2-135m-instruct": spec.name, "smollm2": spec.name,
+                                            "all-minilm-l6-v2": embedder.name, "minilm": embedder.name}
     assert registry.gateway.port == 8000 and registry.gateway.admin_token_env == "MULTISERVE_ADMIN_TOKEN"
 
 

@@ -68,18 +68,14 @@ def _wait_ready(base_url: str, proc: subprocess.Popen, log_path: Path) -> None:
     pytest.fail(f"worker not ready after {READY_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A worker process serving a tiny GGUF model as `tiny` (alias `tiny-a`); yields its base URL."""
-    tmp = tmp_path_factory.mktemp("worker")
-    path = write_gguf(hf_model(TinySpec(), seed=1), tmp / "tiny.gguf")
+@contextlib.contextmanager
+def worker_process(args: list[str], log_path: Path) -> Iterator[str]:
+    """`multiserve worker ARGS` on a free loopback port; yields its base URL once /ready, then stops it with
+    SIGTERM and checks that it exited cleanly."""
     port = _free_port()
-    log_path = tmp / "worker.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "worker", "--source", str(path), "--name", "tiny",
-             "--alias", "tiny-a", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-             "--engine-json", '{"block_size": 4, "kv_cache_gib": 0.001, "max_num_seqs": 8}'],
+            [sys.executable, "-m", "gateway.cli", "worker", *args, "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     base_url = f"http://127.0.0.1:{port}"
@@ -95,6 +91,17 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait(timeout=20)
             pytest.fail(f"worker ignored SIGTERM:\n{log_path.read_text()[-4000:]}")
     assert proc.returncode == 0, log_path.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A worker process serving a tiny GGUF model as `tiny` (alias `tiny-a`); yields its base URL."""
+    tmp = tmp_path_factory.mktemp("worker")
+    path = write_gguf(hf_model(TinySpec(), seed=1), tmp / "tiny.gguf")
+    args = ["--source", str(path), "--name", "tiny", "--alias", "tiny-a", "--device", "cpu",
+            "--engine-json", '{"block_size": 4, "kv_cache_gib": 0.001, "max_num_seqs": 8}']
+    with worker_process(args, tmp / "worker.log") as base_url:
+        yield base_url
 
 
 def _metric(base_url: str, name: str, **labels: str) -> float:

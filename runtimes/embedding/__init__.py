@@ -1,0 +1,1 @@
+"""Encoder models with dynamic batching: the runtime behind `type: embedding` replicas."""

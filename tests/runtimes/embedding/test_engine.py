@@ -1,0 +1,96 @@
+"""The synchronous engine over the real model: batching invariance, requests spanning batches, window, abort."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from runtimes.embedding.config import EmbeddingConfig
+from runtimes.embedding.engine import EmbeddingEngine
+from runtimes.llm.sampling_params import InvalidRequestError
+from tests.runtimes.embedding.conftest import MINILM_SOURCE, SENTENCES, long_text
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def mixed_inputs(inputs, count: int = 64) -> list[list[int]]:
+    """`count` inputs of many lengths (3 to 256 tokens)."""
+    words = long_text().split()
+    texts = [" ".join(words[: 1 + (i * 37) % 300]) for i in range(count)]
+    return inputs.prepare(texts, truncate_prompt_tokens=-1).token_ids
+
+
+def test_same_vector_alone_or_in_a_batch_of_64_mixed_lengths(make_engine):
+    engine = make_engine(max_batch_size=64)
+    batch = mixed_inputs(engine.inputs)
+    probe = engine.inputs.prepare([SENTENCES[0]]).token_ids[0]
+    batch[17] = probe
+    alone = engine.embed([probe])[0]
+    together = engine.embed(batch)
+    assert engine.stats.num_batches > 2  # the 64 were cut into several length buckets
+    np.testing.assert_allclose(together[17], alone, atol=1e-5, rtol=0)
+    each = np.stack([engine.embed([ids])[0] for ids in batch[::8]])
+    np.testing.assert_allclose(together[::8], each, atol=1e-5, rtol=0)
+
+
+def test_padding_is_per_bucket(make_engine):
+    engine = make_engine()
+    batch = mixed_inputs(engine.inputs)
+    engine.embed(batch)
+    stats = engine.stats
+    assert stats.num_inputs == 64 and stats.num_tokens == sum(map(len, batch))
+    assert stats.num_padded_tokens < 0.8 * 64 * max(map(len, batch))  # padding all to the longest costs more
+
+
+def test_window_and_cap_with_a_fake_clock(make_engine):
+    clock = FakeClock()
+    engine = make_engine(clock=clock, batch_window_s=0.005, max_batch_size=4)
+    ids = engine.inputs.prepare(SENTENCES[:5]).token_ids
+    engine.add_request("a", ids[:1])
+    clock.now += 0.004
+    engine.add_request("b", ids[1:2])
+    assert engine.step() == [] and engine.batch_wait_s() == pytest.approx(0.001)
+    clock.now += 0.001
+    assert sorted(out.request_id for out in engine.step()) == ["a", "b"]
+    engine.add_request("c", ids[:5])  # over the cap: 4 go at once, the last waits for its window
+    assert engine.batch_wait_s() == 0 and engine.step() == []
+    clock.now += 0.005
+    [out] = engine.step()
+    assert out.request_id == "c" and out.embeddings.shape == (5, 384)
+    assert out.num_prompt_tokens == sum(map(len, ids))
+    np.testing.assert_allclose(out.embeddings, engine.embed(ids), atol=1e-5)  # rows in input order
+    assert not engine.has_unfinished_requests()
+
+
+def test_abort_and_invalid_requests(make_engine):
+    engine = make_engine(batch_window_s=0.0)
+    ids = engine.inputs.prepare(SENTENCES[:2]).token_ids
+    engine.add_request("gone", ids)
+    engine.add_request("kept", ids[:1])
+    engine.abort_request("gone")
+    assert [out.request_id for out in engine.step()] == ["kept"]
+    assert engine.stats.num_inputs == 1 and not engine.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError, match="input must not be empty"):
+        engine.add_request("empty", [])
+    with pytest.raises(InvalidRequestError, match=r"input\[1\] has 257 tokens; this model takes 1 to 256"):
+        engine.add_request("long", [[101], [7] * 257])
+    engine.add_request("dup", ids)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", ids)
+    with pytest.raises(RuntimeError, match="needs an idle engine"):
+        engine.embed(ids)
+
+
+def test_from_source_and_max_model_len_lowers_the_limit():
+    engine = EmbeddingEngine.from_source(MINILM_SOURCE, EmbeddingConfig(device="cpu", max_model_len=64))
+    assert engine.max_model_len == 64 and engine.hidden_size == 384
+    with pytest.raises(InvalidRequestError, match="over this model's limit of 64"):
+        engine.inputs.prepare([list(itertools.repeat(7, 65))])
