@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from model_pool.store import RegistryStore
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -24,6 +23,7 @@ from gateway.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLi
 from gateway.proxy import Forwarder
 from model_pool.pool import ModelPool
 from model_pool.replica import ReplicaState
+from model_pool.store import RegistryStore
 from runtimes.server.errors import exception_handlers
 
 
