@@ -108,12 +108,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.waiting.pick_victim(self.running)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                undone = by_id.pop(victim.request_id, None)
-                if undone is not None:
-                    out.scheduled.remove(undone)
-                    budget += undone.num_new_tokens
+                budget += self._preempt_in_plan(victim, out, by_id)
                 if victim is request:
                     break
             else:
@@ -140,12 +135,7 @@ class Scheduler:
                 victim = self.waiting.urgent_victim(request, self.running)
                 if victim is None:
                     break
-                self._preempt(victim)
-                out.preempted.append(victim)
-                undone = by_id.pop(victim.request_id, None)
-                if undone is not None:
-                    out.scheduled.remove(undone)
-                    budget += undone.num_new_tokens
+                budget += self._preempt_in_plan(victim, out, by_id)
                 continue
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
@@ -159,6 +149,19 @@ class Scheduler:
             out.scheduled.append(item)
             by_id[request.request_id] = item
             budget -= num_new
+
+    def _preempt_in_plan(self, victim: Request, out: SchedulerOutput, by_id: dict[str, ScheduledRequest]) -> int:
+        """Preempt `victim` during planning; if this step had already scheduled it, take that back.
+
+        Returns the tokens handed back to the step's budget.
+        """
+        self._preempt(victim)
+        out.preempted.append(victim)
+        undone = by_id.pop(victim.request_id, None)
+        if undone is None:
+            return 0
+        out.scheduled.remove(undone)
+        return undone.num_new_tokens
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
