@@ -11,7 +11,8 @@ A slot is `block_id * block_size + offset`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,9 @@ class AttentionMetadata:
     # Host copies, so the reference path and the kernel launch need no device sync.
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # Tensors an attention backend derives from the above, built by the first layer and reused by the
+    # others in the same step (index tensors, masks): one step's metadata, so nothing goes stale.
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

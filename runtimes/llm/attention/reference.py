@@ -7,6 +7,8 @@ offset by the tokens already in the cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,44 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     return cache[table[:num_blocks].long()].flatten(0, 1)[:length]
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What the reference path derives from the metadata once per step (not once per layer)."""
+
+    starts: list[int]
+    decode_rows: torch.Tensor | None  # [B] rows of `query` with one new token
+    decode_tables: torch.Tensor | None  # [B, nb] their block tables, trimmed to the longest
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] key position < length
+    prefill: list[tuple[int, int, int, torch.Tensor]]  # (seq, start, q_len, causal mask [q, s])
+
+
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    cached = meta.derived.get("reference")
+    if cached is not None:
+        return cached
+    starts = [0]
+    for q_len in meta.query_lens_host:
+        starts.append(starts[-1] + q_len)
+    rows = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
+    rows_t = tables = mask = None
+    if rows:
+        lens = torch.tensor([meta.seq_lens_host[i] for i in rows], device=device)
+        max_len = int(max(meta.seq_lens_host[i] for i in rows))
+        num_blocks = -(-max_len // block_size)
+        tables = meta.block_tables.index_select(0, torch.tensor(rows, device=device))[:, :num_blocks].long()
+        rows_t = torch.tensor([starts[i] for i in rows], device=device)
+        mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+    prefill = []
+    for i, q_len in enumerate(meta.query_lens_host):
+        if q_len > 1:
+            s_len = meta.seq_lens_host[i]
+            q_pos = torch.arange(s_len - q_len, s_len, device=device)
+            prefill.append((i, starts[i], q_len, torch.arange(s_len, device=device)[None, :] <= q_pos[:, None]))
+    plan = _Plan(starts, rows_t, tables, mask, prefill)
+    meta.derived["reference"] = plan
+    return plan
+
+
 def paged_attention_ref(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -41,58 +81,24 @@ def paged_attention_ref(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's new tokens over its whole cached context."""
-    num_heads = query.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    gqa = query.shape[1] != k_cache.shape[2]  # query head h reads KV head h // group, without copies
     out = torch.empty_like(query)
-    starts = [0]
-    for q_len in meta.query_lens_host:
-        starts.append(starts[-1] + q_len)
-
-    decode_rows = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
-    if decode_rows:
-        _decode_batch(query, k_cache, v_cache, meta, scale, group, decode_rows, starts, out)
-    for i, q_len in enumerate(meta.query_lens_host):
-        if q_len == 1:
-            continue
+    plan = _plan(meta, k_cache.shape[1], query.device)
+    if plan.decode_rows is not None:
+        assert plan.decode_tables is not None and plan.decode_mask is not None
+        max_len = plan.decode_mask.shape[-1]
+        q = query.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, H, 1, D]
+        k = k_cache[plan.decode_tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
+        v = v_cache[plan.decode_tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.decode_mask,
+                                           scale=scale, enable_gqa=gqa)  # [B, H, 1, D]
+        out.index_copy_(0, plan.decode_rows, o.squeeze(2))
+    for i, start, q_len, mask in plan.prefill:
         s_len = meta.seq_lens_host[i]
-        q = query[starts[i] : starts[i] + q_len].transpose(0, 1)  # [H, q, D]
+        q = query[start : start + q_len].transpose(0, 1)  # [H, q, D]
         k = _gather(k_cache, meta.block_tables[i], s_len).transpose(0, 1)  # [KVH, s, D]
         v = _gather(v_cache, meta.block_tables[i], s_len).transpose(0, 1)
-        q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
-        k_pos = torch.arange(s_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q, s]
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
-                                           enable_gqa=group > 1)
-        out[starts[i] : starts[i] + q_len] = o.transpose(0, 1)
+                                           enable_gqa=gqa)
+        out[start : start + q_len] = o.transpose(0, 1)
     return out
-
-
-def _decode_batch(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    group: int,
-    rows: list[int],
-    starts: list[int],
-    out: torch.Tensor,
-) -> None:
-    block_size = k_cache.shape[1]
-    lens = [meta.seq_lens_host[i] for i in rows]
-    max_len = max(lens)
-    num_blocks = -(-max_len // block_size)
-    index = torch.tensor(rows, device=query.device)
-    tables = meta.block_tables.index_select(0, index)[:, :num_blocks].long()  # [B, nb]
-    token_idx = torch.tensor([starts[i] for i in rows], device=query.device)
-    q = query.index_select(0, token_idx).unsqueeze(2)  # [B, H, 1, D]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    lens_t = torch.tensor(lens, device=query.device)
-    mask = torch.arange(max_len, device=query.device)[None, :] < lens_t[:, None]  # [B, L]
-    # enable_gqa: query head h reads KV head h // group without copying K/V per query head
-    o = F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1
-    )  # [B, H, 1, D]
-    out.index_copy_(0, token_idx, o.squeeze(2))
