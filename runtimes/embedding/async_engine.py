@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from runtimes.embedding.engine import EmbeddingEngine, EmbeddingOutput
+from runtimes.engine_driver import EngineDriver
 
 log = structlog.get_logger(__name__)
 
@@ -50,28 +50,18 @@ def _settle(future: asyncio.Future[EmbeddingOutput], value: EmbeddingOutput | Ba
         future.set_result(value)
 
 
-class AsyncEmbeddingEngine:
+class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
     def __init__(self, engine: EmbeddingEngine, start_thread: bool = True) -> None:
         self.engine = engine
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._waiting: dict[str, tuple[asyncio.Future[EmbeddingOutput], asyncio.AbstractEventLoop]] = {}
-        self.dead_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if start_thread:
-            self._thread = threading.Thread(target=self._run, name="embedding-engine", daemon=True)
-            self._thread.start()
-
-    def run_forever(self) -> None:
-        """Drive the engine on the calling thread (a worker's main thread) until `shutdown()`."""
-        self._run()
+        super().__init__("embedding-engine", start_thread)
 
     async def embed(self, request_id: str, token_ids: Sequence[Sequence[int]]) -> EmbeddingOutput:
         """Embed prepared inputs (InputProcessor.prepare); cancelling the call aborts the request.
 
         An invalid request raises InvalidRequestError.
         """
-        if self.dead_error is not None:
-            raise RuntimeError("the engine thread has died") from self.dead_error
+        self._check_alive()
         loop = asyncio.get_running_loop()
         result: asyncio.Future[EmbeddingOutput] = loop.create_future()
         # Stamped now, not when the engine thread picks the command up: the window counts from arrival.
@@ -82,11 +72,6 @@ class AsyncEmbeddingEngine:
             if not result.done() or result.cancelled():
                 self._commands.put(_Abort(request_id))
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the engine loop (whichever thread runs it); joins the engine's own thread if it has one."""
-        self._commands.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------------------ engine thread
 

@@ -4,11 +4,8 @@ The engine core is synchronous and owned by one thread; the event loop talks to 
 command queue (add / abort) and receives outputs via `call_soon_threadsafe`, so a server on top
 stays responsive while model steps run.
 
-Which thread drives the engine matters on CPU: PyTorch's OpenMP pool is only kept warm for the
-process's main thread, and small ops cost several times more from any other thread (measured: a
-batch-1 SmolLM2 decode step takes 33 ms on the main thread, 58 ms on a secondary one). So a worker
-process runs the engine loop on its main thread (`run_forever()`) and its HTTP server on another;
-tests and embedders may let the engine start its own thread (`start_thread=True`).
+Which thread drives it (its own, or a worker's main thread through `run_forever()`) is the
+EngineDriver's business: see runtimes/engine_driver.py for why that matters on CPU.
 """
 
 from __future__ import annotations
@@ -16,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import structlog
 
+from runtimes.engine_driver import EngineDriver
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.outputs import RequestOutput
 from runtimes.llm.sampling_params import SamplingParams
@@ -45,20 +42,11 @@ class _Abort:
     request_id: str
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
     def __init__(self, engine: LLMEngine, start_thread: bool = True) -> None:
         self.engine = engine
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
-        self.dead_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if start_thread:
-            self._thread = threading.Thread(target=self._run, name="llm-engine", daemon=True)
-            self._thread.start()
-
-    def run_forever(self) -> None:
-        """Drive the engine on the calling thread (a worker's main thread) until `shutdown()`."""
-        self._run()
+        super().__init__("llm-engine", start_thread)
 
     async def generate(
         self,
@@ -72,8 +60,7 @@ class AsyncLLMEngine:
         Invalid requests raise InvalidRequestError from the first iteration. Closing the iterator
         early (a client went away) aborts the request and frees its blocks.
         """
-        if self.dead_error is not None:
-            raise RuntimeError("the engine thread has died") from self.dead_error
+        self._check_alive()
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         # Stamped now, not when the engine thread picks the command up, so TTFT includes that wait.
@@ -94,11 +81,6 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the engine loop (whichever thread runs it); joins the engine's own thread if it has one."""
-        self._commands.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
 
     # ------------------------------------------------------------------------------ engine thread
 
