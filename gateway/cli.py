@@ -12,17 +12,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 
 def resolve_model_source(model: str, config_path: Path = DEFAULT_CONFIG) -> str:
     """A model name or alias from the registry YAML, else a path or `package:file` as given."""
-    from ruamel.yaml import YAML
+    from model_pool.store import load_registry
 
-    if config_path.exists():
-        registry = YAML(typ="safe").load(config_path.read_text()) or {}
-        for entry in registry.get("models", []):
-            if model == entry.get("name") or model in entry.get("aliases", []):
-                source = entry.get("source", {})
-                if "path" in source:
-                    return str(source["path"])
-                return f"{source['package']}:{source['file']}"
-    return model
+    spec = load_registry(config_path).resolve(model) if config_path.exists() else None
+    return model if spec is None else spec.source_ref()
 
 
 def _generate(args: argparse.Namespace) -> int:

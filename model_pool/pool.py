@@ -23,16 +23,6 @@ log = structlog.get_logger(__name__)
 EnvFor = Callable[[ModelSpec, int], Mapping[str, str]]
 
 
-def source_ref(spec: ModelSpec) -> str:
-    """The registry's source as `multiserve worker --source` takes it: `package:file` or a path."""
-    source = spec.source
-    if source is None or source.kind == "url":
-        return ""
-    if source.kind == "package":
-        return f"{source.package}:{source.file}"
-    return str(source.path)
-
-
 @dataclass(frozen=True)
 class PoolSettings:
     probe_interval_s: float = 2.0
@@ -112,7 +102,7 @@ class ModelPool:
         spec = group.spec
         urls = spec.urls or []
         request = LaunchRequest(
-            model=spec.name, index=replica.index, source=source_ref(spec), aliases=tuple(spec.aliases),
+            model=spec.name, index=replica.index, source=spec.source_ref(), aliases=tuple(spec.aliases),
             model_type=spec.type, device=spec.device,
             engine={k: v for k, v in spec.engine_kwargs().items() if k != "device"},
             env=dict(self.env_for(spec, replica.index)),

@@ -159,6 +159,13 @@ class ModelSpec(_Frozen):
                                     f"got {len(self.urls)} url(s)")]
         return []
 
+    def source_ref(self) -> str:
+        """The source as `multiserve worker --source` takes it: `package:file` or a path ("" for url sources)."""
+        source = self.source
+        if source is None or source.kind == "url":
+            return ""
+        return f"{source.package}:{source.file}" if source.kind == "package" else str(source.path)
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `runtimes.llm.config.EngineConfig` (kept a dict so this module needs no torch)."""
         gib = self.engine.kv_cache_gib
