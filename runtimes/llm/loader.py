@@ -68,7 +68,7 @@ def load_model(
         tensors = _gguf_tensors(reader, config)
         name = path.stem
     if tokenizer.eos_token_ids and not config.eos_token_ids:
-        config = _with_eos(config, tokenizer.eos_token_ids)
+        config = replace(config, eos_token_ids=tokenizer.eos_token_ids)
     model = load_state_dict(config, tensors, device, dtype, attention_fn, progress, desc=f"loading {name}")
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name)
 
@@ -90,10 +90,6 @@ def load_state_dict(
     _load_weights(model, tensors, config, device, dtype, progress, desc)
     model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
     return model.eval().requires_grad_(False)
-
-
-def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
-    return replace(config, eos_token_ids=eos)
 
 
 # ----------------------------------------------------------------------------------------------- weights
