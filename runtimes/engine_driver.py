@@ -11,15 +11,33 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 CommandT = TypeVar("CommandT")
+StepResultT = TypeVar("StepResultT")
+
+
+class StepGate(Protocol):
+    """Taken around every engine step when replicas time-share a device (the partitioner's arbiter client).
+
+    `acquire` blocks until this replica may use the device; `release(more)` ends the step, `more` saying that
+    the engine will step again at once (so the gate keeps its place in line instead of re-queueing after a gap).
+    """
+
+    def acquire(self) -> None: ...
+
+    def release(self, more: bool) -> None: ...
 
 
 class EngineDriver(Generic[CommandT]):
-    def __init__(self, thread_name: str, start_thread: bool) -> None:
-        """Subclasses set up their own state first: with `start_thread` the loop starts right here."""
+    def __init__(self, thread_name: str, start_thread: bool, step_gate: StepGate | None = None) -> None:
+        """Subclasses set up their own state first: with `start_thread` the loop starts right here.
+
+        `step_gate`: taken around each step; None (a device of its own) costs nothing per step.
+        """
         self._commands: queue.Queue[CommandT | None] = queue.Queue()  # None: shut down
+        self._step_gate = step_gate
         self.dead_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         if start_thread:
@@ -39,6 +57,21 @@ class EngineDriver(Generic[CommandT]):
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise RuntimeError("the engine thread has died") from self.dead_error
+
+    def _gated(self, step: Callable[[], StepResultT], more: Callable[[], bool]) -> StepResultT:
+        """`step()` inside the gate; `more()` (asked after the step) tells the gate whether another follows."""
+        gate = self._step_gate
+        if gate is None:
+            return step()
+        gate.acquire()
+        stepped = False
+        try:
+            result = step()
+            stepped = True
+        finally:
+            # After a failed step the loop dies: do not promise the gate another step.
+            gate.release(more() if stepped else False)
+        return result
 
     def _run(self) -> None:
         raise NotImplementedError

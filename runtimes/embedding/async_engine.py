@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import structlog
 
 from runtimes.embedding.engine import EmbeddingEngine, EmbeddingOutput
-from runtimes.engine_driver import EngineDriver
+from runtimes.engine_driver import EngineDriver, StepGate
 
 log = structlog.get_logger(__name__)
 
@@ -51,10 +51,11 @@ def _settle(future: asyncio.Future[EmbeddingOutput], value: EmbeddingOutput | Ba
 
 
 class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
-    def __init__(self, engine: EmbeddingEngine, start_thread: bool = True) -> None:
+    def __init__(self, engine: EmbeddingEngine, start_thread: bool = True, step_gate: StepGate | None = None
+                 ) -> None:
         self.engine = engine
         self._waiting: dict[str, tuple[asyncio.Future[EmbeddingOutput], asyncio.AbstractEventLoop]] = {}
-        super().__init__("embedding-engine", start_thread)
+        super().__init__("embedding-engine", start_thread, step_gate)
 
     async def embed(self, request_id: str, token_ids: Sequence[Sequence[int]]) -> EmbeddingOutput:
         """Embed prepared inputs (InputProcessor.prepare); cancelling the call aborts the request.
@@ -78,7 +79,7 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
     def _run(self) -> None:
         try:
             while self._take_commands():
-                for out in self.engine.step():
+                for out in self._gated(self.engine.step, self._batch_due):
                     self._deliver(out.request_id, out)
         except BaseException as exc:  # the thread must not die silently: fail every waiting caller
             self.dead_error = exc
@@ -106,6 +107,11 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
             if command is None:
                 return False
             self._apply(command)
+
+    def _batch_due(self) -> bool:
+        """Another batch is due now: the loop will step again without waiting (the gate keeps our place)."""
+        wait_s = self.engine.batch_wait_s()
+        return wait_s is not None and wait_s <= 0
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from runtimes.engine_driver import EngineDriver
+from runtimes.engine_driver import EngineDriver, StepGate
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.outputs import RequestOutput
 from runtimes.llm.sampling_params import SamplingParams
@@ -43,10 +43,10 @@ class _Abort:
 
 
 class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
-    def __init__(self, engine: LLMEngine, start_thread: bool = True) -> None:
+    def __init__(self, engine: LLMEngine, start_thread: bool = True, step_gate: StepGate | None = None) -> None:
         self.engine = engine
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
-        super().__init__("llm-engine", start_thread)
+        super().__init__("llm-engine", start_thread, step_gate)
 
     async def generate(
         self,
@@ -90,7 +90,8 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 block = not self.engine.has_unfinished_requests()
                 if not self._drain_commands(block):
                     return
-                for out in self.engine.step():
+                # `more`: with requests left, the next pass drains commands without blocking and steps again.
+                for out in self._gated(self.engine.step, self.engine.has_unfinished_requests):
                     self._deliver(out)
         except BaseException as exc:  # the thread must not die silently: fail every waiting stream
             self.dead_error = exc

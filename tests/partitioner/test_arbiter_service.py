@@ -1,0 +1,99 @@
+"""The arbiter over its Unix socket: hello, leases in turn, stats, clients that leave or break the protocol."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from partitioner.arbiter_client import ArbiterError, LeaseClient
+from partitioner.arbiter_service import ArbiterService, read_stats
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = ArbiterService(tmp_path / "run" / "cpu.sock", "cpu").start()
+    yield svc
+    svc.close()
+    assert not svc.socket_path.exists()
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def by_id(service: ArbiterService) -> dict:
+    return {s.client_id: s for s in service.shares()}
+
+
+def test_leases_are_exclusive_and_accounted(service):
+    a = LeaseClient(service.socket_path, "chat/0", 3.0)
+    b = LeaseClient(service.socket_path, "emb/0", 1.0)
+    a.acquire()
+    got_b = threading.Event()
+
+    def take_b() -> None:
+        b.acquire()
+        got_b.set()
+
+    thread = threading.Thread(target=take_b)
+    thread.start()
+    wait_for(lambda: by_id(service).get("emb/0") is not None and by_id(service)["emb/0"].waiting)
+    assert not got_b.is_set()  # a holds the device
+    time.sleep(0.02)
+    a.release(more=False)
+    assert got_b.wait(5.0)
+    b.release(more=False)
+    thread.join()
+    wait_for(lambda: by_id(service)["emb/0"].num_steps == 1)
+    shares = by_id(service)
+    assert shares["chat/0"].weight == 3.0 and shares["chat/0"].num_steps == 1
+    assert shares["chat/0"].busy_s >= 0.02  # measured by the client: it held the lease at least that long
+    stats = read_stats(service.socket_path)
+    assert stats["device"] == "cpu" and [c["client_id"] for c in stats["clients"]] == ["chat/0", "emb/0"]
+    a.close()
+    b.close()
+    wait_for(lambda: service.shares() == [])
+
+
+def test_a_client_that_dies_holding_the_lease_passes_it_on(service):
+    a = LeaseClient(service.socket_path, "a/0", 1.0)
+    b = LeaseClient(service.socket_path, "b/0", 1.0)
+    a.acquire()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (b.acquire(), done.set()))
+    thread.start()
+    wait_for(lambda: "b/0" in by_id(service) and by_id(service)["b/0"].waiting)
+    a.close()  # the worker process died mid-step
+    assert done.wait(5.0)
+    thread.join()
+    b.release()
+    b.close()
+
+
+def test_protocol_errors_close_the_connection(service):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(str(service.socket_path))
+        raw.sendall(b"A\n")
+        assert raw.recv(256).startswith(b"E 'A' before hello")
+        assert raw.recv(256) == b""
+    first = LeaseClient(service.socket_path, "x/0", 1.0)
+    twin = LeaseClient(service.socket_path, "x/0", 1.0)  # the same id twice: refused at its first acquire
+    with pytest.raises(ArbiterError, match=r"answered .E bad hello"):
+        twin.acquire()
+    first.acquire()
+    first.release()
+    first.close()
+    twin.close()
+
+
+def test_unreachable_arbiter_is_a_clear_error(tmp_path):
+    with pytest.raises(ArbiterError, match=r"cannot reach the time-slice arbiter at .*nope\.sock"):
+        LeaseClient(tmp_path / "nope.sock", "a/0", 1.0)
+    with pytest.raises(ValueError, match="without spaces"):
+        LeaseClient(tmp_path / "nope.sock", "a 0", 1.0)
