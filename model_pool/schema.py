@@ -46,6 +46,15 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class TrafficLogConfig(_Frozen):
+    """The per-request traffic profile (gateway/traffic.py): token counts, lane, model, timestamps, never content.
+    Off by default (`path` unset): it is for operators who plan capacity, and a file nobody asked for is a surprise."""
+
+    path: str | None = None  # e.g. .multiserve/traffic.jsonl (relative to the gateway's working directory)
+    max_bytes: int = Field(default=64 * MIB, ge=4096)  # rotate past this (~300k requests per file)
+    backups: int = Field(default=3, ge=0, le=100)  # rotated files kept: path.1 ... path.<backups>
+
+
 class GatewayConfig(_Frozen):
     """Where the gateway listens and where it finds its secrets (names of environment variables, never values)."""
 
@@ -55,6 +64,7 @@ class GatewayConfig(_Frozen):
     api_keys_env: EnvName | None = None  # None: the OpenAI endpoints need no key
     # A 128k-token prompt is ~0.5 MB of text; 4 MiB leaves room for JSON escaping and batched embedding inputs.
     max_body_bytes: int = Field(default=4 * MIB, ge=1024)
+    traffic: TrafficLogConfig = Field(default_factory=TrafficLogConfig)
 
 
 class ModelSource(_Frozen):
