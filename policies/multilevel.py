@@ -11,6 +11,9 @@ A request's lane is its `priority` (0 interactive, 1 normal, 2 background; the c
   * background only runs on idle capacity: it is admitted only when no other lane is waiting.
 - Preemption: the victim is the least urgent, newest running request; an interactive arrival that
   cannot be admitted may preempt a running normal or background request (`urgent_victim`).
+- Long requests (prompts of `long_prompt_tokens` or more) form their own lane inside each level: at most
+  `max_long_running` of them run at once, so a burst of documents cannot fill every slot; the others
+  wait while shorter requests behind them go first.
 
 Pure logic: the clock is injected, no I/O.
 """
@@ -21,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 INTERACTIVE, NORMAL, BACKGROUND = 0, 1, 2
 LANES = ("interactive", "normal", "background")
@@ -32,6 +35,8 @@ class Queued(Protocol):
 
     priority: int
     arrival_time: float
+    num_prompt_tokens: int
+    status: Any  # has `.finished`: the policy learns from it when a long request it started is done
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,19 @@ class MultiLevelConfig:
     aging_s: float = 10.0  # waiting this long lifts a request one lane
     normal_min_share: float = 0.2  # of recently scheduled tokens, kept for normal when it has work
     share_window_tokens: int = 4096  # the "recently" of normal_min_share (exponential decay horizon)
+    long_prompt_tokens: int = 4096  # prompts this long or longer are "long"
+    max_long_running: int | None = 1  # long requests running at once; None: no limit
+
+    def __post_init__(self) -> None:
+        checks = [(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}"),
+                  (0 <= self.normal_min_share < 1, f"normal_min_share must be in [0, 1), got {self.normal_min_share}"),
+                  (self.share_window_tokens >= 1, f"share_window_tokens must be >= 1, got {self.share_window_tokens}"),
+                  (self.long_prompt_tokens >= 1, f"long_prompt_tokens must be >= 1, got {self.long_prompt_tokens}"),
+                  (self.max_long_running is None or self.max_long_running >= 1,
+                   f"max_long_running must be >= 1, got {self.max_long_running}")]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 def lane_of(request: Queued) -> int:
@@ -53,6 +71,7 @@ class MultiLevelPolicy:
         self.clock = clock
         self._lanes: tuple[deque[Queued], ...] = (deque(), deque(), deque())
         self._recent_tokens = [0.0, 0.0, 0.0]  # decayed count of scheduled tokens per lane
+        self._long_started: list[Queued] = []  # long requests popped (admitted) and not yet seen finished
 
     # -------------------------------------------------------------------------------- queue protocol
 
@@ -60,17 +79,24 @@ class MultiLevelPolicy:
         self._lanes[lane_of(request)].append(request)
 
     def requeue(self, request: Queued) -> None:
+        if request in self._long_started:  # preempted: no longer holds a long slot
+            self._long_started.remove(request)
         self._lanes[lane_of(request)].appendleft(request)
 
     def peek(self) -> Queued | None:
         lane = self._next_lane()
-        return None if lane is None else self._lanes[lane][0]
+        return None if lane is None else self._head(lane)
 
     def pop(self) -> Queued:
         lane = self._next_lane()
         if lane is None:
             raise IndexError("pop from an empty multi-level queue")
-        return self._lanes[lane].popleft()
+        request = self._head(lane)
+        assert request is not None  # _next_lane only returns lanes with an admissible head
+        self._lanes[lane].remove(request)
+        if self._is_long(request):
+            self._long_started.append(request)
+        return request
 
     def remove(self, request: Queued) -> bool:
         for lane in self._lanes:
@@ -106,14 +132,32 @@ class MultiLevelPolicy:
 
     # -------------------------------------------------------------------------------- lane choice
 
+    def _is_long(self, request: Queued) -> bool:
+        return request.num_prompt_tokens >= self.config.long_prompt_tokens
+
+    def _long_lane_full(self) -> bool:
+        limit = self.config.max_long_running
+        if limit is None:
+            return False
+        self._long_started = [r for r in self._long_started if not r.status.finished]
+        return len(self._long_started) >= limit
+
+    def _head(self, lane: int) -> Queued | None:
+        """The first request of `lane` that may start now: long ones are skipped while their lane is full."""
+        queue = self._lanes[lane]
+        if not queue or not self._is_long(queue[0]) or not self._long_lane_full():
+            return queue[0] if queue else None
+        return next((r for r in queue if not self._is_long(r)), None)
+
     def _effective_lane(self, lane: int) -> float:
         """The lane of a lane's head after aging (fractional: longer waits rank first within a level)."""
-        head = self._lanes[lane][0]
+        head = self._head(lane)
+        assert head is not None
         waited = max(0.0, self.clock() - head.arrival_time)
         return lane - waited / self.config.aging_s
 
     def _next_lane(self) -> int | None:
-        waiting = [lane for lane in range(3) if self._lanes[lane]]
+        waiting = [lane for lane in range(3) if self._head(lane) is not None]
         if not waiting:
             return None
         if NORMAL in waiting and self._normal_starved():

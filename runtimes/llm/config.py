@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from policies.admission import AdmissionLimits
+from policies.multilevel import MultiLevelConfig
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on CUDA, fp32 on CPU)
     attention_backend: str = "auto"  # auto | torch | triton
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
+    # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
+    multilevel: Mapping[str, Any] = field(default_factory=dict)
+    max_queue_len: int | None = None  # waiting requests; more are refused (429). None: unbounded
+    max_queue_wait_s: float | None = None  # a request not started after this long is refused (429)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -132,10 +140,26 @@ class EngineConfig:
              f"unknown attention_backend {self.attention_backend!r}"),
             (self.scheduling in ("fcfs", "multilevel"),
              f"scheduling must be 'fcfs' or 'multilevel', got {self.scheduling!r}"),
+            (self.scheduling == "multilevel" or not self.multilevel,
+             f"multilevel options are only used with scheduling 'multilevel' (scheduling is {self.scheduling!r})"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.admission_limits()  # its own range checks
+        if self.multilevel:
+            self.multilevel_config()
+
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_queue_len, self.max_queue_wait_s)
+
+    def multilevel_config(self) -> MultiLevelConfig:
+        """The multi-level policy's config; unknown option names are refused by name."""
+        known = {f.name for f in dataclasses.fields(MultiLevelConfig)}
+        unknown = sorted(set(self.multilevel) - known)
+        if unknown:
+            raise ValueError(f"unknown multilevel option(s) {unknown}; known: {sorted(known)}")
+        return MultiLevelConfig(**self.multilevel)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from policies.admission import RateMeter, retry_after_s
 from runtimes.llm.attention import paged_attention_ref
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.detokenizer import IncrementalDetokenizer
@@ -21,7 +22,7 @@ from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
 from runtimes.llm.sampler import Sampler
-from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+from runtimes.llm.sampling_params import InvalidRequestError, OverloadedError, SamplingParams
 from runtimes.llm.scheduler import Scheduler
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -62,7 +63,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            policy if policy is not None else _queue_policy(config.scheduling, clock),
+            policy if policy is not None else _queue_policy(config, clock),
         )
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, dtype, device)
         sampler = Sampler(torch.Generator().manual_seed(config.seed))
@@ -70,6 +71,8 @@ class LLMEngine:
         self._sequences: dict[str, _Sequence] = {}  # internal (child) request id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self._staged: dict[str, list[Request]] = {}  # request id -> samples waiting for sample 0's prompt
+        self._limits = config.admission_limits()
+        self._finishes = RateMeter()  # finished sequences per second, for Retry-After estimates
         self.num_steps = 0
 
     @classmethod
@@ -97,6 +100,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate(prompt_ids, params)
+        self._admit(arrival_time)
         arrival = self.clock() if arrival_time is None else arrival_time
         namespace = self.model_name if self.config.enable_prefix_caching else None
         if namespace is None and params.n > 1:
@@ -143,14 +147,30 @@ class LLMEngine:
                 f"{capacity} tokens ({self.kv.num_blocks} blocks of {self.kv.block_size})", param="max_tokens")
         return max_tokens
 
-    def abort_request(self, request_id: str) -> list[RequestOutput]:
-        """Stop a request (all its samples) and free its blocks at once."""
+    def _admit(self, arrival_time: float | None) -> None:
+        """Raise OverloadedError when the waiting queue is at its limit."""
+        num_waiting = len(self.scheduler.waiting)
+        if self._limits.queue_full(num_waiting):
+            raise OverloadedError(
+                f"the replica is overloaded: {num_waiting} requests are waiting, at its limit max_queue_len="
+                f"{self._limits.max_queue_len}", self.retry_after_s())
+
+    def retry_after_s(self) -> float:
+        """When a refused client should come back: the waiting queue at the recent finish rate."""
+        return retry_after_s(len(self.scheduler.waiting), self._finishes.rate(self.clock()))
+
+    def abort_request(self, request_id: str,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[RequestOutput]:
+        """Stop a request (all its samples) and free its blocks at once; `status` says why."""
         outputs = []
         self._staged.pop(request_id, None)
         for child_id in self._children.pop(request_id, []):
-            seq = self._sequences.pop(child_id)
-            if not seq.request.status.finished:
-                self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
+            seq = self._sequences.pop(child_id, None)
+            if seq is None:  # this sample had already finished
+                continue
+            if not seq.request.status.finished:  # (staged samples never reached the queue: that is fine)
+                self.scheduler.finish_request(seq.request, status)
+            if seq.request.status == status:
                 outputs.append(self._output(seq, [], "", None))
         return outputs
 
@@ -164,15 +184,28 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._expire_waiting()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return outputs
         result = self.runner.execute(plan, self.kv.block_tables)
         advanced = self.scheduler.update(plan, result.sampled)
         self.num_steps += 1
         now = self.clock()
-        outputs = [self._on_token(self._sequences[r.request_id], result.logprobs, now) for r in advanced]
+        outputs += [self._on_token(self._sequences[r.request_id], result.logprobs, now) for r in advanced]
+        self._finishes.record(now, sum(1 for r in advanced if r.status.finished))
         self._release_staged()
+        return outputs
+
+    def _expire_waiting(self) -> list[RequestOutput]:
+        """Refuse (finish_reason "rejected") requests that waited past `max_queue_wait_s` without starting."""
+        cutoff = self._limits.wait_cutoff(self.clock())
+        if cutoff is None:
+            return []
+        outputs: list[RequestOutput] = []
+        for request in self.scheduler.expire_waiting(cutoff):
+            parent_id = self._sequences[request.request_id].parent_id
+            outputs += self.abort_request(parent_id, RequestStatus.FINISHED_REJECTED)
         return outputs
 
     def _on_token(self, seq: _Sequence, logprobs: dict, now: float) -> RequestOutput:
@@ -220,11 +253,12 @@ class LLMEngine:
                     self.scheduler.add_request(request)
 
 
-def _queue_policy(name: str, clock: Callable[[], float]) -> QueuePolicy:
-    if name == "multilevel":
+def _queue_policy(config: EngineConfig, clock: Callable[[], float]) -> QueuePolicy:
+    if config.scheduling == "multilevel":
+        options = config.multilevel_config()
         from policies.multilevel import MultiLevelPolicy
 
-        return MultiLevelPolicy(clock=clock)  # type: ignore[return-value]  # structurally a QueuePolicy
+        return MultiLevelPolicy(options, clock=clock)  # type: ignore[return-value]  # structurally a QueuePolicy
     return FCFSPolicy()
 
 

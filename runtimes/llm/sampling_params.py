@@ -16,6 +16,14 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class OverloadedError(Exception):
+    """The engine is too busy to take (or to start) this request now; try again after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What to sample and when to stop. Field names and defaults follow vLLM / OpenAI.

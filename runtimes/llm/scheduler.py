@@ -88,6 +88,14 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 
+    def expire_waiting(self, cutoff: float) -> list[Request]:
+        """Refuse requests that arrived before `cutoff` and never started (preempted ones keep their place:
+        they were accepted and have produced tokens). Their status becomes FINISHED_REJECTED."""
+        expired = [r for r in self.waiting if r.status == RequestStatus.WAITING and r.arrival_time < cutoff]
+        for request in expired:
+            self.finish_request(request, RequestStatus.FINISHED_REJECTED)
+        return expired
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from runtimes.llm.sampling_params import InvalidRequestError
+from runtimes.llm.sampling_params import InvalidRequestError, OverloadedError
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +101,8 @@ def to_api_error(exc: Exception) -> APIError:
                         code="invalid_json")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, OverloadedError):
+        return APIError(429, str(exc), code="overloaded", retry_after_s=exc.retry_after_s)
     if isinstance(exc, HTTPException):
         return APIError(exc.status_code, str(exc.detail))
     return APIError(500, "internal server error; see the server log", code="internal_error")
@@ -130,6 +132,7 @@ def exception_handlers() -> Mapping[Any, Any]:
         ValidationError: _handle,
         json.JSONDecodeError: _handle,
         InvalidRequestError: _handle,
+        OverloadedError: _handle,
         HTTPException: _handle,
         Exception: _handle,  # Starlette's ServerErrorMiddleware: logs via error_response, then re-raises
     }

@@ -3,7 +3,7 @@ idle capacity, preemption choices; and its effect inside the real scheduler and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -13,11 +13,18 @@ from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 
 
+@dataclass
+class Status:
+    finished: bool = False
+
+
 @dataclass(eq=False)
 class Item:
     name: str
     priority: int
     arrival_time: float
+    num_prompt_tokens: int = 10
+    status: Status = field(default_factory=Status)
 
 
 class Clock:
@@ -104,6 +111,36 @@ def test_victims(make_policy):
     assert policy.urgent_victim(Item("arrival", NORMAL, 9), running) is None
     assert policy.urgent_victim(Item("arrival", INTERACTIVE, 9), [Item("i", INTERACTIVE, 0)]) is None
     assert policy.remove(running[0]) is False
+
+
+def test_long_requests_run_at_most_max_long_running_at_once(make_policy):
+    policy, _ = make_policy(long_prompt_tokens=1000, max_long_running=1)
+    doc1, doc2 = Item("doc1", NORMAL, 0, 5000), Item("doc2", NORMAL, 1, 1000)
+    chat = Item("chat", NORMAL, 2, 30)
+    for item in (doc1, doc2, chat):
+        policy.add(item)
+    assert policy.pop() is doc1
+    assert policy.peek() is chat  # doc2 is long and the long lane is full: the short one behind it goes
+    assert policy.pop() is chat
+    assert policy.peek() is None and len(policy) == 1
+    doc1.status.finished = True  # the slot frees when the running long request ends ...
+    assert policy.pop() is doc2
+    policy.requeue(doc2)  # ... or when it is preempted
+    assert policy.pop() is doc2
+
+
+def test_long_lane_without_a_limit(make_policy):
+    policy, _ = make_policy(long_prompt_tokens=100, max_long_running=None)
+    for i in range(3):
+        policy.add(Item(f"doc{i}", NORMAL, i, 500))
+    assert _drain(policy) == ["doc0", "doc1", "doc2"]
+
+
+@pytest.mark.parametrize("bad", [{"aging_s": 0}, {"normal_min_share": 1.0}, {"max_long_running": 0},
+                                 {"long_prompt_tokens": 0}])
+def test_config_is_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        MultiLevelConfig(**bad)
 
 
 def _steps_to_first_token(engine: LLMEngine, request_id: str, max_steps: int = 5000) -> int:
