@@ -7,12 +7,14 @@ every error names the field at fault: `models[1].fallbacks[0]: unknown model 'no
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from model_pool.errors import FieldProblems, Problem, join_field
+from policies.multilevel import MultiLevelConfig
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -23,8 +25,7 @@ Launcher = Literal["local", "url"]
 Device = Literal["auto", "cpu", "cuda"]
 Isolation = Literal["mig", "mps", "timeslice", "exclusive"]
 Scheduling = Literal["fcfs", "multilevel"]
-# prefix_affinity and session arrive with the policies issue; until then the schema refuses them by name.
-Routing = Literal["round_robin", "least_outstanding", "power_of_two"]
+Routing = Literal["round_robin", "least_outstanding", "power_of_two", "prefix_affinity", "session"]
 
 # Names are what clients send as `model` and what the admin API puts in URLs: keep them URL- and file-safe.
 ModelName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=128)]
@@ -117,10 +118,35 @@ class EngineSpec(_Frozen):
 
 
 class PolicySpec(_Frozen):
-    """Which queueing (engine side) and replica-choice (gateway side) policies this model uses."""
+    """Queueing and admission (engine side), replica choice and deadlines (gateway side) for one model."""
 
     scheduling: Scheduling = "fcfs"
+    # policies.multilevel.MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens,
+    # max_long_running, share_window_tokens); unset ones keep that class's defaults
+    multilevel: dict[str, float | int | None] = {}
+    max_queue_len: int | None = Field(default=None, ge=1)  # waiting requests per replica, then 429
+    max_queue_wait_s: float | None = Field(default=None, gt=0)  # not started after this long: 429
+    request_timeout_s: float | None = Field(default=None, gt=0)  # whole request, at the gateway: 504
     routing: Routing = "least_outstanding"
+    session_header: str = Field(default="x-session-id", pattern=r"^[A-Za-z0-9-]+$")  # routing `session`
+    prefix_chars: int = Field(default=512, ge=16)  # routing `prefix_affinity`: the prompt's head that is hashed
+    # routing `prefix_affinity`/`session`: a replica takes a hashed request only while it has at most
+    # load_bound x the group's mean in-flight requests (consistent hashing with bounded loads)
+    load_bound: float = Field(default=1.25, ge=1.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PolicySpec:
+        if self.multilevel and self.scheduling != "multilevel":
+            raise FieldProblems([Problem("multilevel", f"only used with scheduling 'multilevel' "
+                                                       f"(scheduling is {self.scheduling!r})")])
+        try:
+            MultiLevelConfig(**self.multilevel)  # type: ignore[arg-type]
+        except TypeError as err:
+            known = ", ".join(f.name for f in dataclasses.fields(MultiLevelConfig))
+            raise FieldProblems([Problem("multilevel", f"{err}; known options: {known}")]) from None
+        except ValueError as err:
+            raise FieldProblems([Problem("multilevel", str(err))]) from None
+        return self
 
 
 class ModelSpec(_Frozen):
@@ -142,7 +168,7 @@ class ModelSpec(_Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
-        problems = [*self._launcher_problems(), *_duplicates("aliases", self.aliases)]
+        problems = [*self._launcher_problems(), *self._embedding_problems(), *_duplicates("aliases", self.aliases)]
         problems += _duplicates("fallbacks", self.fallbacks)
         problems += [Problem(f"aliases[{i}]", "an alias cannot repeat the model's own name")
                      for i, alias in enumerate(self.aliases) if alias == self.name]
@@ -151,6 +177,16 @@ class ModelSpec(_Frozen):
         if problems:
             raise FieldProblems(problems)
         return self
+
+    def _embedding_problems(self) -> list[Problem]:
+        """What the embedding runtime does not do (it batches first come, first served, with no queue limits)."""
+        if self.type != "embedding":
+            return []
+        unsupported = [("scheduling", self.policy.scheduling != "fcfs"),
+                       ("max_queue_len", self.policy.max_queue_len is not None),
+                       ("max_queue_wait_s", self.policy.max_queue_wait_s is not None)]
+        return [Problem(f"policy.{name}", "not supported for embedding models (they batch first come, first "
+                                          "served)") for name, given in unsupported if given]
 
     def _launcher_problems(self) -> list[Problem]:
         if self.launcher != "url":
@@ -188,6 +224,9 @@ class ModelSpec(_Frozen):
             "enable_prefix_caching": self.engine.enable_prefix_caching,
             "device": self.device,
             "scheduling": self.policy.scheduling,
+            **({"multilevel": dict(self.policy.multilevel)} if self.policy.multilevel else {}),
+            **({} if self.type == "embedding" else {"max_queue_len": self.policy.max_queue_len,
+                                                     "max_queue_wait_s": self.policy.max_queue_wait_s}),
         }
 
 

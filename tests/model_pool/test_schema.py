@@ -128,6 +128,23 @@ INVALID = {
     "isolation": (registry_text(chat("a", ", placement: {isolation: vgpu}")),
                   "models[0].placement.isolation: Input should be 'mig', 'mps', 'timeslice' or 'exclusive'"),
     "routing": (registry_text(chat("a", ", policy: {routing: random}")), "models[0].policy.routing: Input should be"),
+    "multilevel without scheduling": (registry_text(chat("a", ", policy: {multilevel: {aging_s: 5}}")),
+                                      "models[0].policy.multilevel: only used with scheduling 'multilevel'"),
+    "multilevel unknown option": (
+        registry_text(chat("a", ", policy: {scheduling: multilevel, multilevel: {agin_s: 5}}")),
+        "models[0].policy.multilevel: MultiLevelConfig.__init__() got an unexpected keyword argument 'agin_s'; "
+        "known options: aging_s"),
+    "multilevel bad value": (
+        registry_text(chat("a", ", policy: {scheduling: multilevel, multilevel: {max_long_running: 0}}")),
+        "models[0].policy.multilevel: max_long_running must be >= 1, got 0"),
+    "queue limit": (registry_text(chat("a", ", policy: {max_queue_len: 0}")),
+                    "models[0].policy.max_queue_len: Input should be greater than or equal to 1"),
+    "embedding with multilevel": (
+        registry_text("{name: e, type: embedding, source: {path: /e}, policy: {scheduling: multilevel}}"),
+        "models[0].policy.scheduling: not supported for embedding models"),
+    "embedding with a queue limit": (
+        registry_text("{name: e, type: embedding, source: {path: /e}, policy: {max_queue_len: 3}}"),
+        "models[0].policy.max_queue_len: not supported for embedding models"),
     "gateway port": (registry_text(chat("a"), extra="gateway: {port: 70000}\n"),
                      "gateway.port: Input should be less than or equal to 65535"),
     "no models key": ("gateway: {port: 8000}\n", "models: Field required"),
@@ -157,6 +174,16 @@ def test_every_problem_is_reported_one_per_line():
         "r.yaml: models[0].engine.block_size: must be a power of two, got 3",
     ]
     assert [p.field for p in info.value.problems] == ["models[0].replicas", "models[0].engine.block_size"]
+
+
+def test_policy_options_reach_the_engine():
+    text = registry_text(chat("a", ", policy: {scheduling: multilevel, multilevel: {aging_s: 5, max_long_running: 2},"
+                                   " max_queue_len: 8, max_queue_wait_s: 2.5, routing: prefix_affinity}"))
+    spec = parse_registry(text, "r.yaml").models[0]
+    kwargs = spec.engine_kwargs()
+    assert kwargs["multilevel"] == {"aging_s": 5, "max_long_running": 2}
+    assert (kwargs["scheduling"], kwargs["max_queue_len"], kwargs["max_queue_wait_s"]) == ("multilevel", 8, 2.5)
+    assert spec.policy.routing == "prefix_affinity"
 
 
 def test_registry_validates_from_python_too():
