@@ -1,0 +1,185 @@
+"""The traffic profile: one JSON line per chat/completion request through the gateway — model, endpoint, lane,
+status, start and end (wall-clock seconds), prompt and output token counts — never the content. `multiserve profile`
+and `multiserve plan-capacity` read it (bench/profile.py).
+
+Token counts come from the reply itself, as it passes through: `usage` of a whole JSON reply, or of the last chunk
+of a stream that asked for `stream_options.include_usage`; a stream without usage gets its output counted as its
+content events (`usage: "counted"`, no prompt count). The lane is the one the replica would pick
+(policies/classify.py) from the request's priority, X-Priority header and lengths.
+
+Off unless the registry's `gateway.traffic.path` is set. The file rotates by size (`path` → `path.1` → … →
+`path.<backups>`, the oldest dropped), so it stays under (backups + 1) × max_bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from policies.classify import classify
+from policies.multilevel import LANES
+
+log = structlog.get_logger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+TRACKED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+MAX_JSON_REPLY_BYTES = 8 << 20  # a longer non-streamed reply is not scanned for usage (its counts are left out)
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+@dataclass(frozen=True)
+class TrafficRecord:
+    start_s: float  # wall clock (epoch seconds), when the request reached the gateway
+    end_s: float  # when its last byte left
+    model: str | None
+    endpoint: str
+    lane: str | None  # interactive | normal | background; None when it cannot be told (no prompt count)
+    status: int
+    stream: bool
+    prompt_tokens: int | None
+    output_tokens: int | None
+    usage: str  # reported | counted | none
+
+
+class TrafficRecorder:
+    """Appends records to a JSONL file with size rotation."""
+
+    def __init__(self, path: str | Path, max_bytes: int = 64 << 20, backups: int = 3) -> None:
+        self.path, self.max_bytes, self.backups = Path(path), max_bytes, backups
+        self.num_dropped = 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, record: TrafficRecord) -> None:
+        line = json.dumps(asdict(record), separators=(",", ":")) + "\n"
+        # Opened per record (tens of µs, against a request's milliseconds): no handle to close at shutdown, and an
+        # operator may move or delete the file at any time.
+        try:
+            if self.path.exists() and self.path.stat().st_size + len(line) > self.max_bytes:
+                self._rotate()
+            with self.path.open("a") as out:
+                out.write(line)
+        except OSError as err:  # a full or read-only disk must not fail requests: count and log the loss
+            self.num_dropped += 1
+            log.error("traffic_record_dropped", path=str(self.path), error=repr(err), dropped=self.num_dropped)
+
+    def _rotate(self) -> None:
+        if self.backups == 0:
+            self.path.unlink()
+            return
+        for index in range(self.backups - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{index}")
+            if older.exists():
+                older.replace(self.path.with_name(f"{self.path.name}.{index + 1}"))
+        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+
+
+class _ReplyTap:
+    """Reads token usage out of the reply bytes as they pass; keeps only a partial line of a stream."""
+
+    def __init__(self) -> None:
+        self.status, self.stream = 0, False
+        self.prompt_tokens: int | None = None
+        self.output_tokens: int | None = None
+        self.num_content_events = 0
+        self.buffer = b""
+
+    def start(self, message: Message) -> None:
+        self.status = int(message["status"])
+        headers = dict(message.get("headers") or [])
+        self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+
+    def feed(self, body: bytes) -> None:
+        if not self.stream:
+            if len(self.buffer) + len(body) <= MAX_JSON_REPLY_BYTES:
+                self.buffer += body
+            return
+        *lines, self.buffer = (self.buffer + body).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                continue
+            if b'"completion_tokens"' in line:
+                self._usage(line)
+            elif b'"role"' not in line and b'"error"' not in line:  # role openers and error events carry no token
+                self.num_content_events += 1
+
+    def _usage(self, text: bytes) -> None:
+        prompt, completion = _PROMPT.findall(text), _COMPLETION.findall(text)
+        if prompt and completion:  # the last usage in the text is the request's total
+            self.prompt_tokens, self.output_tokens = int(prompt[-1]), int(completion[-1])
+
+    def counts(self) -> tuple[int | None, int | None, str]:
+        if not self.stream and self.buffer:
+            self._usage(self.buffer)
+        if self.output_tokens is not None:
+            return self.prompt_tokens, self.output_tokens, "reported"
+        if self.stream:
+            return None, self.num_content_events, "counted"
+        return None, None, "none"
+
+
+def request_lane(body: bytes, headers: dict[bytes, bytes], prompt_tokens: int | None) -> str | None:
+    """The lane policies/classify.py gives this request; None when it depends on an unknown prompt length."""
+    try:
+        payload = json.loads(body) if body else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(payload, dict):
+        return None
+    priority, max_tokens = payload.get("priority"), payload.get("max_tokens")
+    header = headers.get(b"x-priority", b"").decode(errors="replace") or None
+    if priority is None and header is None and prompt_tokens is None:
+        return None
+    try:
+        return LANES[classify(priority if isinstance(priority, int) else None, header, None, prompt_tokens or 0,
+                              max_tokens if isinstance(max_tokens, int) else None)]
+    except ValueError:  # a bad priority: the replica refused it (400), and the record's status says so
+        return None
+
+
+class TrafficMiddleware:
+    """Pure ASGI: taps the request body and the reply of tracked endpoints and records one line per request."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], recorder: TrafficRecorder,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.app, self.recorder, self.wall_clock = app, recorder, wall_clock
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = TRACKED_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        start_s, parts, tap = self.wall_clock(), [], _ReplyTap()
+
+        async def tapped_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                parts.append(message.get("body", b""))
+            return message
+
+        async def tapped_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                tap.start(message)
+            elif message["type"] == "http.response.body":
+                tap.feed(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, tapped_receive, tapped_send)
+        finally:
+            prompt, output, source = tap.counts()
+            model = scope.get("state", {}).get("log", {}).get("model")
+            lane = request_lane(b"".join(parts), dict(scope.get("headers") or []), prompt)
+            self.recorder.record(TrafficRecord(start_s, self.wall_clock(), model, endpoint, lane,
+                                               tap.status or 500, tap.stream, prompt, output, source))
