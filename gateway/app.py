@@ -21,6 +21,7 @@ from gateway.admin import admin_routes
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from gateway.proxy import Forwarder
+from gateway.traffic import TrafficMiddleware, TrafficRecorder
 from model_pool.pool import ModelPool
 from model_pool.replica import ReplicaState
 from model_pool.store import RegistryStore
@@ -36,6 +37,7 @@ class GatewayState:
     admin_token: str | None  # None: admin API disabled (every call 401)
     api_keys: dict[str, frozenset[str] | None]
     started_at: float
+    traffic: TrafficRecorder | None = None  # the traffic profile (gateway.traffic.path); None: off
 
 
 def _endpoint(name: str) -> Callable[[Request], Any]:
@@ -112,6 +114,8 @@ def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int
         Middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes),
         Middleware(ApiKeyMiddleware, keys=state.api_keys),
     ]
+    if state.traffic is not None:  # innermost: it sees the model the proxy resolved, and only admitted requests
+        middleware.append(Middleware(TrafficMiddleware, recorder=state.traffic))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=exception_handlers())
     app.state.gateway = state
     state.started_at = state.started_at or time.time()

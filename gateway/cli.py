@@ -1,4 +1,5 @@
-"""The `multiserve` command line: `serve` (the gateway), `worker` (one replica), `generate` (a smoke test)."""
+"""The `multiserve` command line: `serve` (the gateway), `worker` (one replica), `generate` (a smoke test),
+`partition`, `bench`, `profile` and `plan-capacity`."""
 
 from __future__ import annotations
 
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     from partitioner.cli import add_partition_parser
 
     add_partition_parser(sub)
+    from bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub)  # bench (run, compare, plot), profile, plan-capacity
     return parser
 
 

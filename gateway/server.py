@@ -21,9 +21,10 @@ from gateway.app import GatewayState, build_gateway
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import parse_api_keys
 from gateway.proxy import Forwarder, ProxySettings
+from gateway.traffic import TrafficRecorder
 from model_pool.launcher import LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
-from model_pool.schema import ModelSpec
+from model_pool.schema import ModelSpec, TrafficLogConfig
 from model_pool.store import RegistryError, RegistryStore
 from model_pool.watch import RegistryWatcher
 
@@ -53,7 +54,11 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     api_keys = parse_api_keys(env.get(gateway_cfg.api_keys_env)) if gateway_cfg.api_keys_env else {}
     return GatewayState(store=store, pool=pool, forwarder=forwarder, metrics=metrics,
                         admin_token=env.get(gateway_cfg.admin_token_env) or None, api_keys=api_keys,
-                        started_at=time.time())
+                        started_at=time.time(), traffic=_traffic_recorder(gateway_cfg.traffic))
+
+
+def _traffic_recorder(cfg: TrafficLogConfig) -> TrafficRecorder | None:
+    return None if cfg.path is None else TrafficRecorder(cfg.path, cfg.max_bytes, cfg.backups)
 
 
 def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
