@@ -60,9 +60,11 @@ class DeviceBackend(Protocol):
 
 
 class MigControl(Protocol):
-    """The state-changing MIG operations the applier needs (privileged on real hardware)."""
+    """The state-changing MIG operations the applier needs (privileged on real hardware).
 
-    def set_mig_mode(self, index: int, enabled: bool) -> None: ...
+    There is deliberately no way to change MIG mode here: that needs an idle GPU and a reset, and is the
+    operator's step (the fake backend's `set_mig_mode` stands in for the operator in tests).
+    """
 
     def create_mig_device(self, index: int, profile: str, start: int) -> MigDevice: ...
 

@@ -1,8 +1,9 @@
 """`DeviceBackend` over NVML. The only module of multiserve that imports `pynvml` (package nvidia-ml-py).
 
-It only reads: nothing here changes MIG mode, instances, clocks or any other device setting. A host without the
-NVML library or driver is not an error: `open` raises `BackendUnavailable` with the reason, and
-`inventory.read_inventory` turns that into a CPU inventory.
+Reading needs no privileges. The only changes it can make are the applier's MIG devices (`create_mig_device`,
+`destroy_mig_device`: root on real hardware); nothing here changes MIG mode, clocks or any other device setting.
+A host without the NVML library or driver is not an error: `open` raises `BackendUnavailable` with the reason,
+and `inventory.read_inventory` turns that into a CPU inventory.
 """
 
 from __future__ import annotations
@@ -106,6 +107,62 @@ class NvmlBackend:
 
     def read_mps(self) -> MpsStatus:
         return self._mps_probe()
+
+    # --- MigControl (privileged) --------------------------------------------------------------------------------
+
+    def create_mig_device(self, index: int, profile: str, start: int) -> MigDevice:
+        """A GPU instance of `profile` at `start` and its full compute instance, as `nvidia-smi mig -cgi P:S -C`."""
+        nvml = self._lib()
+        with self._errors(f"GPU {index}: create MIG device {profile} at slot {start}"):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            profiles = self._profiles(handle)
+            known = next((p for p in profiles if p.name == profile), None)
+            if known is None:
+                raise DeviceError("invalid_argument", f"GPU {index} has no MIG profile {profile!r} "
+                                                      f"(has {[p.name for p in profiles]})")
+            placement = nvml.c_nvmlGpuInstancePlacement_t()
+            placement.start, placement.size = start, known.memory_slices
+            gpu_instance = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, known.profile_id, placement)
+            try:
+                ci_profile = getattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{known.slice_count}_SLICE")
+                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gpu_instance, ci_profile, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+                nvml.nvmlGpuInstanceCreateComputeInstance(gpu_instance, info.id)
+            except nvml.NVMLError:
+                nvml.nvmlGpuInstanceDestroy(gpu_instance)  # a GPU instance without compute is of no use to anyone
+                raise
+            gi_id = int(nvml.nvmlGpuInstanceGetInfo(gpu_instance).id)
+            devices, _ = self._mig_devices(handle, profiles)
+        found = next((m for m in devices if m.gpu_instance_id == gi_id), None)
+        if found is None:
+            raise DeviceError("not_found", f"GPU {index}: created GPU instance {gi_id}, but no MIG device shows it")
+        return found
+
+    def destroy_mig_device(self, index: int, uuid: str) -> None:
+        """Its compute instances, then its GPU instance. NVML says InUse while processes run on it."""
+        nvml = self._lib()
+        with self._errors(f"GPU {index}: destroy MIG device {uuid}"):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            gi_id = nvml.nvmlDeviceGetGpuInstanceId(nvml.nvmlDeviceGetHandleByUUID(uuid))
+            gpu_instance = nvml.nvmlDeviceGetGpuInstanceById(handle, gi_id)
+            for compute in self._compute_instances(gpu_instance):
+                nvml.nvmlComputeInstanceDestroy(compute)
+            nvml.nvmlGpuInstanceDestroy(gpu_instance)
+
+    def _compute_instances(self, gpu_instance: Any) -> list[Any]:
+        nvml = self._nvml
+        found = []
+        for ci_profile in range(nvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gpu_instance, ci_profile, nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument, nvml.NVMLError_NotFound):
+                continue  # no such compute profile on this GPU instance
+            array = (nvml.c_nvmlComputeInstance_t * max(1, int(info.instanceCount)))()
+            count = ctypes.c_uint(len(array))
+            nvml.nvmlGpuInstanceGetComputeInstances(gpu_instance, info.id, array, ctypes.byref(count))
+            found += [array[i] for i in range(count.value)]
+        return found
 
     def _mig_mode(self, handle: Any) -> tuple[bool | None, bool | None]:
         nvml = self._nvml

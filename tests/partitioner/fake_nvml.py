@@ -150,3 +150,94 @@ class FakeNvml:
         where = gpu.mig_devices[handle[2]].uuid if handle[0] == "mig" else None
         return [SimpleNamespace(pid=p.pid, usedGpuMemory=p.used_memory_bytes)
                 for p in gpu.processes if p.device_uuid == where]
+
+
+class NVMLError_InUse(NVMLError):
+    pass
+
+
+class NVMLError_InsufficientResources(NVMLError):
+    pass
+
+
+_ERRORS = {"no_permission": NVMLError_NoPermission, "in_use": NVMLError_InUse,
+           "insufficient_resources": NVMLError_InsufficientResources, "invalid_argument": NVMLError_InvalidArgument,
+           "not_found": NVMLError_NotFound}
+NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0
+NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 9
+# compute-instance profile ids by slice count, as in nvml.h
+_CI_PROFILES = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
+for _slices, _ci in _CI_PROFILES.items():
+    globals()[f"NVML_COMPUTE_INSTANCE_PROFILE_{_slices}_SLICE"] = _ci
+
+
+class c_nvmlComputeInstance_t(ctypes.c_void_p):
+    pass
+
+
+class FakeNvmlMig(FakeNvml):
+    """`FakeNvml` that can also create and destroy MIG devices, with NVML's call sequence (GPU instance with
+    placement, then its compute instance; destroy compute instances, then the GPU instance). The rules and
+    injected errors are the fake backend's; `calls` records the state-changing NVML calls in order."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.calls: list[tuple[str, tuple]] = []
+        super().__init__(list(backend.snapshot().devices))
+        for name, value in globals().items():
+            if name.startswith(("NVML", "c_nvml")):
+                setattr(self, name, value)
+
+    def _do(self, name: str, operation: Any, *args: Any) -> Any:
+        from partitioner.backend import DeviceError
+
+        self.calls.append((name, args))
+        try:
+            result = operation(*args)
+        except DeviceError as exc:
+            raise _ERRORS.get(exc.kind, NVMLError)(str(exc)) from None
+        self.gpus = list(self.backend.snapshot().devices)
+        return result
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, handle: tuple, profile_id: int, placement: Any) -> tuple:
+        gpu = self._gpu(handle)
+        name = next(p.name for p in gpu.mig_profiles if p.profile_id == profile_id)
+        made = self._do("create_gpu_instance", self.backend.create_mig_device, handle[1], name, placement.start)
+        position = next(i for i, m in enumerate(self.gpus[handle[1]].mig_devices) if m.uuid == made.uuid)
+        return ("gi", handle[1], position)
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(self, gi: tuple, ci_profile: int, engine: int) -> Any:
+        m = self._gpu(gi).mig_devices[gi[2]]
+        if _CI_PROFILES.get(m.slice_count) != ci_profile:
+            raise NVMLError_NotSupported()  # only the full compute profile, in this fake
+        return SimpleNamespace(id=ci_profile, instanceCount=1)
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gi: tuple, ci_profile_id: int) -> c_nvmlComputeInstance_t:
+        self.calls.append(("create_compute_instance", (gi[1], ci_profile_id)))
+        return c_nvmlComputeInstance_t(1)
+
+    def nvmlGpuInstanceGetInfo(self, gi: tuple) -> SimpleNamespace:
+        m = self._gpu(gi).mig_devices[gi[2]]
+        return SimpleNamespace(id=m.gpu_instance_id, placement=SimpleNamespace(start=m.start, size=m.memory_slices))
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: bytes | str) -> tuple:
+        text = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for gpu in self.gpus:
+            for i, m in enumerate(gpu.mig_devices):
+                if m.uuid == text:
+                    return ("mig", gpu.index, i)
+        raise NVMLError_NotFound()
+
+    def nvmlGpuInstanceGetComputeInstances(self, gi: tuple, profile_id: int, array: Any, count_ref: Any) -> int:
+        array[0] = c_nvmlComputeInstance_t(gi[2] + 1)
+        count_ref._obj.value = 1
+        return 0
+
+    def nvmlComputeInstanceDestroy(self, compute: Any) -> int:
+        self.calls.append(("destroy_compute_instance", ()))
+        return 0
+
+    def nvmlGpuInstanceDestroy(self, gi: tuple) -> int:
+        uuid = self._gpu(gi).mig_devices[gi[2]].uuid
+        self._do("destroy_gpu_instance", self.backend.destroy_mig_device, gi[1], uuid)
+        return 0

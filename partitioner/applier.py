@@ -1,0 +1,138 @@
+"""The applier: reconcile the host's devices to a plan. Decide (`apply_plan.decide`), then execute, here.
+
+MIG devices are created and destroyed through the backend (NVML: privileged); MPS daemons are started, given
+their defaults and stopped through a `CommandRunner` (`nvidia-cuda-mps-control`). Everything done is written
+to the applied-state file as it happens, so a later apply knows what is ours to undo.
+
+`reconcile` is the whole operation: plan, decide, execute; when MIG cannot be applied (MIG mode off, or NVML
+NoPermission) and a fallback is configured, it re-plans the `mig` replicas as `mps` or `timeslice` and applies
+that instead, saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from partitioner.applied_state import AppliedStateFile, MpsDaemonState
+from partitioner.apply_plan import DEFAULT_MPS_LOG_ROOT, Action, ApplyError, MigUnavailable, decide
+from partitioner.backend import DeviceError, MigControl
+from partitioner.commands import CommandRunner
+from partitioner.demand import ReplicaDemand
+from partitioner.inventory import Inventory
+from partitioner.plan import Plan
+from partitioner.planner import PlanOptions, plan
+
+_MIG_HINTS = {
+    "no_permission": "creating or destroying MIG devices needs root: run `multiserve partition apply` as root, "
+                     "or configure a fallback (--mig-fallback mps|timeslice)",
+    "in_use": "processes still run on it: stop them (or drain those replicas) and apply again",
+    "insufficient_resources": "the slots are taken: the GPU changed since the plan was made; apply again to re-plan",
+}
+
+
+class Applier:
+    """Executes actions in order; the first failure stops it with an `ApplyError` (what was done stays done
+    and recorded)."""
+
+    def __init__(self, mig: MigControl, runner: CommandRunner, state_file: AppliedStateFile) -> None:
+        self.mig = mig
+        self.runner = runner
+        self.state_file = state_file
+
+    def execute(self, actions: Sequence[Action]) -> dict[str, str]:
+        """Run `actions`; returns replica id -> UUID of each MIG device created."""
+        created: dict[str, str] = {}
+        for action in actions:
+            if action.kind in ("create_mig_device", "destroy_mig_device"):
+                uuid = self._mig(action)
+                if uuid is not None and action.replica_id is not None:
+                    created[action.replica_id] = uuid
+            else:
+                self._mps(action)
+        return created
+
+    def _mig(self, action: Action) -> str | None:
+        state = self.state_file.load()
+        try:
+            if action.kind == "destroy_mig_device":
+                assert action.uuid is not None
+                self.mig.destroy_mig_device(action.gpu_index, action.uuid)
+                state.mig_devices.pop(action.uuid, None)
+                uuid = None
+            else:
+                assert action.profile is not None and action.start is not None
+                uuid = self.mig.create_mig_device(action.gpu_index, action.profile, action.start).uuid
+                state.mig_devices[uuid] = action.gpu_index
+        except DeviceError as exc:
+            message = f"{action.describe()}: failed: {exc}; {_MIG_HINTS.get(exc.kind, 'see the NVML error')}"
+            raise (MigUnavailable if exc.kind == "no_permission" else ApplyError)(message) from None
+        self.state_file.save(state)
+        return uuid
+
+    def _mps(self, action: Action) -> None:
+        command = action.command()
+        assert command is not None and action.pipe_directory is not None
+        argv, env, stdin = command
+        if action.kind == "start_mps_daemon":
+            for directory in (action.pipe_directory, action.log_directory):
+                Path(str(directory)).mkdir(parents=True, exist_ok=True)
+        try:
+            result = self.runner.run(argv, env, stdin)
+        except OSError as exc:  # no such program: the host has no MPS
+            raise ApplyError(f"{action.describe()}: cannot run {argv[0]}: {exc}") from None
+        if result.returncode != 0:
+            output = (result.stderr or result.stdout).strip()
+            raise ApplyError(f"{action.describe()}: exit status {result.returncode}: {output or '(no output)'}")
+        self._record_mps(action)
+
+    def _record_mps(self, action: Action) -> None:
+        state = self.state_file.load()
+        pipe = str(action.pipe_directory)
+        if action.kind == "stop_mps_daemon":
+            state.mps_daemons.pop(pipe, None)
+        elif action.kind == "start_mps_daemon":
+            state.mps_daemons[pipe] = MpsDaemonState(action.gpu_index, str(action.uuid), str(action.log_directory))
+        else:
+            daemon = state.mps_daemons.setdefault(pipe, MpsDaemonState(action.gpu_index, str(action.uuid), ""))
+            key = str(action.setting).rsplit(" ", 1)[0]  # a new value replaces the old one of the same setting
+            daemon.settings = [s for s in daemon.settings if s.rsplit(" ", 1)[0] != key] + [str(action.setting)]
+        self.state_file.save(state)
+
+
+@dataclass
+class ApplyOutcome:
+    """What `reconcile` planned and did (or, dry, would do)."""
+
+    plan: Plan
+    actions: list[Action]
+    created: dict[str, str] = field(default_factory=dict)  # replica id -> new MIG device UUID
+    fallback_reason: str | None = None  # why the mig replicas were re-planned with the fallback
+
+
+def reconcile(read_inventory: Callable[[], Inventory], demands: Sequence[ReplicaDemand], options: PlanOptions,
+              applier: Applier, dry_run: bool = False, mps_log_root: str = DEFAULT_MPS_LOG_ROOT) -> ApplyOutcome:
+    """Plan, decide and (unless `dry_run`) execute. Raises `InfeasiblePlan` or `ApplyError` (a `MigUnavailable`
+    only when no fallback is configured)."""
+    inventory = read_inventory()
+    first = plan(inventory, demands, options)
+    try:
+        return _apply(first, inventory, applier, dry_run, mps_log_root)
+    except MigUnavailable as exc:
+        if options.mig_fallback is None:
+            raise
+        reason = str(exc)
+    fallback = options.mig_fallback
+    demands = [dataclasses.replace(d, isolation=fallback) if d.isolation == "mig" else d for d in demands]
+    inventory = read_inventory()  # what the failed attempt left (a permission error changes nothing)
+    outcome = _apply(plan(inventory, demands, options), inventory, applier, dry_run, mps_log_root)
+    outcome.fallback_reason = f"{reason}. Fallback: the mig replicas run with {fallback} isolation instead"
+    return outcome
+
+
+def _apply(planned: Plan, inventory: Inventory, applier: Applier, dry_run: bool, mps_log_root: str) -> ApplyOutcome:
+    actions = decide(planned, inventory, applier.state_file.load(), mps_log_root)
+    created = {} if dry_run else applier.execute(actions)
+    return ApplyOutcome(planned, actions, created)
