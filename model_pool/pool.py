@@ -80,11 +80,14 @@ class ModelPool:
                 await self._stop_group(self.groups.pop(name))
             for name, spec in wanted.items():
                 group = self.groups.get(name)
-                if group is not None and group.spec.model_copy(update={"replicas": spec.replicas}) != spec:
+                if group is not None and group.spec.launch_view() != spec.launch_view():
                     await self._stop_group(self.groups.pop(name))  # source/engine/placement changed: replace
                     group = None
                 if group is None:
-                    group = self.groups[name] = InstanceGroup(spec, make_policy(spec.policy.routing))
+                    group = self.groups[name] = InstanceGroup(spec, _routing_policy(spec))
+                elif (group.spec.policy.routing, group.spec.policy.load_bound) != (spec.policy.routing,
+                                                                                   spec.policy.load_bound):
+                    group.routing = _routing_policy(spec)
                 group.spec = spec
                 await self._resize(group, spec.replicas)
 
@@ -245,3 +248,7 @@ class ModelPool:
         return {name: {"replicas": [r.snapshot() for r in g.replicas],
                        "ready_replicas": sum(r.state == ReplicaState.READY for r in g.replicas)}
                 for name, g in self.groups.items()}
+
+
+def _routing_policy(spec: ModelSpec) -> RoutingPolicy:
+    return make_policy(spec.policy.routing, spec.policy.load_bound)

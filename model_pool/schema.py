@@ -149,6 +149,11 @@ class PolicySpec(_Frozen):
         return self
 
 
+# ModelSpec fields (and policy fields) that only the gateway reads
+_GATEWAY_SIDE = frozenset({"replicas", "aliases", "fallbacks", "enabled"})
+_GATEWAY_SIDE_POLICY = frozenset({"routing", "session_header", "prefix_chars", "load_bound", "request_timeout_s"})
+
+
 class ModelSpec(_Frozen):
     """One model of the registry and how to run it."""
 
@@ -204,6 +209,13 @@ class ModelSpec(_Frozen):
             return [Problem("urls", f"launcher 'url' needs one URL per replica: replicas={self.replicas}, "
                                     f"got {len(self.urls)} url(s)")]
         return []
+
+    def launch_view(self) -> dict[str, Any]:
+        """What a replica is started with: a change here replaces the replicas, any other change (count,
+        aliases, fallbacks, gateway-side policy) is applied without restarting them."""
+        data = self.model_dump(exclude=set(_GATEWAY_SIDE))
+        data["policy"] = {k: v for k, v in data["policy"].items() if k not in _GATEWAY_SIDE_POLICY}
+        return data
 
     def source_ref(self) -> str:
         """The source as `multiserve worker --source` takes it: `package:file` or a path ("" for url sources)."""

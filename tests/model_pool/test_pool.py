@@ -185,6 +185,25 @@ def test_a_changed_spec_replaces_the_whole_group():
     run(scenario)
 
 
+def test_gateway_side_edits_keep_the_replicas_running():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2), model("beta")))
+        await h.pool.tick()
+        replicas, routing = list(h.group("alpha").replicas), h.group("alpha").routing
+        edited = model("alpha", 2, aliases=["a"], fallbacks=["beta"],
+                       policy={"routing": "prefix_affinity", "request_timeout_s": 30, "load_bound": 1.5})
+        await h.pool.apply(registry(edited, model("beta")))
+        assert all(a is b for a, b in zip(h.group("alpha").replicas, replicas, strict=True))
+        assert len(h.launcher.handles) == 3 and h.states("alpha") == [READY, READY]
+        assert h.group("alpha").routing is not routing and h.group("alpha").routing.load_bound == 1.5
+        assert h.group("alpha").spec.fallbacks == ["beta"]  # the new spec is in force
+        await h.pool.apply(registry({**edited, "policy": {"routing": "prefix_affinity", "max_queue_len": 4}},
+                                    model("beta")))
+        assert h.states("alpha") == [STARTING, STARTING]  # an engine-side limit needs new replicas
+
+    run(scenario)
+
+
 def test_removing_or_disabling_a_model_stops_its_replicas():
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha", 2), model("beta"), model("gamma")))

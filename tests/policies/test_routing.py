@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import get_args
 
 import pytest
 
-from policies.routing import POLICIES, Candidate, LeastOutstanding, PowerOfTwo, RoundRobin, make_policy
+from model_pool.schema import Routing
+from policies.routing import (
+    POLICY_NAMES,
+    Candidate,
+    ConsistentHash,
+    LeastOutstanding,
+    PowerOfTwo,
+    RoundRobin,
+    make_policy,
+)
 
 
 def candidates(*outstanding: int) -> list[Candidate]:
@@ -65,7 +75,7 @@ def test_power_of_two_with_one_candidate_returns_it():
     assert PowerOfTwo(random.Random(0)).choose([only]) is only
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_make_policy_builds_each_known_policy_fresh(name):
     first, second = make_policy(name), make_policy(name)
     assert first is not second  # each instance group gets its own round-robin / tie-break state
@@ -77,3 +87,45 @@ def test_make_policy_unknown_name_names_the_options():
         make_policy("fastest")
     for name in ("least_outstanding", "power_of_two", "round_robin"):
         assert name in str(err.value)
+
+
+def test_the_registry_offers_exactly_the_known_policies():
+    assert set(get_args(Routing)) == set(POLICY_NAMES)
+
+
+def _keys(count: int) -> list[str]:
+    return [f"document {i}: the shared system prompt and retrieved passages" for i in range(count)]
+
+
+def test_consistent_hash_sends_a_key_to_the_same_replica_every_time():
+    policy = ConsistentHash()
+    first = [policy.choose(candidates(0, 0, 0, 0), key).replica_id for key in _keys(200)]
+    again = [ConsistentHash().choose(candidates(0, 0, 0, 0), key).replica_id for key in _keys(200)]
+    assert first == again  # stable across instances (and processes: blake2b, not the salted hash())
+    spread = Counter(first)
+    assert set(spread) == {"m/0", "m/1", "m/2", "m/3"} and min(spread.values()) > 200 / 4 * 0.5
+
+
+def test_consistent_hash_moves_only_the_keys_of_a_replica_that_left():
+    policy = ConsistentHash()
+    before = {key: policy.choose(candidates(0, 0, 0, 0), key).replica_id for key in _keys(300)}
+    three = [c for c in candidates(0, 0, 0, 0) if c.replica_id != "m/2"]
+    after = {key: policy.choose(three, key).replica_id for key in _keys(300)}
+    moved = [key for key in before if before[key] != after[key]]
+    assert moved and all(before[key] == "m/2" for key in moved)
+
+
+def test_consistent_hash_bounds_the_load_of_a_hot_key():
+    policy = ConsistentHash(load_bound=1.25)
+    loads = dict.fromkeys(["m/0", "m/1", "m/2", "m/3"], 0)
+    for _ in range(40):  # one key, requests that stay in flight
+        pick = policy.choose([Candidate(rid, n) for rid, n in loads.items()], "hot")
+        loads[pick.replica_id] += 1
+        total = sum(loads.values())
+        assert max(loads.values()) <= -(-1.25 * total // 4)  # ceil(1.25 x mean) at every step
+    home = ConsistentHash().choose(candidates(0, 0, 0, 0), "hot").replica_id
+    assert loads[home] == max(loads.values())  # the key's own replica still takes the largest part
+
+
+def test_consistent_hash_without_a_key_is_least_outstanding():
+    assert ConsistentHash().choose(candidates(3, 1, 2)).replica_id == "m/1"
