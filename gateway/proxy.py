@@ -14,7 +14,14 @@ import httpx
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from tenacity import AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from gateway.metrics import GatewayMetrics
 from model_pool.pool import InstanceGroup, ModelPool
@@ -53,6 +60,33 @@ class NoReplica(Exception):
     pass
 
 
+class ReplicaOverloaded(Exception):
+    """A replica answered 429: it is healthy but its queue is full. Another replica or a fallback may take it."""
+
+    def __init__(self, replica: Replica, retry_after_s: float) -> None:
+        super().__init__(f"{replica.replica_id}: overloaded, retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class _Outcome:
+    """Why the replicas of a model chain did not answer, for the one error the client gets."""
+
+    retry_after_s: list[float]
+    timed_out: bool = False
+
+    def error(self, spec: ModelSpec, timeout_s: float) -> APIError:
+        fallbacks = ", ".join(spec.fallbacks) or "none"
+        if self.retry_after_s:
+            return APIError(429, f"model {spec.name!r} is overloaded: every replica's queue is full (fallbacks "
+                                 f"tried: {fallbacks})", code="overloaded", retry_after_s=min(self.retry_after_s))
+        if self.timed_out:
+            return APIError(504, f"model {spec.name!r}: the replica did not answer within {timeout_s:g} s",
+                            code="upstream_timeout")
+        return APIError(503, f"model {spec.name!r} has no ready replica (fallbacks tried: {fallbacks})",
+                        code="no_ready_replica", retry_after_s=1)
+
+
 class Forwarder:
     def __init__(
         self,
@@ -78,8 +112,16 @@ class Forwarder:
         state = request.scope.setdefault("state", {})
         state.setdefault("log", {})["model"] = spec.name
         status = "error"
+        timeout_s = spec.policy.request_timeout_s
         try:
-            response = await self._forward_chain(request, spec, endpoint, payload, body, stream, start)
+            call = self._forward_chain(request, spec, endpoint, payload, body, stream, start)
+            if timeout_s is None:
+                response = await call
+            else:  # the whole request: queueing, retries and (for streams) the first byte
+                try:
+                    response = await asyncio.wait_for(call, timeout_s)
+                except TimeoutError:
+                    raise _timeout(spec.name, timeout_s) from None
             status = str(response.status_code)
             return response
         except APIError as err:
@@ -108,54 +150,58 @@ class Forwarder:
     async def _forward_chain(self, request: Request, spec: ModelSpec, endpoint: str, payload: dict[str, Any],
                              body: bytes, stream: bool, start: float) -> Response:
         chain = [spec] + [s for s in (self.resolve(f) for f in spec.fallbacks) if s is not None]
-        timed_out = False
+        outcome = _Outcome([])
         for target in chain:
             group = self.pool.group(target.name)
             if group is None or target.type not in ENDPOINTS[endpoint][1]:
                 continue
             content = body if target.name == payload["model"] else json.dumps({**payload, "model": target.name}
                                                                                ).encode()
+            key = routing_key(target, request, payload)
+            deadline = None if spec.policy.request_timeout_s is None else start + spec.policy.request_timeout_s
             try:
-                response = await self._try_group(request, group, endpoint, content, stream, start, spec.name)
+                response = await self._try_group(request, group, endpoint, content, stream,
+                                                 _Call(start, spec.name, key, deadline))
             except ReplicaFailure as failure:
-                timed_out = failure.timeout
+                outcome.timed_out = failure.timeout
+                continue
+            except ReplicaOverloaded as overloaded:
+                outcome.retry_after_s.append(overloaded.retry_after_s)
                 continue
             except NoReplica:
                 continue
             if target is not spec:
                 self.metrics.failovers.labels(spec.name, target.name).inc()
             return response
-        if timed_out:
-            raise APIError(504, f"model {spec.name!r}: the replica did not answer within "
-                                f"{self.settings.request_timeout_s:g} s", code="upstream_timeout")
-        raise APIError(503, f"model {spec.name!r} has no ready replica (fallbacks tried: "
-                            f"{', '.join(spec.fallbacks) or 'none'})", code="no_ready_replica", retry_after_s=1)
+        raise outcome.error(spec, self.settings.request_timeout_s)
 
     async def _try_group(self, request: Request, group: InstanceGroup, endpoint: str, content: bytes, stream: bool,
-                         start: float, model: str) -> Response:
+                         call: _Call) -> Response:
         tried: set[str] = set()
+        backoff = wait_exponential(multiplier=self.settings.backoff_s, max=self.settings.backoff_max_s)
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.settings.max_attempts),
-            wait=wait_exponential(multiplier=self.settings.backoff_s, max=self.settings.backoff_max_s),
+            # a broken replica gets a backoff before the next try; a full queue elsewhere is no reason to wait
+            wait=lambda state: backoff(state) if _failed(state) else 0.0,
             # Retry only while an untried replica is left: otherwise the last failure is reraised, so the chain
-            # can tell a timeout (504) from a failure (503), and no backoff or retry is counted for nothing.
-            retry=retry_if_exception_type(ReplicaFailure)
+            # can tell overload (429) or a timeout (504) from a failure (503), and no retry is counted for nothing.
+            retry=retry_if_exception_type((ReplicaFailure, ReplicaOverloaded))
             & retry_if_exception(lambda _: any(r.routable() and r.replica_id not in tried for r in group.replicas)),
             sleep=self.sleep, reraise=True,
-            before_sleep=lambda _: self.metrics.retries.labels(model).inc(),
+            before_sleep=lambda _: self.metrics.retries.labels(call.model).inc(),
         )
         async for attempt in retrying:
             with attempt:
-                replica = self.pool.choose(group, tried)
+                replica = self.pool.choose(group, tried, call.key)
                 if replica is None:
                     raise NoReplica(group.spec.name)
                 tried.add(replica.replica_id)
                 request.scope["state"]["log"]["replica"] = replica.replica_id
-                return await self._send(request, replica, endpoint, content, stream, start, model)
+                return await self._send(request, replica, endpoint, content, stream, call)
         raise AssertionError("unreachable: tenacity reraises the last failure")
 
     async def _send(self, request: Request, replica: Replica, endpoint: str, content: bytes, stream: bool,
-                    start: float, model: str) -> Response:
+                    call: _Call) -> Response:
         headers = {"content-type": "application/json",
                    "x-request-id": request.scope.get("state", {}).get("request_id", "")}
         if "x-priority" in request.headers:  # the replica classifies the request's lane (policies/classify.py)
@@ -180,7 +226,7 @@ class Forwarder:
                 await response.aclose()
                 raise self._fail(replica, f"stream broke before the first byte: {err!r}") from err
             handed_over = True
-            return StreamingResponse(self._relay(first, chunks, response, replica, start, model),
+            return StreamingResponse(self._relay(first, chunks, response, replica, call),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
         finally:
             if not handed_over:
@@ -196,6 +242,10 @@ class Forwarder:
         if response.status_code >= 500:
             await response.aclose()
             raise self._fail(replica, f"answered {response.status_code}")
+        if response.status_code == 429:
+            await response.aclose()
+            replica.breaker.record_success()  # it answered, and sanely: a full queue is not a fault
+            raise ReplicaOverloaded(replica, _retry_after_s(response))
         return response
 
     async def _read_all(self, response: httpx.Response, replica: Replica) -> bytes:
@@ -212,23 +262,101 @@ class Forwarder:
         return ReplicaFailure(replica, cause, timeout)
 
     async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], response: httpx.Response, replica: Replica,
-                     start: float, model: str) -> AsyncIterator[bytes]:
-        """Pass the replica's SSE bytes through as they come; a break midway ends with an error event."""
+                     call: _Call) -> AsyncIterator[bytes]:
+        """Pass the replica's SSE bytes through as they come; a break midway or the request's deadline ends
+        the stream with an error event (closing the upstream connection aborts the request on the replica)."""
+        model = call.model
         try:
-            self.metrics.ttft.labels(model).observe(self.clock() - start)
+            self.metrics.ttft.labels(model).observe(self.clock() - call.start)
             yield first
-            async for chunk in chunks:
+            while True:
+                if call.deadline is None:
+                    chunk = await anext(chunks, None)
+                else:
+                    chunk = await asyncio.wait_for(anext(chunks, None), max(call.deadline - self.clock(), 0.0))
+                if chunk is None:
+                    break
                 yield chunk
             replica.breaker.record_success()
         except httpx.HTTPError as err:
             self._fail(replica, f"stream broke midway: {err!r}")
             failure = APIError(503, f"model {model!r}: the replica failed while streaming; the reply is incomplete",
                                code="stream_interrupted")
-            yield f"data: {json.dumps(error_payload(failure))}\n\ndata: [DONE]\n\n".encode()
+            yield _error_event(failure)
+        except TimeoutError:
+            assert call.deadline is not None
+            yield _error_event(_timeout(model, call.deadline - call.start))
         finally:
             replica.outstanding -= 1
             await response.aclose()
-            self.metrics.e2e.labels(model).observe(self.clock() - start)
+            self.metrics.e2e.labels(model).observe(self.clock() - call.start)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One client request as it is tried on replicas: when it started, for which model, its routing key and
+    the deadline (on the forwarder's clock) of its `request_timeout_s`."""
+
+    start: float
+    model: str
+    key: str | None
+    deadline: float | None
+
+
+def routing_key(spec: ModelSpec, request: Request, payload: dict[str, Any]) -> str | None:
+    """What keyed routing hashes: the session header (`session`), or the head of the prompt
+    (`prefix_affinity`: requests that share a long prefix land where its KV blocks are cached)."""
+    policy = spec.policy
+    if policy.routing == "session":
+        return request.headers.get(policy.session_header) or None
+    if policy.routing != "prefix_affinity":
+        return None
+    head = _prompt_head(payload, policy.prefix_chars)
+    return head or None
+
+
+def _prompt_head(payload: dict[str, Any], num_chars: int) -> str:
+    """The first `num_chars` characters of a completion prompt or of the chat messages in order."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt and isinstance(prompt[0], (str, list)) else prompt
+        prompt = " ".join(map(str, prompt)) if isinstance(prompt, list) else prompt
+    if isinstance(prompt, str):
+        return prompt[:num_chars]
+    parts: list[str] = []
+    size = 0
+    for message in payload.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: their text
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        text = f"{message.get('role')}:{content}\n" if isinstance(content, str) else ""
+        parts.append(text)
+        size += len(text)
+        if size >= num_chars:
+            break
+    return "".join(parts)[:num_chars]
+
+
+def _failed(state: RetryCallState) -> bool:
+    outcome = state.outcome
+    return outcome is not None and isinstance(outcome.exception(), ReplicaFailure)
+
+
+def _retry_after_s(response: httpx.Response) -> float:
+    """A replica's Retry-After in seconds (1 when missing or given as a date)."""
+    try:
+        return max(float(response.headers.get("retry-after", "1")), 0.0)
+    except ValueError:
+        return 1.0
+
+
+def _timeout(model: str, timeout_s: float) -> APIError:
+    return APIError(504, f"model {model!r}: the request did not finish within its request_timeout_s="
+                         f"{timeout_s:g} s and was aborted", code="request_timeout")
+
+
+def _error_event(error: APIError) -> bytes:
+    return f"data: {json.dumps(error_payload(error))}\n\ndata: [DONE]\n\n".encode()
 
 
 async def _read_json(request: Request) -> tuple[dict[str, Any], bytes]:

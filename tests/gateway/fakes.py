@@ -28,7 +28,9 @@ from model_pool.launcher import LaunchRequest, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
 from model_pool.store import RegistryStore
 
-BEHAVIOURS = frozenset({"ok", "down", "error500", "error400", "hang", "break_midstream", "break_at_start", "not_ready"})
+BEHAVIOURS = frozenset({"ok", "down", "error500", "error400", "hang", "break_midstream", "break_at_start", "not_ready",
+                        "overloaded", "slow", "stall_midstream"})
+SLOW_S = 30.0  # how long a "slow" replica takes (real time: the gateway's deadline must cut it short)
 NUM_STREAM_CHUNKS = 4  # content chunks a streaming reply carries before `data: [DONE]`
 ADMIN_TOKEN = "admin-secret"
 
@@ -103,14 +105,16 @@ class FakeSleep:
 class ChunkStream(httpx.AsyncByteStream):
     """An async response body: the given chunks one by one, then `error` raised from the iterator if set."""
 
-    def __init__(self, chunks: list[bytes], error: httpx.HTTPError | None = None) -> None:
+    def __init__(self, chunks: list[bytes], error: httpx.HTTPError | None = None, stall_after: int | None = None
+                 ) -> None:
         self.chunks = chunks
         self.error = error
+        self.stall_after = stall_after  # chunks sent before the stream goes silent for SLOW_S
         self.closed = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            await asyncio.sleep(0)
+        for i, chunk in enumerate(self.chunks):
+            await asyncio.sleep(SLOW_S if i == self.stall_after else 0)
             yield chunk
         if self.error is not None:
             raise self.error
@@ -137,6 +141,7 @@ class FakeReplicas:
         self.received: list[Received] = []
         self.streams: list[ChunkStream] = []
         self.on_request: Callable[[Received], None] | None = None  # called as each POST arrives
+        self.cancelled: Counter[str] = Counter()  # host -> "slow" requests the gateway gave up on
 
     def set(self, replica_id: str, behaviour: str) -> None:
         if behaviour not in BEHAVIOURS:
@@ -165,6 +170,12 @@ class FakeReplicas:
         refused = self._refuse(request, behaviour)
         if refused is not None:
             return refused
+        if behaviour == "slow":
+            try:
+                await asyncio.sleep(SLOW_S)
+            except asyncio.CancelledError:
+                self.cancelled[host] += 1
+                raise
         if body.get("stream") is True:
             return self._stream(host, body, behaviour)
         return httpx.Response(200, json=_reply(host, request.url.path, body))
@@ -180,6 +191,10 @@ class FakeReplicas:
                                                        "param": None, "code": None}})
         if behaviour == "not_ready":
             return httpx.Response(503, json={"status": "loading"})
+        if behaviour == "overloaded" and request.url.path != "/ready":
+            return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {
+                "message": "the replica is overloaded", "type": "rate_limit_error", "param": None,
+                "code": "overloaded"}})
         if behaviour == "error400" and request.url.path != "/ready":  # the request's fault, not the replica's
             return httpx.Response(400, json={"error": {"message": "max_tokens: too large", "param": "max_tokens",
                                                        "type": "invalid_request_error", "code": None}})
@@ -194,7 +209,7 @@ class FakeReplicas:
             chunks, error = chunks[:2], httpx.ReadError(f"{host}: connection reset mid-stream")
         elif behaviour == "break_at_start":
             chunks, error = [], httpx.ReadError(f"{host}: connection reset before the first byte")
-        stream = ChunkStream(chunks, error)
+        stream = ChunkStream(chunks, error, stall_after=2 if behaviour == "stall_midstream" else None)
         self.streams.append(stream)
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
 
