@@ -1,0 +1,66 @@
+"""The traffic profile: one record per chat/completion request, token counts from the reply, size rotation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gateway.traffic import TrafficRecord, TrafficRecorder, _ReplyTap
+from tests.gateway.fakes import NUM_STREAM_CHUNKS, REGISTRY, FakeGateway, chat
+
+
+def traffic_registry(path: Path) -> str:
+    return REGISTRY.replace("max_body_bytes: 2048}", f"max_body_bytes: 2048, traffic: {{path: {path}}}}}")
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_records_usage_of_replies_and_counts_streams_without_usage(with_gateway, tmp_path):
+    log = tmp_path / "traffic.jsonl"
+
+    async def scenario(gw: FakeGateway) -> None:
+        assert (await gw.client.post("/v1/chat/completions", json=chat("a", max_tokens=16))).status_code == 200
+        assert (await gw.client.post("/v1/chat/completions", json=chat("beta", stream=True))).status_code == 200
+        assert (await gw.client.post("/v1/completions", json={"model": "comp", "prompt": "x", "priority": 2})
+                ).status_code == 200
+        assert (await gw.client.post("/v1/chat/completions", json=chat("nope"))).status_code == 404
+        await gw.client.get("/v1/models")  # not a generation: not recorded
+
+    with_gateway(scenario, registry_text=traffic_registry(log))
+    rows = records(log)
+    assert [(r["model"], r["endpoint"], r["status"]) for r in rows] == [
+        ("alpha", "chat", 200), ("beta", "chat", 200), ("comp", "completions", 200), (None, "chat", 404)]
+    first, stream, completion = rows[:3]
+    assert (first["prompt_tokens"], first["output_tokens"], first["usage"]) == (3, 2, "reported")
+    assert first["lane"] == "interactive"  # 3 prompt tokens, max_tokens 16: short both ways
+    assert first["end_s"] >= first["start_s"] > 0
+    assert (stream["stream"], stream["output_tokens"], stream["usage"]) == (True, NUM_STREAM_CHUNKS, "counted")
+    assert stream["prompt_tokens"] is None and stream["lane"] is None
+    assert completion["lane"] == "background"  # its priority says so
+
+
+def test_stream_usage_chunk_split_across_writes():
+    tap = _ReplyTap()
+    tap.start({"status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    body = (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+            b'data: {"choices":[{"delta":{"content":"hi"}}],"usage":null}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}\n\n'
+            b"data: [DONE]\n\n")
+    for i in range(0, len(body), 5):  # arbitrary network chunking
+        tap.feed(body[i:i + 5])
+    assert tap.counts() == (12, 7, "reported")
+
+
+def test_rotation_keeps_a_bounded_number_of_files(tmp_path):
+    log = tmp_path / "t.jsonl"
+    recorder = TrafficRecorder(log, max_bytes=4096, backups=2)
+    for i in range(200):
+        recorder.record(TrafficRecord(float(i), float(i) + 1, "m", "chat", "normal", 200, False, 10, 5, "reported"))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["t.jsonl", "t.jsonl.1", "t.jsonl.2"]
+    assert all(p.stat().st_size <= 4096 for p in tmp_path.iterdir())
+    newest = records(log)[-1]
+    assert newest["start_s"] == 199.0  # the live file holds the latest requests
+    assert records(tmp_path / "t.jsonl.1")[-1]["start_s"] < records(log)[0]["start_s"]
