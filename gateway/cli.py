@@ -50,6 +50,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from partitioner.worker_env import worker_settings
+    from runtimes.llm.config import EngineConfig
     from runtimes.server.worker import parse_engine_json, run_worker
 
     try:
@@ -57,8 +62,24 @@ def _worker(args: argparse.Namespace) -> int:
     except ValueError as err:  # json.JSONDecodeError included
         print(f"error: --engine-json: {err}", file=sys.stderr)
         return 2
-    run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level,
-               model_type=args.type)
+    try:
+        plan = worker_settings(os.environ)  # the partitioner's plan entry, from the pool
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if plan.kv_cache_bytes is not None and isinstance(config, EngineConfig) and config.kv_cache_bytes is None:
+        config = dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes)
+    gate = None
+    if plan.arbiter_socket:  # the device is time-shared: every engine step takes the arbiter's lease
+        from partitioner.arbiter_client import LeaseClient
+
+        gate = LeaseClient(plan.arbiter_socket, plan.arbiter_client or args.name, plan.arbiter_weight)
+    try:
+        run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level,
+                   model_type=args.type, step_gate=gate, memory_fraction=plan.memory_fraction)
+    finally:
+        if gate is not None:
+            gate.close()
     return 0
 
 

@@ -3,10 +3,11 @@ latency, retries and failovers; replica and breaker states are read from the poo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from model_pool.health import BreakerState
@@ -41,6 +42,34 @@ class _PoolCollector(Collector):
         yield in_flight
 
 
+SharesSource = Callable[[], Mapping[str, Sequence[Any]]]  # device -> arbiter ClientShares
+
+
+class _TimeShareCollector(Collector):
+    """The time-slice arbiters' view: per device and replica, weight, device time held, and recent share."""
+
+    def __init__(self, source: SharesSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["device", "replica"]
+        weight = GaugeMetricFamily(f"{PREFIX}_timeslice_weight", "Time-slice weight of each replica on a shared "
+                                   "device.", labels=labels)
+        share = GaugeMetricFamily(f"{PREFIX}_timeslice_share", "Share of the device's time each replica held "
+                                  "recently (exponentially decayed over ~10 s).", labels=labels)
+        busy = CounterMetricFamily(f"{PREFIX}_timeslice_busy_seconds", "Device time each replica held under "
+                                   "its lease.", labels=labels)
+        steps = CounterMetricFamily(f"{PREFIX}_timeslice_steps", "Engine steps each replica ran under its lease.",
+                                    labels=labels)
+        for device, clients in self.source().items():
+            for c in clients:
+                weight.add_metric([device, c.client_id], c.weight)
+                share.add_metric([device, c.client_id], c.recent_share)
+                busy.add_metric([device, c.client_id], c.busy_s)
+                steps.add_metric([device, c.client_id], float(c.num_steps))
+        yield from (weight, share, busy, steps)
+
+
 class GatewayMetrics:
     def __init__(self, pool: ModelPool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -56,6 +85,10 @@ class GatewayMetrics:
         self.failovers = Counter(f"{PREFIX}_failovers", "Requests served by a fallback model.",
                                  ["model", "fallback"], registry=self.registry)
         self.registry.register(_PoolCollector(pool))
+
+    def add_time_shares(self, source: SharesSource) -> None:
+        """Export the time-slice arbiters' shares (`partitioner.placer.ReplicaPlacer.shares`) at each scrape."""
+        self.registry.register(_TimeShareCollector(source))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

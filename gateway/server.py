@@ -27,20 +27,28 @@ from model_pool.pool import ModelPool, PoolSettings
 from model_pool.schema import ModelSpec, TrafficLogConfig
 from model_pool.store import RegistryError, RegistryStore
 from model_pool.watch import RegistryWatcher
+from partitioner.placer import ReplicaPlacer, arbiter_dir
 
 log = structlog.get_logger(__name__)
 
 
 def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
                proxy_settings: ProxySettings | None = None, log_dir: Path | None = None,
-               env: dict[str, str] | None = None) -> GatewayState:
-    """Everything the gateway needs, wired together (no I/O yet: `lifespan` starts it)."""
+               env: dict[str, str] | None = None, placer: ReplicaPlacer | None = None) -> GatewayState:
+    """Everything the gateway needs, wired together (no I/O yet: `lifespan` starts it).
+
+    `placer` gives each replica its plan entry (the pool's `env_for`); by default it plans the registry onto
+    this host's inventory (NVML, or the CPU), read when the first replica launches.
+    """
     env = dict(os.environ) if env is None else env
     gateway_cfg = store.registry.gateway
     # Connections to replicas are kept alive and pooled; no timeout here: each request sets its own.
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=None)
-    pool = ModelPool({"local": LocalLauncher(log_dir=log_dir), "url": UrlLauncher()}, http, pool_settings)
+    placer = placer or default_placer(store, env)
+    pool = ModelPool({"local": LocalLauncher(log_dir=log_dir), "url": UrlLauncher()}, http, pool_settings,
+                     env_for=placer)
     metrics = GatewayMetrics(pool)
+    metrics.add_time_shares(placer.shares)
 
     def resolve(model: str) -> ModelSpec | None:
         spec = store.registry.resolve(model)
@@ -59,6 +67,12 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
 
 def _traffic_recorder(cfg: TrafficLogConfig) -> TrafficRecorder | None:
     return None if cfg.path is None else TrafficRecorder(cfg.path, cfg.max_bytes, cfg.backups)
+
+
+def default_placer(store: RegistryStore, env: dict[str, str]) -> ReplicaPlacer:
+    from partitioner.cli import load_host_inventory
+
+    return ReplicaPlacer(lambda: store.registry, lambda: load_host_inventory(None, env), arbiter_dir(env))
 
 
 def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
@@ -86,6 +100,8 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
                 task.cancel()
             await asyncio.gather(*tasks, *applying, return_exceptions=True)
             await state.pool.shutdown()
+            if isinstance(state.pool.env_for, ReplicaPlacer):
+                state.pool.env_for.close()  # the replicas are gone: so are the arbiters they shared
             await state.forwarder.http.aclose()
             log.info("gateway_stopped")
 

@@ -23,6 +23,7 @@ import structlog
 from starlette.applications import Starlette
 
 from runtimes.embedding.config import EmbeddingConfig
+from runtimes.engine_driver import StepGate
 from runtimes.llm.config import EngineConfig
 
 _GIB = 1 << 30
@@ -108,12 +109,13 @@ class _EngineLoop(Protocol):
     def shutdown(self, timeout_s: float = 5.0) -> None: ...
 
 
-def _load_llm(source: str, name: str, aliases: Sequence[str], config: EngineConfig) -> tuple[_EngineLoop, Starlette]:
+def _load_llm(source: str, name: str, aliases: Sequence[str], config: EngineConfig,
+              step_gate: StepGate | None = None) -> tuple[_EngineLoop, Starlette]:
     from runtimes.llm.async_engine import AsyncLLMEngine
     from runtimes.llm.engine import LLMEngine
     from runtimes.server.app import build_app
 
-    engine = AsyncLLMEngine(LLMEngine.from_source(source, config), start_thread=False)
+    engine = AsyncLLMEngine(LLMEngine.from_source(source, config), start_thread=False, step_gate=step_gate)
     kv = engine.engine.kv
     structlog.get_logger(__name__).info("model loaded", model=engine.engine.model_name,
                                         max_model_len=engine.engine.max_model_len, kv_blocks=kv.num_blocks,
@@ -121,13 +123,14 @@ def _load_llm(source: str, name: str, aliases: Sequence[str], config: EngineConf
     return engine, build_app(engine, name, aliases)
 
 
-def _load_embedding(source: str, name: str, aliases: Sequence[str], config: EmbeddingConfig
-                    ) -> tuple[_EngineLoop, Starlette]:
+def _load_embedding(source: str, name: str, aliases: Sequence[str], config: EmbeddingConfig,
+                    step_gate: StepGate | None = None) -> tuple[_EngineLoop, Starlette]:
     from runtimes.embedding.async_engine import AsyncEmbeddingEngine
     from runtimes.embedding.engine import EmbeddingEngine
     from runtimes.server.embedding_app import build_embedding_app
 
-    engine = AsyncEmbeddingEngine(EmbeddingEngine.from_source(source, config), start_thread=False)
+    engine = AsyncEmbeddingEngine(EmbeddingEngine.from_source(source, config), start_thread=False,
+                                  step_gate=step_gate)
     core = engine.engine
     structlog.get_logger(__name__).info("model loaded", model=core.model_name, max_model_len=core.max_model_len,
                                         dimensions=core.hidden_size, max_batch_size=config.max_batch_size)
@@ -135,7 +138,8 @@ def _load_embedding(source: str, name: str, aliases: Sequence[str], config: Embe
 
 
 def _load(model_type: str, source: str, name: str, aliases: Sequence[str],
-          config: EngineConfig | EmbeddingConfig | None) -> tuple[_EngineLoop, Starlette]:
+          config: EngineConfig | EmbeddingConfig | None, step_gate: StepGate | None = None,
+          memory_fraction: float | None = None) -> tuple[_EngineLoop, Starlette]:
     """The engine (not yet running) and its app, for a model of `model_type`."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model type {model_type!r}; known: {', '.join(MODEL_TYPES)}")
@@ -143,9 +147,24 @@ def _load(model_type: str, source: str, name: str, aliases: Sequence[str],
     config = config if config is not None else expected()
     if not isinstance(config, expected):
         raise TypeError(f"a {model_type} worker takes a {expected.__name__}, got a {type(config).__name__}")
+    if memory_fraction is not None:
+        limit_cuda_memory(memory_fraction, config.resolve_device())
     if isinstance(config, EmbeddingConfig):
-        return _load_embedding(source, name, aliases, config)
-    return _load_llm(source, name, aliases, config)
+        return _load_embedding(source, name, aliases, config, step_gate)
+    return _load_llm(source, name, aliases, config, step_gate)
+
+
+def limit_cuda_memory(fraction: float, device: Any) -> bool:
+    """Cap this process's CUDA allocations at `fraction` of the device (the partitioner's plan); the KV cache
+    sizes itself inside that cap. No-op off CUDA (a CPU replica has no device memory to share). True if set."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
+    if device.type != "cuda":
+        return False
+    import torch
+
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return True
 
 
 def run_worker(
@@ -158,8 +177,14 @@ def run_worker(
     log_level: str = "warning",
     graceful_timeout_s: int = 30,
     model_type: str = "chat",
+    step_gate: StepGate | None = None,
+    memory_fraction: float | None = None,
 ) -> None:
-    """Load `source` as a `model_type` model, serve it as `name` (and `aliases`) on host:port until SIGTERM/SIGINT."""
+    """Load `source` as a `model_type` model, serve it as `name` (and `aliases`) on host:port until SIGTERM/SIGINT.
+
+    `step_gate`: taken around every engine step (the device's time-slice arbiter, when it is shared);
+    `memory_fraction`: of the CUDA device, for this process (the partitioner's plan).
+    """
     import uvicorn
 
     configure_logging()
@@ -167,7 +192,7 @@ def run_worker(
     log.info("loading model", source=source, name=name, aliases=list(aliases), model_type=model_type)
     # The engine loop runs on this (main) thread, where PyTorch's CPU thread pool stays warm; HTTP is served
     # from another thread (see runtimes/llm/async_engine.py for the measurement).
-    engine, app = _load(model_type, source, name, aliases, config)
+    engine, app = _load(model_type, source, name, aliases, config, step_gate, memory_fraction)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=graceful_timeout_s))
 

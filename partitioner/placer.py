@@ -1,0 +1,132 @@
+"""The pool's side of the plan: each replica's launch environment, and the arbiters of time-shared devices.
+
+`ReplicaPlacer` is the `env_for(spec, index)` hook of `model_pool.pool.ModelPool`: it plans the current
+registry onto the host's inventory (re-planning when the registry changes) and gives each replica its plan
+entry as environment: `CUDA_VISIBLE_DEVICES`, the MPS variables, a KV-cache byte budget, a memory fraction, and,
+when it time-shares its device, the socket of that device's arbiter and its weight. The arbiter services
+(`arbiter_service.ArbiterService`) run in the pool's process, one per shared device, started on first use.
+
+A device gets an arbiter only when at least two replicas on it are time-sliced and their models set
+`placement:` in the registry; a replica alone on its device, or one whose model says nothing about placement,
+steps without a gate (no per-step cost). `worker_env` is the worker's reading of
+the same variables.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import structlog
+
+from model_pool.schema import ModelSpec, Registry
+from partitioner.arbiter import ClientShare
+from partitioner.arbiter_service import ArbiterService
+from partitioner.demand import ModelShape, replica_demands
+from partitioner.inventory import Inventory
+from partitioner.plan import InfeasiblePlan, Plan, ReplicaPlan
+from partitioner.planner import PlanOptions, plan
+from partitioner.worker_env import (
+    ARBITER_CLIENT_ENV,
+    ARBITER_SOCKET_ENV,
+    ARBITER_WEIGHT_ENV,
+    KV_CACHE_BYTES_ENV,
+    MEMORY_FRACTION_ENV,
+)
+
+log = structlog.get_logger(__name__)
+
+RUN_DIR_ENV = "MULTISERVE_RUN_DIR"
+DEFAULT_RUN_DIR = ".multiserve/run"
+_MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
+
+
+def arbiter_dir(env: Mapping[str, str]) -> Path:
+    """Where the arbiters' sockets live (`partition status` looks there too)."""
+    return Path(env.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR).resolve() / "arbiter"
+
+
+class ReplicaPlacer:
+    """`env_for` for the pool. `registry()` is the registry now; `read_inventory()` is called once, on first use."""
+
+    def __init__(self, registry: Callable[[], Registry], read_inventory: Callable[[], Inventory], socket_dir: Path,
+                 options: PlanOptions | None = None, shapes: Mapping[str, ModelShape] | None = None) -> None:
+        self._registry = registry
+        self._read_inventory = read_inventory
+        self._inventory: Inventory | None = None
+        self.socket_dir = socket_dir
+        self._options = options or PlanOptions()
+        self._shapes = dict(shapes or {})
+        self._planned: tuple[Registry, Plan | None] | None = None
+        self._services: dict[str, ArbiterService] = {}
+        self._lock = threading.Lock()  # scrapes read the services from other threads
+
+    def __call__(self, spec: ModelSpec, index: int) -> dict[str, str]:
+        registry = self._registry()
+        current = self.plan_for(registry)
+        if current is None:
+            return {}
+        try:
+            replica = current.replica(f"{spec.name}/{index}")
+        except KeyError:  # not ours to place (a url replica, or a model the plan has not seen)
+            return {}
+        env = dict(replica.env)
+        if replica.kv_cache_bytes is not None and spec.engine.kv_cache_gib is None:
+            env[KV_CACHE_BYTES_ENV] = str(replica.kv_cache_bytes)
+        if replica.memory_fraction is not None and replica.device_key != "cpu":
+            env[MEMORY_FRACTION_ENV] = f"{replica.memory_fraction:.6f}"
+        if needs_arbiter(current, replica, registry):
+            env[ARBITER_SOCKET_ENV] = str(self._service(replica.device_key).socket_path)
+            env[ARBITER_WEIGHT_ENV] = repr(replica.weight)
+            env[ARBITER_CLIENT_ENV] = replica.replica_id
+        return env
+
+    def plan_for(self, registry: Registry) -> Plan | None:
+        """The plan of `registry` (cached until the registry changes); None, logged, when it is infeasible: the
+        replicas then launch as they would without a partitioner."""
+        if self._planned is not None and self._planned[0] is registry:
+            return self._planned[1]
+        if self._inventory is None:
+            self._inventory = self._read_inventory()
+        result: Plan | None
+        try:
+            result = plan(self._inventory, replica_demands(registry, self._shapes), self._options)
+        except InfeasiblePlan as exc:
+            log.error("partition_plan_infeasible", problems=list(exc.problems))
+            result = None
+        self._planned = (registry, result)
+        return result
+
+    def _service(self, device_key: str) -> ArbiterService:
+        with self._lock:
+            service = self._services.get(device_key)
+            if service is None:
+                path = self.socket_dir / f"{device_key}.sock"
+                if len(str(path)) > _MAX_SOCKET_PATH:
+                    raise ValueError(f"arbiter socket path {path} is longer than {_MAX_SOCKET_PATH} characters: "
+                                     f"set {RUN_DIR_ENV} to a shorter directory")
+                service = self._services[device_key] = ArbiterService(path, device_key).start()
+            return service
+
+    def shares(self) -> dict[str, list[ClientShare]]:
+        """Each arbitrated device's clients and what they got."""
+        with self._lock:
+            services = dict(self._services)
+        return {key: service.shares() for key, service in sorted(services.items())}
+
+    def close(self) -> None:
+        with self._lock:
+            services, self._services = list(self._services.values()), {}
+        for service in services:
+            service.close()
+
+
+def needs_arbiter(current: Plan, replica: ReplicaPlan, registry: Registry) -> bool:
+    """Time-sliced with at least one other such replica on its device, both of models that set `placement:`."""
+    if replica.isolation != "timeslice":
+        return False
+    explicit = {m.name for m in registry.models if "placement" in m.model_fields_set}
+    sharing = [r for r in current.replicas
+               if r.device_key == replica.device_key and r.isolation == "timeslice" and r.model in explicit]
+    return replica.model in explicit and len(sharing) >= 2

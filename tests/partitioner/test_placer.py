@@ -1,0 +1,144 @@
+"""The pool's plan entries: env per replica from the registry + inventory, an arbiter only where replicas of
+models with a `placement:` time-share a device, re-planning on registry edits, the worker's reading of its env,
+and a real `multiserve worker` process taking leases from the pool's arbiter."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import yaml
+
+from gateway.server import make_state
+from model_pool.schema import Registry
+from model_pool.store import RegistryStore
+from partitioner.arbiter_service import ArbiterService
+from partitioner.demand import ModelShape
+from partitioner.inventory import Inventory
+from partitioner.placer import ReplicaPlacer, needs_arbiter
+from partitioner.worker_env import WorkerSettings, worker_settings
+from tests.partitioner.conftest import gpus
+from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
+from tests.runtimes.server.test_worker import worker_process
+
+CPU = Inventory(devices=(), source="cpu", note="no NVML (test)")
+
+
+def registry(**models: dict) -> Registry:
+    return Registry.model_validate({"models": [
+        {"name": name, "type": "chat", "source": {"path": f"/m/{name}.gguf"}, **fields}
+        for name, fields in models.items()]})
+
+
+SHARED = {"chat": {"device": "cpu", "placement": {"weight": 3}},
+          "helper": {"device": "cpu", "placement": {"isolation": "timeslice", "weight": 1}},
+          "plain": {"device": "cpu"}}
+
+
+@pytest.fixture
+def placer(tmp_path):
+    current = {"registry": registry(**SHARED)}
+    made = ReplicaPlacer(lambda: current["registry"], lambda: CPU, tmp_path / "arbiter")
+    made.current = current  # type: ignore[attr-defined]  # tests swap the registry through it
+    yield made
+    made.close()
+
+
+def spec(placer: ReplicaPlacer, name: str):
+    return placer.current["registry"].resolve(name)  # type: ignore[attr-defined]
+
+
+def test_time_shared_cpu_replicas_get_one_arbiter_and_their_weights(placer, tmp_path):
+    chat, helper = placer(spec(placer, "chat"), 0), placer(spec(placer, "helper"), 0)
+    socket_path = str(tmp_path / "arbiter" / "cpu.sock")
+    assert chat == {"CUDA_VISIBLE_DEVICES": "", "MULTISERVE_ARBITER_SOCKET": socket_path,
+                    "MULTISERVE_ARBITER_WEIGHT": "3.0", "MULTISERVE_ARBITER_CLIENT": "chat/0"}
+    assert helper["MULTISERVE_ARBITER_WEIGHT"] == "1.0" and helper["MULTISERVE_ARBITER_SOCKET"] == socket_path
+    # a model that says nothing about placement steps without a gate, even on the shared CPU
+    assert placer(spec(placer, "plain"), 0) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert list(placer.shares()) == ["cpu"] and placer.shares()["cpu"] == []
+
+
+def test_one_replica_alone_needs_no_arbiter_and_edits_re_plan(placer):
+    placer.current["registry"] = registry(chat=SHARED["chat"])
+    assert placer(spec(placer, "chat"), 0) == {"CUDA_VISIBLE_DEVICES": ""}
+    placer.current["registry"] = registry(chat={**SHARED["chat"], "replicas": 2})
+    assert placer(spec(placer, "chat"), 1)["MULTISERVE_ARBITER_CLIENT"] == "chat/1"  # two replicas share it now
+    assert placer(spec(placer, "chat"), 5) == {}  # not in the plan
+
+
+def test_gpu_plan_entries_carry_memory_fraction_and_kv_budget(tmp_path):
+    reg = registry(big={"device": "cuda", "placement": {"isolation": "timeslice", "memory_gib": 20}})
+    shapes = {"big": ModelShape(num_layers=16, num_kv_heads=8, head_dim=64, weights_bytes=4 << 30)}
+    made = ReplicaPlacer(lambda: reg, lambda: gpus("h100-80gb"), tmp_path, shapes=shapes)
+    env = made(reg.resolve("big"), 0)
+    assert env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
+    assert float(env["MULTISERVE_MEMORY_FRACTION"]) == pytest.approx(20 / 79.6, rel=0.01)
+    assert int(env["MULTISERVE_KV_CACHE_BYTES"]) == (20 << 30) - (4 << 30) - (512 << 20)
+    assert "MULTISERVE_ARBITER_SOCKET" not in env
+
+
+def test_an_infeasible_plan_launches_replicas_unpartitioned(tmp_path):
+    reg = registry(big={"device": "cuda"})  # no GPU here, and the model insists on one
+    made = ReplicaPlacer(lambda: reg, lambda: CPU, tmp_path)
+    assert made(reg.resolve("big"), 0) == {} and made.plan_for(reg) is None
+
+
+def test_needs_arbiter_only_for_time_slicing(tmp_path):
+    reg = registry(a={"placement": {"isolation": "mps", "memory_gib": 1}},
+                   b={"placement": {"isolation": "mps", "memory_gib": 1}})
+    current = ReplicaPlacer(lambda: reg, lambda: gpus("h100-80gb"), tmp_path).plan_for(reg)
+    assert current is not None and {r.isolation for r in current.replicas} == {"mps"}
+    assert not any(needs_arbiter(current, r, reg) for r in current.replicas)
+
+
+def test_worker_settings_from_env():
+    assert worker_settings({}) == WorkerSettings()
+    got = worker_settings({"MULTISERVE_ARBITER_SOCKET": "/run/cpu.sock", "MULTISERVE_ARBITER_WEIGHT": "3.0",
+                           "MULTISERVE_ARBITER_CLIENT": "chat/0", "MULTISERVE_MEMORY_FRACTION": "0.25",
+                           "MULTISERVE_KV_CACHE_BYTES": "1048576"})
+    assert got == WorkerSettings("/run/cpu.sock", "chat/0", 3.0, 0.25, 1 << 20)
+    with pytest.raises(ValueError, match=r"MULTISERVE_ARBITER_WEIGHT='heavy' is not a valid float"):
+        worker_settings({"MULTISERVE_ARBITER_WEIGHT": "heavy"})
+
+
+def test_make_state_plans_replicas_and_exports_shares(tmp_path):
+    path = tmp_path / "reg.yaml"
+    path.write_text(yaml.safe_dump({"models": [
+        {"name": n, "type": "chat", "source": {"path": f"/m/{n}.gguf"}, **f} for n, f in SHARED.items()]}))
+    state = make_state(RegistryStore(path), env={"MULTISERVE_RUN_DIR": str(tmp_path / "run")})
+    placer = state.pool.env_for
+    assert isinstance(placer, ReplicaPlacer)
+    try:
+        env = placer(state.store.registry.resolve("chat"), 0)
+        assert env["MULTISERVE_ARBITER_SOCKET"] == str(tmp_path / "run" / "arbiter" / "cpu.sock")
+        from partitioner.arbiter_client import LeaseClient
+
+        client = LeaseClient(env["MULTISERVE_ARBITER_SOCKET"], "chat/0", 3.0)
+        client.acquire()
+        client.release()
+        text = state.metrics.render().decode()
+        assert 'multiserve_gateway_timeslice_weight{device="cpu",replica="chat/0"} 3.0' in text
+        assert 'multiserve_gateway_timeslice_steps_total{device="cpu",replica="chat/0"}' in text
+        client.close()
+    finally:
+        placer.close()
+
+
+def test_a_worker_process_takes_its_leases_from_the_arbiter(tmp_path, monkeypatch):
+    service = ArbiterService(tmp_path / "cpu.sock", "cpu").start()
+    model = write_gguf(hf_model(TinySpec(), seed=2), tmp_path / "tiny.gguf")
+    monkeypatch.setenv("MULTISERVE_ARBITER_SOCKET", str(service.socket_path))
+    monkeypatch.setenv("MULTISERVE_ARBITER_WEIGHT", "3.0")
+    monkeypatch.setenv("MULTISERVE_ARBITER_CLIENT", "tiny/0")
+    monkeypatch.setenv("MULTISERVE_KV_CACHE_BYTES", str(1 << 20))
+    args = ["--source", str(model), "--name", "tiny", "--device", "cpu", "--engine-json", '{"block_size": 4}']
+    try:
+        with worker_process(args, tmp_path / "worker.log") as base_url:
+            response = httpx.post(f"{base_url}/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": "hi", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            shares = {s.client_id: s for s in service.shares()}
+            assert shares["tiny/0"].weight == 3.0 and shares["tiny/0"].num_steps >= 5
+        assert service.shares() == []  # the worker left the arbiter when it stopped
+    finally:
+        service.close()
