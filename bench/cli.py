@@ -107,14 +107,18 @@ def build_config(args: argparse.Namespace):  # -> BenchConfig (imports kept lazy
 
 
 def _run(args: argparse.Namespace) -> int:
-    from bench.runner import format_record, run_bench
+    from bench.runner import BenchError, format_record, run_bench
 
     try:
         config = build_config(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    records = asyncio.run(run_bench(config))
+    try:
+        records = asyncio.run(run_bench(config))
+    except BenchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     for record in records:
         print(format_record(record))
     print(f"appended {len(records)} record(s) to {args.history}")

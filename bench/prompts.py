@@ -24,7 +24,7 @@ summer spring autumn doctor teacher student farmer writer painter builder sailor
 """
 WORDS = tuple(_WORD_TEXT.split())
 
-PROBE_WORDS = (32, 160)  # two probe sizes: far enough apart that rounding in usage counts is small
+PROBE_WORDS = (8, 48)  # far enough apart that rounding is small, short enough for models with small contexts
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,21 @@ class BenchConfig:
     progress: bool = True
 
 
+class BenchError(Exception):
+    """The benchmark cannot run (the server is unreachable or refuses the probe); the message says why."""
+
+
 async def calibrate(http: httpx.AsyncClient, target: Target, rng: random.Random) -> TokenFit:
     """Measure the server's tokens per word with two probe prompts; the default fit when it reports no usage."""
     probes = []
     for num_words in PROBE_WORDS:
-        tokens = await prompt_tokens_of(http, target, words_text(num_words, rng))
+        try:
+            tokens = await prompt_tokens_of(http, target, words_text(num_words, rng))
+        except httpx.HTTPStatusError as err:
+            raise BenchError(f"{target.request_url} refused the {num_words}-word calibration probe with "
+                             f"{err.response.status_code}: {err.response.text[:300]}") from err
+        except httpx.HTTPError as err:
+            raise BenchError(f"cannot reach {target.request_url}: {err!r}") from err
         if tokens is None:
             return TokenFit()
         probes.append((num_words, tokens))
