@@ -28,7 +28,7 @@ test: install lint
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy gateway policies model_pool partitioner
+	$(BIN)/mypy gateway policies model_pool partitioner bench
 
 bench: install
 	$(BIN)/python -m bench.llm_throughput
