@@ -1,4 +1,4 @@
-"""`multiserve partition plan|status`: the partitioner from the command line (gateway/cli.py only registers it).
+"""`multiserve partition plan|apply|status`: the partitioner from the command line (gateway/cli.py only registers it).
 
 Exit status: 0 done; 1 the plan is infeasible or a device read failed (the message says what and where);
 2 bad input (registry, inventory or shapes file).
@@ -12,36 +12,51 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
+from partitioner.applied_state import DEFAULT_STATE_FILE
 from partitioner.backend import DeviceBackend, DeviceError
 from partitioner.inventory import GIB, Inventory, InventoryFileError, inventory_to_dict, read_inventory
 from partitioner.plan import InfeasiblePlan, Plan
+
+if TYPE_CHECKING:
+    from model_pool.schema import Registry
+    from partitioner.demand import ModelShape
+    from partitioner.planner import PlanOptions
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 INVENTORIES = "configs/inventories"
 
 
 def add_partition_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `partition plan` and `partition status` on the `multiserve` parser."""
+    """Register `partition plan`, `apply` and `status` on the `multiserve` parser."""
     part = sub.add_parser("partition", help="plan and inspect how replicas share GPUs (MIG, MPS, time-slicing)")
     actions = part.add_subparsers(dest="partition_command", required=True)
     plan = actions.add_parser("plan", help="print where every replica of the registry would run, and with what")
-    plan.add_argument("--config", default=str(DEFAULT_CONFIG), help="the registry YAML")
-    _add_inventory_argument(plan)
+    add_plan_arguments(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.add_argument("--gpus", default=None, help="GPU indices the plan may use, e.g. 0,1 (default: all)")
-    plan.add_argument("--shapes", default=None,
-                      help="JSON of model name -> {num_layers, num_kv_heads, head_dim, weights_bytes, ...}")
-    plan.add_argument("--mig-fallback", choices=["mps", "timeslice"], default=None,
-                      help="isolation for mig models when no GPU the plan may use can do MIG")
-    plan.add_argument("--max-memory-fraction", type=float, default=0.95,
-                      help="of each GPU's (or MIG device's) memory, at most this much for our replicas")
     plan.set_defaults(func=run_plan)
+    from partitioner.cli_apply import add_apply_parser
+
+    add_apply_parser(actions)
     status = actions.add_parser("status", help="print the device inventory (NVML, or a fake/CPU one)")
     _add_inventory_argument(status)
     status.add_argument("--json", action="store_true", help="print the inventory as JSON")
+    status.add_argument("--state-file", default=DEFAULT_STATE_FILE, help="what `partition apply` recorded")
     status.set_defaults(func=run_status)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a plan is made from: the registry, an inventory, and the operator's options."""
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the registry YAML")
+    _add_inventory_argument(parser)
+    parser.add_argument("--gpus", default=None, help="GPU indices the plan may use, e.g. 0,1 (default: all)")
+    parser.add_argument("--shapes", default=None,
+                        help="JSON of model name -> {num_layers, num_kv_heads, head_dim, weights_bytes, ...}")
+    parser.add_argument("--mig-fallback", choices=["mps", "timeslice"], default=None,
+                        help="isolation for mig models when MIG cannot be had (no MIG GPU, MIG mode off, no root)")
+    parser.add_argument("--max-memory-fraction", type=float, default=0.95,
+                        help="of each GPU's (or MIG device's) memory, at most this much for our replicas")
 
 
 def _add_inventory_argument(parser: argparse.ArgumentParser) -> None:
@@ -69,17 +84,11 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     """`partition plan`: the registry's replicas planned onto the inventory, as a table or JSON."""
     out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
     from model_pool.errors import RegistryError
-    from model_pool.store import load_registry
-    from partitioner.demand import load_shapes, replica_demands
-    from partitioner.planner import PlanOptions, plan
+    from partitioner.demand import replica_demands
+    from partitioner.planner import plan
 
     try:
-        registry = load_registry(args.config)
-        shapes = load_shapes(args.shapes) if args.shapes else {}
-        gpus = _gpu_indices(args.gpus) if args.gpus is not None else None
-        inventory = load_host_inventory(args.inventory, env)
-        options = PlanOptions(gpus=gpus, mig_fallback=args.mig_fallback,
-                              max_memory_fraction=args.max_memory_fraction)
+        registry, shapes, inventory, options = plan_inputs(args, env)
     except (RegistryError, InventoryFileError, ValueError) as exc:
         print(f"error: {exc}", file=err)
         return 2
@@ -97,9 +106,26 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     return 0
 
 
+def plan_inputs(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Registry, dict[str, ModelShape],
+                                                                          Inventory, PlanOptions]:
+    """The registry, shapes, inventory and options the plan arguments name. Raises RegistryError,
+    InventoryFileError, ValueError (bad input) or DeviceError (reading the devices)."""
+    from model_pool.store import load_registry
+    from partitioner.demand import load_shapes
+    from partitioner.planner import PlanOptions
+
+    registry = load_registry(args.config)
+    shapes = load_shapes(args.shapes) if args.shapes else {}
+    gpus = _gpu_indices(args.gpus) if args.gpus is not None else None
+    inventory = load_host_inventory(args.inventory, env)
+    options = PlanOptions(gpus=gpus, mig_fallback=args.mig_fallback, max_memory_fraction=args.max_memory_fraction)
+    return registry, shapes, inventory, options
+
+
 def run_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
                env: Mapping[str, str] | None = None) -> int:
-    """`partition status`: the inventory, saying plainly when it is a CPU or fake one."""
+    """`partition status`: the inventory (saying plainly when it is a CPU or fake one), what apply recorded, and
+    the live time-slice shares of running arbiters."""
     out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
     try:
         inventory = load_host_inventory(args.inventory, env)
@@ -109,10 +135,14 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     except DeviceError as exc:
         print(f"error: reading the devices: {exc}", file=err)
         return 1
+    from partitioner.cli_apply import applied_and_live, render_applied_and_live
+
+    extra = applied_and_live(args.state_file, env)
     if args.json:
-        out.write(json.dumps({"kind": inventory_kind(inventory), **inventory_to_dict(inventory)}, indent=2) + "\n")
+        data = {"kind": inventory_kind(inventory), **inventory_to_dict(inventory), **extra}
+        out.write(json.dumps(data, indent=2) + "\n")
     else:
-        out.write(render_inventory(inventory))
+        out.write(render_inventory(inventory) + render_applied_and_live(extra))
     return 0
 
 

@@ -1,0 +1,166 @@
+"""`multiserve partition apply [--dry-run]`, and what `partition status` adds about applied state and live shares.
+
+Exit status as for `plan`: 0 done (also when a MIG fallback was applied: a warning says why); 1 the plan is
+infeasible or an action failed (the message says which and what to do); 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from partitioner.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
+from partitioner.apply_plan import DEFAULT_MPS_LOG_ROOT, ApplyError
+from partitioner.backend import DeviceError, MigControl
+from partitioner.cli import add_plan_arguments, load_host_inventory, plan_inputs, render_plan
+from partitioner.commands import CommandResult, CommandRunner, SubprocessRunner
+from partitioner.inventory import Inventory, InventoryFileError, MigDevice, read_inventory
+from partitioner.plan import InfeasiblePlan
+
+if TYPE_CHECKING:
+    from partitioner.nvml_backend import NvmlBackend
+
+
+def add_apply_parser(actions: argparse._SubParsersAction) -> None:
+    apply = actions.add_parser("apply", help="make the devices match the plan (MIG devices, MPS daemons); "
+                                             "--dry-run prints every action and runs none")
+    add_plan_arguments(apply)
+    apply.add_argument("--dry-run", action="store_true", help="print every action; change nothing")
+    apply.add_argument("--state-file", default=DEFAULT_STATE_FILE,
+                       help="where apply records what it created (only that is ever destroyed or stopped)")
+    apply.add_argument("--mps-log-root", default=DEFAULT_MPS_LOG_ROOT, help="one MPS log directory per GPU below it")
+    apply.set_defaults(func=run_apply)
+
+
+class _PrintOnlyRunner:
+    """For a fake inventory: MPS commands are shown, never run (they would act on this machine)."""
+
+    def run(self, argv: Sequence[str], env: Mapping[str, str], input_text: str | None = None) -> CommandResult:
+        return CommandResult(0)
+
+
+class _NvmlMig:
+    """The NVML backend, opened on the first MIG change only (a plan without MIG never needs NVML's write side)."""
+
+    def __init__(self) -> None:
+        from partitioner.nvml_backend import NvmlBackend
+
+        self.backend: NvmlBackend = NvmlBackend()
+        self.opened = False
+
+    def _open(self) -> NvmlBackend:
+        if not self.opened:
+            self.backend.open()
+            self.opened = True
+        return self.backend
+
+    def create_mig_device(self, index: int, profile: str, start: int) -> MigDevice:
+        return self._open().create_mig_device(index, profile, start)
+
+    def destroy_mig_device(self, index: int, uuid: str) -> None:
+        self._open().destroy_mig_device(index, uuid)
+
+    def close(self) -> None:
+        if self.opened:
+            self.backend.close()
+
+
+def run_apply(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+              env: Mapping[str, str] | None = None, runner: CommandRunner | None = None) -> int:
+    """`partition apply`: plan, then reconcile the devices to it (or, with --dry-run, say how)."""
+    out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
+    from model_pool.errors import RegistryError
+    from partitioner.applier import Applier, reconcile
+    from partitioner.demand import replica_demands
+
+    try:
+        registry, shapes, inventory, options = plan_inputs(args, env)
+    except (RegistryError, InventoryFileError, ValueError) as exc:
+        print(f"error: {exc}", file=err)
+        return 2
+    except DeviceError as exc:
+        print(f"error: reading the devices: {exc}", file=err)
+        return 1
+    with tempfile.TemporaryDirectory() as scratch:
+        mig, read, runner, state_path = _targets(args, inventory, env, runner, Path(scratch))
+        try:
+            outcome = reconcile(read, replica_demands(registry, shapes), options,
+                                Applier(mig, runner, AppliedStateFile(state_path)), args.dry_run, args.mps_log_root)
+        except InfeasiblePlan as exc:
+            print(f"error: infeasible plan for {args.config} on {inventory.source}:", file=err)
+            err.writelines(f"  - {problem}\n" for problem in exc.problems)
+            return 1
+        except (ApplyError, DeviceError) as exc:
+            print(f"error: apply failed: {exc}", file=err)
+            return 1
+        finally:
+            if isinstance(mig, _NvmlMig):
+                mig.close()
+    if outcome.fallback_reason:
+        print(f"warning: {outcome.fallback_reason}", file=err)
+    head = "dry run: would run" if args.dry_run else "applied"
+    lines = [f"{head} {len(outcome.actions)} action(s)" + (":" if outcome.actions else " (the devices match)")]
+    lines += [f"  - {a.describe()}" for a in outcome.actions]
+    lines += [f"  {rid}: CUDA_VISIBLE_DEVICES={uuid}" for rid, uuid in sorted(outcome.created.items())]
+    out.write("\n".join(lines) + "\n\n" + render_plan(outcome.plan))
+    return 0
+
+
+def _targets(args: argparse.Namespace, inventory: Inventory, env: Mapping[str, str], runner: CommandRunner | None,
+             scratch: Path) -> tuple[MigControl, Any, CommandRunner, Path]:
+    """What apply acts on: this host (NVML, real commands, the state file), or a fake inventory's in-memory GPUs
+    (commands only printed, state in a scratch file) when --inventory names one."""
+    first = [inventory]  # the inventory plan_inputs already read serves the first plan
+
+    if args.inventory is not None:
+        from partitioner.fake_backend import FakeBackend
+
+        fake = FakeBackend.from_file(args.inventory)
+        return (fake, lambda: first.pop() if first else read_inventory(fake), runner or _PrintOnlyRunner(),
+                scratch / "state.json")
+    return (_NvmlMig(), lambda: first.pop() if first else load_host_inventory(None, env),
+            runner or SubprocessRunner(env), Path(args.state_file))
+
+
+def applied_and_live(state_file: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """For `partition status`: what apply recorded, and each running arbiter's shares (or why it did not answer)."""
+    from partitioner.arbiter_service import read_stats
+    from partitioner.placer import arbiter_dir
+
+    try:
+        applied: dict[str, Any] = AppliedStateFile(state_file).load().to_dict()
+    except ValueError as exc:
+        applied = {"error": str(exc)}
+    live = []
+    for sock in sorted(arbiter_dir(env).glob("*.sock")):
+        try:
+            live.append(read_stats(sock))
+        except OSError as exc:  # a socket left by a gateway that died: nobody answers
+            live.append({"device": sock.stem, "error": f"{sock}: {exc}"})
+    return {"applied": applied, "time_shares": live}
+
+
+def render_applied_and_live(data: dict[str, Any]) -> str:
+    applied = data["applied"]
+    lines = ["", "applied by multiserve:"]
+    if "error" in applied:
+        lines.append(f"  {applied['error']}")
+    else:
+        lines += [f"  MIG device {uuid} on GPU {gpu}" for uuid, gpu in applied["mig_devices"].items()]
+        lines += [f"  MPS daemon for GPU {d['gpu_index']} (pipe {pipe}): {', '.join(d['settings']) or 'defaults'}"
+                  for pipe, d in applied["mps_daemons"].items()]
+        if len(lines) == 2:
+            lines.append("  nothing")
+    lines += ["", "time-slice shares (live):" if data["time_shares"] else "time-slice shares: no arbiter running"]
+    for device in data["time_shares"]:
+        if "error" in device:
+            lines.append(f"  {device['device']}: {device['error']}")
+            continue
+        lines += [f"  {device['device']}: {c['client_id']} weight {c['weight']:g}: {c['recent_share']:.1%} recently, "
+                  f"{c['busy_s']:.1f} s in {c['num_steps']} steps" for c in device["clients"]]
+    return "\n".join(lines) + "\n"
