@@ -19,7 +19,13 @@ from starlette.routing import Route
 
 from gateway.admin import admin_routes
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import AccessLogMiddleware, ApiKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from gateway.middleware import (
+    AccessLogMiddleware,
+    ApiKey,
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+)
 from gateway.proxy import Forwarder
 from gateway.traffic import TrafficMiddleware, TrafficRecorder
 from model_pool.pool import ModelPool
@@ -35,7 +41,7 @@ class GatewayState:
     forwarder: Forwarder
     metrics: GatewayMetrics
     admin_token: str | None  # None: admin API disabled (every call 401)
-    api_keys: dict[str, frozenset[str] | None]
+    api_keys: dict[str, ApiKey]
     started_at: float
     traffic: TrafficRecorder | None = None  # the traffic profile (gateway.traffic.path); None: off
 

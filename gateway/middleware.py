@@ -13,9 +13,13 @@ import uuid
 from collections.abc import Callable, Mapping
 
 import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.traffic import ReplyTap
+from policies.classify import parse_lane
+from policies.ratelimit import KeyLimits, KeyRateLimiter
 from runtimes.server.errors import APIError, error_response
 
 log = structlog.get_logger("multiserve.access")
@@ -108,13 +112,41 @@ class BodySizeLimitMiddleware:
         await self.app(scope, counting_receive, send)
 
 
-class ApiKeyMiddleware:
-    """When keys are configured, `/v1/*` needs `Authorization: Bearer <key>`; the key's allowed models
-    (None: all) go to `scope["state"]["allowed_models"]` for the router to enforce."""
+class ApiKey(BaseModel):
+    """What one API key may do: its models (None: all), default lane, tenant class and rate limits."""
 
-    def __init__(self, app: ASGIApp, keys: Mapping[str, frozenset[str] | None]) -> None:
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    models: frozenset[str] | None = None
+    priority: int | str | None = None  # the lane of its requests unless they say otherwise (policies/classify.py)
+    tenant: str | None = None  # picks a model's `variants` entry
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+
+    @field_validator("priority")
+    @classmethod
+    def _lane(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            parse_lane(value)  # ValueError naming the lanes
+        return value
+
+    @property
+    def limits(self) -> KeyLimits:
+        return KeyLimits(self.requests_per_minute, self.tokens_per_minute)
+
+
+class ApiKeyMiddleware:
+    """When keys are configured, `/v1/*` needs `Authorization: Bearer <key>`. The key's allowed models go to
+    `scope["state"]["allowed_models"]`, its default lane and tenant to `key_priority` and `tenant`, for the
+    router; its requests/min and tokens/min limits are enforced here (429 with Retry-After), tokens charged
+    from each reply's usage as it passes."""
+
+    def __init__(self, app: ASGIApp, keys: Mapping[str, ApiKey], limiter: KeyRateLimiter | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
         self.keys = dict(keys)
+        self.limiter = limiter or KeyRateLimiter()
+        self.clock = clock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys or not scope["path"].startswith("/v1/"):
@@ -122,23 +154,67 @@ class ApiKeyMiddleware:
             return
         auth = Headers(scope=scope).get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if key not in self.keys:
+        spec = self.keys.get(key)
+        if spec is None:
             error = APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                              code="invalid_api_key")
             await error_response(error)(scope, receive, send)
             return
-        _state(scope)["allowed_models"] = self.keys[key]
-        await self.app(scope, receive, send)
+        state = _state(scope)
+        state["allowed_models"], state["key_priority"], state["tenant"] = spec.models, spec.priority, spec.tenant
+        limits = spec.limits
+        if not limits.any or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.limiter.admit(key, limits, self.clock())
+        if refusal is not None:
+            error = APIError(429, f"rate limit: this API key is over its {refusal.limit}={refusal.value}",
+                             code="rate_limit_exceeded", retry_after_s=refusal.retry_after_s)
+            await error_response(error)(scope, receive, send)
+            return
+        await self._run_charged(key, limits, scope, receive, send)
+
+    async def _run_charged(self, key: str, limits: KeyLimits, scope: Scope, receive: Receive, send: Send) -> None:
+        if limits.tokens_per_minute is None:
+            await self.app(scope, receive, send)
+            return
+        tap = ReplyTap()
+
+        async def tapped_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                tap.start(message)
+            elif message["type"] == "http.response.body":
+                tap.feed(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tapped_send)
+        finally:
+            prompt, output, _ = tap.counts()
+            self.limiter.charge_tokens(key, limits, self.clock(), (prompt or 0) + (output or 0))
 
 
-def parse_api_keys(raw: str | None) -> dict[str, frozenset[str] | None]:
-    """`{"key": ["model", ...] | "*"}` as JSON (from the environment variable the registry names)."""
+def parse_api_keys(raw: str | None) -> dict[str, ApiKey]:
+    """API keys as JSON (from the environment variable the registry names): key -> `"*"` (every model),
+    a list of models, or an object with `models`, `priority`, `tenant`, `requests_per_minute`,
+    `tokens_per_minute`. Errors name the key and the field."""
     if not raw:
         return {}
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise ValueError(f"API keys must be a JSON object of key -> [models] or \"*\": {err}") from err
+        raise ValueError(f"API keys must be a JSON object of key -> \"*\", [models] or {{...}}: {err}") from err
     if not isinstance(data, dict):
-        raise ValueError("API keys must be a JSON object of key -> [models] or \"*\"")
-    return {str(k): None if v == "*" else frozenset(map(str, v)) for k, v in data.items()}
+        raise ValueError("API keys must be a JSON object of key -> \"*\", [models] or {...}")
+    keys = {}
+    for index, (key, value) in enumerate(data.items()):
+        spec = {"models": None if value == "*" else value} if isinstance(value, (str, list)) else value
+        if isinstance(spec, dict) and spec.get("models") == "*":
+            spec = {**spec, "models": None}
+        try:
+            keys[str(key)] = ApiKey.model_validate(spec)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(map(str, first["loc"])) or "(value)"
+            raise ValueError(f"API key #{index + 1}: {field}: {first['msg']}") from None
+    return keys

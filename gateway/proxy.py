@@ -114,7 +114,7 @@ class Forwarder:
         status = "error"
         timeout_s = spec.policy.request_timeout_s
         try:
-            call = self._forward_chain(request, spec, endpoint, payload, body, stream, start)
+            call = self._forward_with_context_fallbacks(request, spec, endpoint, payload, body, stream, start)
             if timeout_s is None:
                 response = await call
             else:  # the whole request: queueing, retries and (for streams) the first byte
@@ -145,7 +145,23 @@ class Forwarder:
         if spec.type not in ENDPOINTS[endpoint][1]:
             raise APIError(400, f"model {spec.name!r} is a {spec.type} model; use {_FITS[spec.type]}",
                            param="model", code="wrong_endpoint")
-        return spec
+        tenant = request.scope.get("state", {}).get("tenant")
+        variant = self.resolve(spec.variants[tenant]) if tenant in spec.variants else None
+        return variant if variant is not None else spec
+
+    async def _forward_with_context_fallbacks(self, request: Request, spec: ModelSpec, endpoint: str,
+                                              payload: dict[str, Any], body: bytes, stream: bool,
+                                              start: float) -> Response:
+        """The model chain; when its replica says the request exceeds its context window, the same request on
+        each of `context_window_fallbacks` in turn (models with a longer one)."""
+        response = await self._forward_chain(request, spec, endpoint, payload, body, stream, start)
+        for name in spec.context_window_fallbacks:
+            target = self.resolve(name)
+            if target is None or not _context_exceeded(response):
+                break
+            response = await self._forward_chain(request, target, endpoint, payload, body, stream, start)
+            self.metrics.failovers.labels(spec.name, target.name).inc()
+        return response
 
     async def _forward_chain(self, request: Request, spec: ModelSpec, endpoint: str, payload: dict[str, Any],
                              body: bytes, stream: bool, start: float) -> Response:
@@ -204,8 +220,11 @@ class Forwarder:
                     call: _Call) -> Response:
         headers = {"content-type": "application/json",
                    "x-request-id": request.scope.get("state", {}).get("request_id", "")}
-        if "x-priority" in request.headers:  # the replica classifies the request's lane (policies/classify.py)
-            headers["x-priority"] = request.headers["x-priority"]
+        # the replica classifies the request's lane (policies/classify.py): the body's priority, else this
+        # header, which carries the client's own or else its API key's default
+        lane = request.headers.get("x-priority") or request.scope.get("state", {}).get("key_priority")
+        if lane is not None:
+            headers["x-priority"] = str(lane)
         timeout = httpx.Timeout(self.settings.request_timeout_s, connect=self.settings.connect_timeout_s)
         upstream = self.http.build_request("POST", replica.base_url + ENDPOINTS[endpoint][0], content=content,
                                            headers=headers, timeout=timeout)
@@ -335,6 +354,16 @@ def _prompt_head(payload: dict[str, Any], num_chars: int) -> str:
         if size >= num_chars:
             break
     return "".join(parts)[:num_chars]
+
+
+def _context_exceeded(response: Response) -> bool:
+    if response.status_code != 400 or isinstance(response, StreamingResponse):
+        return False
+    try:
+        error = json.loads(bytes(response.body)).get("error") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "context_length_exceeded"
 
 
 def _failed(state: RetryCallState) -> bool:

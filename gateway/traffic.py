@@ -85,7 +85,7 @@ class TrafficRecorder:
         self.path.replace(self.path.with_name(f"{self.path.name}.1"))
 
 
-class _ReplyTap:
+class ReplyTap:
     """Reads token usage out of the reply bytes as they pass; keeps only a partial line of a stream."""
 
     def __init__(self) -> None:
@@ -160,7 +160,7 @@ class TrafficMiddleware:
         if endpoint is None or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        start_s, parts, tap = self.wall_clock(), [], _ReplyTap()
+        start_s, parts, tap = self.wall_clock(), [], ReplyTap()
 
         async def tapped_receive() -> Message:
             message = await receive()

@@ -150,7 +150,7 @@ class PolicySpec(_Frozen):
 
 
 # ModelSpec fields (and policy fields) that only the gateway reads
-_GATEWAY_SIDE = frozenset({"replicas", "aliases", "fallbacks", "enabled"})
+_GATEWAY_SIDE = frozenset({"replicas", "aliases", "fallbacks", "context_window_fallbacks", "variants", "enabled"})
 _GATEWAY_SIDE_POLICY = frozenset({"routing", "session_header", "prefix_chars", "load_bound", "request_timeout_s"})
 
 
@@ -170,15 +170,21 @@ class ModelSpec(_Frozen):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     policy: PolicySpec = Field(default_factory=PolicySpec)
     fallbacks: list[ModelName] = []  # names (not aliases) of models of the same type, tried in order
+    # tried when a replica answers `context_length_exceeded`: models with a longer context window
+    context_window_fallbacks: list[ModelName] = []
+    # tenant class (from the API key) -> the model that serves this one's traffic for that class, e.g.
+    # {internal: smollm2-int8}: internal callers asking for this model get the int8 variant
+    variants: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")], ModelName] = {}
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
         problems = [*self._launcher_problems(), *self._embedding_problems(), *_duplicates("aliases", self.aliases)]
         problems += _duplicates("fallbacks", self.fallbacks)
+        problems += _duplicates("context_window_fallbacks", self.context_window_fallbacks)
         problems += [Problem(f"aliases[{i}]", "an alias cannot repeat the model's own name")
                      for i, alias in enumerate(self.aliases) if alias == self.name]
-        problems += [Problem(f"fallbacks[{i}]", "a model cannot fall back to itself")
-                     for i, name in enumerate(self.fallbacks) if name == self.name]
+        problems += [Problem(where, "a model cannot fall back to itself")
+                     for where, name in self.model_references() if name == self.name]
         if problems:
             raise FieldProblems(problems)
         return self
@@ -209,6 +215,12 @@ class ModelSpec(_Frozen):
             return [Problem("urls", f"launcher 'url' needs one URL per replica: replicas={self.replicas}, "
                                     f"got {len(self.urls)} url(s)")]
         return []
+
+    def model_references(self) -> list[tuple[str, str]]:
+        """(field, model name) for every other model this one names: fallbacks, context fallbacks, variants."""
+        refs = [(f"fallbacks[{i}]", name) for i, name in enumerate(self.fallbacks)]
+        refs += [(f"context_window_fallbacks[{i}]", name) for i, name in enumerate(self.context_window_fallbacks)]
+        return refs + [(f"variants.{tenant}", name) for tenant, name in self.variants.items()]
 
     def launch_view(self) -> dict[str, Any]:
         """What a replica is started with: a change here replaces the replicas, any other change (count,
@@ -276,14 +288,15 @@ class Registry(_Frozen):
         aliases = {a: m.name for m in self.models for a in m.aliases}
         problems = []
         for i, model in enumerate(self.models):
-            for j, name in enumerate(model.fallbacks):
-                target, where = by_name.get(name), f"models[{i}].fallbacks[{j}]"
+            for field, name in model.model_references():
+                target, where = by_name.get(name), f"models[{i}].{field}"
                 if target is None:
                     hint = f" ({name!r} is an alias; fallbacks name models: use {aliases[name]!r})" \
                         if name in aliases else ""
                     problems.append(Problem(where, f"unknown model {name!r}{hint}"))
                 elif target.type != model.type:
-                    problems.append(Problem(where, f"{name!r} has type {target.type!r}; a fallback must have "
+                    noun = "variant" if field.startswith("variants") else "fallback"
+                    problems.append(Problem(where, f"{name!r} has type {target.type!r}; a {noun} must have "
                                                    f"the same type as its model ({model.type!r})"))
         if not problems:
             problems = self._cycle_problems()

@@ -22,7 +22,7 @@ from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
 from runtimes.llm.sampler import Sampler
-from runtimes.llm.sampling_params import InvalidRequestError, OverloadedError, SamplingParams
+from runtimes.llm.sampling_params import ContextLengthError, InvalidRequestError, OverloadedError, SamplingParams
 from runtimes.llm.scheduler import Scheduler
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -132,12 +132,12 @@ class LLMEngine:
         limit = self.max_model_len
         num_prompt = len(prompt_ids)
         if num_prompt >= limit:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"the prompt has {num_prompt} tokens; this model's maximum context length is {limit} tokens "
                 "including at least one generated token", param="prompt")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
         if num_prompt + max_tokens > limit:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"this model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} were "
                 f"requested ({num_prompt} in the prompt, {max_tokens} in max_tokens)", param="max_tokens")
         capacity = self.kv.num_blocks * self.kv.block_size

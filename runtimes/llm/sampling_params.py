@@ -16,6 +16,11 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or prompt plus max_tokens, does not fit the model's context window (OpenAI's
+    `context_length_exceeded`: a gateway may send the request to a model with a longer one)."""
+
+
 class OverloadedError(Exception):
     """The engine is too busy to take (or to start) this request now; try again after `retry_after_s`."""
 

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from runtimes.llm.sampling_params import InvalidRequestError, OverloadedError
+from runtimes.llm.sampling_params import ContextLengthError, InvalidRequestError, OverloadedError
 
 log = structlog.get_logger(__name__)
 
@@ -100,7 +100,8 @@ def to_api_error(exc: Exception) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                         code="invalid_json")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else "invalid_value"
+        return APIError(400, str(exc), param=exc.param, code=code)
     if isinstance(exc, OverloadedError):
         return APIError(429, str(exc), code="overloaded", retry_after_s=exc.retry_after_s)
     if isinstance(exc, HTTPException):

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GatewayState, build_gateway
 from gateway.metrics import GatewayMetrics
+from gateway.middleware import ApiKey
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.server import make_state
 from model_pool.launcher import LaunchRequest, UrlLauncher
@@ -29,7 +30,7 @@ from model_pool.pool import ModelPool, PoolSettings
 from model_pool.store import RegistryStore
 
 BEHAVIOURS = frozenset({"ok", "down", "error500", "error400", "hang", "break_midstream", "break_at_start", "not_ready",
-                        "overloaded", "slow", "stall_midstream"})
+                        "overloaded", "slow", "stall_midstream", "context"})
 SLOW_S = 30.0  # how long a "slow" replica takes (real time: the gateway's deadline must cut it short)
 NUM_STREAM_CHUNKS = 4  # content chunks a streaming reply carries before `data: [DONE]`
 ADMIN_TOKEN = "admin-secret"
@@ -195,6 +196,10 @@ class FakeReplicas:
             return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {
                 "message": "the replica is overloaded", "type": "rate_limit_error", "param": None,
                 "code": "overloaded"}})
+        if behaviour == "context" and request.url.path != "/ready":
+            return httpx.Response(400, json={"error": {
+                "message": "this model's maximum context length is 512 tokens", "type": "invalid_request_error",
+                "param": "prompt", "code": "context_length_exceeded"}})
         if behaviour == "error400" and request.url.path != "/ready":  # the request's fault, not the replica's
             return httpx.Response(400, json={"error": {"message": "max_tokens: too large", "param": "max_tokens",
                                                        "type": "invalid_request_error", "code": None}})
@@ -337,7 +342,7 @@ async def open_gateway(
     registry_text: str = REGISTRY,
     pool_settings: PoolSettings | None = None,
     proxy_settings: ProxySettings | None = None,
-    api_keys: Mapping[str, frozenset[str] | None] | None = None,
+    api_keys: Mapping[str, ApiKey] | None = None,
     admin_token: str | None = ADMIN_TOKEN,
     ready: bool = True,
 ) -> AsyncIterator[FakeGateway]:

@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from gateway.middleware import ApiKey
 from model_pool.replica import ReplicaState
 from tests.gateway.fakes import ADMIN_TOKEN, REGISTRY, FakeGateway, chat, error_of
 
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-KEYS = {"k1": None, "k2": frozenset({"beta"})}
+KEYS = {"k1": ApiKey(), "k2": ApiKey(models=frozenset({"beta"}))}
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gateway.traffic import TrafficRecord, TrafficRecorder, _ReplyTap
+from gateway.traffic import ReplyTap, TrafficRecord, TrafficRecorder
 from tests.gateway.fakes import NUM_STREAM_CHUNKS, REGISTRY, FakeGateway, chat
 
 
@@ -42,7 +42,7 @@ def test_records_usage_of_replies_and_counts_streams_without_usage(with_gateway,
 
 
 def test_stream_usage_chunk_split_across_writes():
-    tap = _ReplyTap()
+    tap = ReplyTap()
     tap.start({"status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     body = (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
             b'data: {"choices":[{"delta":{"content":"hi"}}],"usage":null}\n\n'

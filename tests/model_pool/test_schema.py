@@ -103,6 +103,13 @@ INVALID = {
                                                "{name: e, type: embedding, source: {path: /e}}"),
                                  "models[0].fallbacks[0]: 'e' has type 'embedding'; a fallback must have the same type "
                                  "as its model ('chat')"),
+    "context fallback unknown": (registry_text(chat("a", ", context_window_fallbacks: [big]")),
+                                 "models[0].context_window_fallbacks[0]: unknown model 'big'"),
+    "variant of another type": (registry_text(chat("a", ", variants: {internal: e}"),
+                                              "{name: e, type: embedding, source: {path: /e}}"),
+                                "models[0].variants.internal: 'e' has type 'embedding'; a variant must have"),
+    "variant is itself": (registry_text(chat("a", ", variants: {internal: a}")),
+                          "models[0].variants.internal: a model cannot fall back to itself"),
     "url launcher without urls": (registry_text("{name: r, type: chat, launcher: url}"),
                                   "models[0].urls: launcher 'url' needs the URL of each replica's server"),
     "url count": (registry_text("{name: r, type: chat, launcher: url, replicas: 2, urls: [http://h:1]}"),

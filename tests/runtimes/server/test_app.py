@@ -207,6 +207,15 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(client, path, bod
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.parametrize("body", [{**GOOD, "max_tokens": 10**9}, {**GOOD, "prompt": [7] * 600}])
+def test_a_context_overflow_carries_openais_code(client, body):
+    """`context_length_exceeded` is what lets a gateway send the request to a model with a longer context."""
+    response = client.post(COMPLETIONS, json=body)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert client.post(COMPLETIONS, json={**GOOD, "temperature": -1}).json()["error"]["code"] != \
+        "context_length_exceeded"
+
+
 def test_oversized_body_is_413(make_app):
     with TestClient(make_app(max_body_bytes=100)) as client:
         response = client.post(COMPLETIONS, json={**GOOD, "prompt": "x" * 200})
