@@ -9,5 +9,8 @@ out=${OUT:-gpu-results}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version,mig.mode.current --format=csv | tee "$out/device.csv"
 status=0
-timeout 480 python tests/gpu/check_attention.py 2>&1 | tee "$out/attention.jsonl" || status=1
+# Budget: partitioner 150 s + attention 420 s + nvidia-smi keeps the whole run under 10 minutes.
+# The partitioner checks are read-only: no MIG mode, clock or setting changes, no MIG devices created.
+timeout 150 python tests/gpu/check_partitioner.py 2>&1 | tee "$out/partitioner.jsonl" || status=1
+timeout 420 python tests/gpu/check_attention.py 2>&1 | tee "$out/attention.jsonl" || status=1
 exit $status
