@@ -97,8 +97,8 @@ def build_config(args: argparse.Namespace):  # -> BenchConfig (imports kept lazy
         raise ValueError("--url and --model are required")
     if args.workload not in BUILTIN:
         raise ValueError(f"unknown workload {args.workload!r}; known: {', '.join(BUILTIN)}")
-    workload = with_lengths(BUILTIN[args.workload], args.prompt_len and parse_length(args.prompt_len),
-                            args.output_len and parse_length(args.output_len))
+    workload = with_lengths(BUILTIN[args.workload], parse_length(args.prompt_len) if args.prompt_len else None,
+                            parse_length(args.output_len) if args.output_len else None)
     trace = load_trace(args.trace) if args.trace else None
     slo = Slo(ttft_s=args.slo_ttft and args.slo_ttft / 1e3, tpot_s=args.slo_tpot and args.slo_tpot / 1e3)
     target = Target(args.url, args.model, args.endpoint, args.api_key, ignore_eos=args.ignore_eos)
