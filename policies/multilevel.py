@@ -123,6 +123,10 @@ class MultiLevelPolicy:
         self._recent_tokens = [count * decay for count in self._recent_tokens]
         self._recent_tokens[lane_of(request)] += num_tokens
 
+    def num_ahead(self, priority: int) -> int:
+        """Requests in lanes at least as urgent: a flood of background work does not fill an interactive queue."""
+        return sum(len(lane) for lane in self._lanes[:min(max(priority, INTERACTIVE), BACKGROUND) + 1])
+
     def __len__(self) -> int:
         return sum(len(lane) for lane in self._lanes)
 

@@ -100,7 +100,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate(prompt_ids, params)
-        self._admit(arrival_time)
+        self._admit(priority)
         arrival = self.clock() if arrival_time is None else arrival_time
         namespace = self.model_name if self.config.enable_prefix_caching else None
         if namespace is None and params.n > 1:
@@ -147,13 +147,14 @@ class LLMEngine:
                 f"{capacity} tokens ({self.kv.num_blocks} blocks of {self.kv.block_size})", param="max_tokens")
         return max_tokens
 
-    def _admit(self, arrival_time: float | None) -> None:
-        """Raise OverloadedError when the waiting queue is at its limit."""
-        num_waiting = len(self.scheduler.waiting)
-        if self._limits.queue_full(num_waiting):
+    def _admit(self, priority: int) -> None:
+        """Raise OverloadedError when the queue this request would wait in is at its limit (with multilevel
+        scheduling, only requests of its own or a more urgent lane count)."""
+        num_ahead = self.scheduler.waiting.num_ahead(priority)
+        if self._limits.queue_full(num_ahead):
             raise OverloadedError(
-                f"the replica is overloaded: {num_waiting} requests are waiting, at its limit max_queue_len="
-                f"{self._limits.max_queue_len}", self.retry_after_s())
+                f"the replica is overloaded: {num_ahead} requests are waiting ahead of this one, at its limit "
+                f"max_queue_len={self._limits.max_queue_len}", self.retry_after_s())
 
     def retry_after_s(self) -> float:
         """When a refused client should come back: the waiting queue at the recent finish rate."""

@@ -34,6 +34,9 @@ class QueuePolicy(Protocol):
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         """The scheduler gave `request` this many tokens this step (for share accounting)."""
 
+    def num_ahead(self, priority: int) -> int:
+        """Waiting requests a new arrival of `priority` would queue behind (admission limits count these)."""
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Request]: ...
@@ -76,6 +79,9 @@ class FCFSPolicy:
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         return None
+
+    def num_ahead(self, priority: int) -> int:
+        return len(self._queue)
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -49,6 +49,20 @@ def test_queue_length_limit_refuses_at_submission(make_engine):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_with_multilevel_a_background_flood_does_not_fill_the_interactive_queue(make_engine):
+    engine = make_engine(max_queue_len=2, scheduling="multilevel")
+    for i in range(2):
+        engine.add_request(f"bg{i}", [5, 6, 7 + i], LONG, priority=2)
+    with pytest.raises(OverloadedError):
+        engine.add_request("bg2", [5, 6, 9], LONG, priority=2)
+    engine.add_request("chat0", [5, 6, 10], LONG, priority=0)  # 0 interactive requests ahead of it
+    engine.add_request("chat1", [5, 6, 11], LONG, priority=0)
+    with pytest.raises(OverloadedError, match="2 requests are waiting ahead"):
+        engine.add_request("chat2", [5, 6, 12], LONG, priority=0)
+    with pytest.raises(OverloadedError, match="2 requests are waiting ahead"):
+        engine.add_request("n", [5, 6, 12], LONG, priority=1)  # normal queues behind the 2 interactive ones
+
+
 def test_retry_after_follows_the_recent_finish_rate(make_engine):
     clock = Clock()
     engine = make_engine(clock, max_queue_len=4)
