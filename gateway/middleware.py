@@ -180,15 +180,8 @@ class ApiKeyMiddleware:
             return
         tap = ReplyTap()
 
-        async def tapped_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                tap.start(message)
-            elif message["type"] == "http.response.body":
-                tap.feed(message.get("body", b""))
-            await send(message)
-
         try:
-            await self.app(scope, receive, tapped_send)
+            await self.app(scope, receive, tap.wrap(send))
         finally:
             prompt, output, _ = tap.counts()
             self.limiter.charge_tokens(key, limits, self.clock(), (prompt or 0) + (output or 0))

@@ -100,6 +100,18 @@ class ReplyTap:
         headers = dict(message.get("headers") or [])
         self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
 
+    def wrap(self, send: Send) -> Send:
+        """`send`, with every reply message shown to this tap on the way out."""
+
+        async def tapped_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.start(message)
+            elif message["type"] == "http.response.body":
+                self.feed(message.get("body", b""))
+            await send(message)
+
+        return tapped_send
+
     def feed(self, body: bytes) -> None:
         if not self.stream:
             if len(self.buffer) + len(body) <= MAX_JSON_REPLY_BYTES:
@@ -168,15 +180,8 @@ class TrafficMiddleware:
                 parts.append(message.get("body", b""))
             return message
 
-        async def tapped_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                tap.start(message)
-            elif message["type"] == "http.response.body":
-                tap.feed(message.get("body", b""))
-            await send(message)
-
         try:
-            await self.app(scope, tapped_receive, tapped_send)
+            await self.app(scope, tapped_receive, tap.wrap(send))
         finally:
             prompt, output, source = tap.counts()
             model = scope.get("state", {}).get("log", {}).get("model")
