@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -24,6 +23,7 @@ from tenacity import (
 )
 
 from gateway.metrics import GatewayMetrics
+from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Replica
 from model_pool.schema import ModelSpec
@@ -93,15 +93,16 @@ class Forwarder:
         pool: ModelPool,
         resolve: Callable[[str], ModelSpec | None],
         known_models: Callable[[], list[str]],
-        http: httpx.AsyncClient,
+        upstream: Upstream,
         metrics: GatewayMetrics,
         settings: ProxySettings | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.pool, self.resolve, self.known_models = pool, resolve, known_models
-        self.http, self.metrics = http, metrics
+        self.upstream, self.metrics = upstream, metrics
         self.settings = settings or ProxySettings()
+        self.timeouts = Timeouts(self.settings.connect_timeout_s, self.settings.request_timeout_s)
         self.sleep, self.clock = sleep, clock
 
     async def forward(self, request: Request, endpoint: str) -> Response:
@@ -225,14 +226,12 @@ class Forwarder:
         lane = request.headers.get("x-priority") or request.scope.get("state", {}).get("key_priority")
         if lane is not None:
             headers["x-priority"] = str(lane)
-        timeout = httpx.Timeout(self.settings.request_timeout_s, connect=self.settings.connect_timeout_s)
-        upstream = self.http.build_request("POST", replica.base_url + ENDPOINTS[endpoint][0], content=content,
-                                           headers=headers, timeout=timeout)
+        url = replica.base_url + ENDPOINTS[endpoint][0]
         replica.outstanding += 1
         replica.breaker.on_dispatch()
         handed_over = False
         try:
-            response = await self._open(upstream, replica)
+            response = await self._open(url, content, headers, replica)
             if not stream or response.status_code != 200:
                 data = await self._read_all(response, replica)
                 replica.breaker.record_success()
@@ -241,7 +240,7 @@ class Forwarder:
             chunks = response.aiter_raw()
             try:
                 first = await anext(chunks, b"")
-            except httpx.HTTPError as err:
+            except UpstreamError as err:
                 await response.aclose()
                 raise self._fail(replica, f"stream broke before the first byte: {err!r}") from err
             handed_over = True
@@ -251,12 +250,12 @@ class Forwarder:
             if not handed_over:
                 replica.outstanding -= 1
 
-    async def _open(self, upstream: httpx.Request, replica: Replica) -> httpx.Response:
+    async def _open(self, url: str, content: bytes, headers: dict[str, str], replica: Replica) -> UpstreamReply:
         try:
-            response = await self.http.send(upstream, stream=True)
-        except httpx.TimeoutException as err:
+            response = await self.upstream.post(url, content, headers, self.timeouts)
+        except UpstreamTimeout as err:
             raise self._fail(replica, f"timed out: {err!r}", timeout=True) from err
-        except httpx.HTTPError as err:
+        except UpstreamError as err:
             raise self._fail(replica, f"connection failed: {err!r}") from err
         if response.status_code >= 500:
             await response.aclose()
@@ -267,10 +266,10 @@ class Forwarder:
             raise ReplicaOverloaded(replica, _retry_after_s(response))
         return response
 
-    async def _read_all(self, response: httpx.Response, replica: Replica) -> bytes:
+    async def _read_all(self, response: UpstreamReply, replica: Replica) -> bytes:
         try:
             return await response.aread()
-        except httpx.HTTPError as err:
+        except UpstreamError as err:
             raise self._fail(replica, f"reply broke: {err!r}") from err
         finally:
             await response.aclose()
@@ -280,7 +279,7 @@ class Forwarder:
         log.warning("replica_request_failed", replica=replica.replica_id, cause=cause)
         return ReplicaFailure(replica, cause, timeout)
 
-    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], response: httpx.Response, replica: Replica,
+    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], response: UpstreamReply, replica: Replica,
                      call: _Call) -> AsyncIterator[bytes]:
         """Pass the replica's SSE bytes through as they come; a break midway or the request's deadline ends
         the stream with an error event (closing the upstream connection aborts the request on the replica)."""
@@ -297,7 +296,7 @@ class Forwarder:
                     break
                 yield chunk
             replica.breaker.record_success()
-        except httpx.HTTPError as err:
+        except UpstreamError as err:
             self._fail(replica, f"stream broke midway: {err!r}")
             failure = APIError(503, f"model {model!r}: the replica failed while streaming; the reply is incomplete",
                                code="stream_interrupted")
@@ -371,7 +370,7 @@ def _failed(state: RetryCallState) -> bool:
     return outcome is not None and isinstance(outcome.exception(), ReplicaFailure)
 
 
-def _retry_after_s(response: httpx.Response) -> float:
+def _retry_after_s(response: UpstreamReply) -> float:
     """A replica's Retry-After in seconds (1 when missing or given as a date)."""
     try:
         return max(float(response.headers.get("retry-after", "1")), 0.0)

@@ -18,10 +18,12 @@ import uvicorn
 from starlette.applications import Starlette
 
 from gateway.app import GatewayState, build_gateway
+from gateway.httpclient import KeepAliveClient
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import parse_api_keys
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.traffic import TrafficRecorder
+from gateway.upstream import ByScheme, HttpxUpstream
 from model_pool.launcher import LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
 from model_pool.schema import ModelSpec, TrafficLogConfig
@@ -58,7 +60,9 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
         return sorted(k for k, name in store.registry.names_and_aliases().items()
                       if resolve(name) is not None)
 
-    forwarder = Forwarder(pool, resolve, known, http, metrics, proxy_settings)
+    # the request hop: plain http:// replicas over the lean keep-alive client, others (https) through httpx
+    upstream = ByScheme(KeepAliveClient(), HttpxUpstream(http))
+    forwarder = Forwarder(pool, resolve, known, upstream, metrics, proxy_settings)
     api_keys = parse_api_keys(env.get(gateway_cfg.api_keys_env)) if gateway_cfg.api_keys_env else {}
     return GatewayState(store=store, pool=pool, forwarder=forwarder, metrics=metrics,
                         admin_token=env.get(gateway_cfg.admin_token_env) or None, api_keys=api_keys,
@@ -102,7 +106,7 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
             await state.pool.shutdown()
             if isinstance(state.pool.env_for, ReplicaPlacer):
                 state.pool.env_for.close()  # the replicas are gone: so are the arbiters they shared
-            await state.forwarder.http.aclose()
+            await state.forwarder.upstream.aclose()  # and with it the pool's httpx client
             log.info("gateway_stopped")
 
     return lifespan

@@ -25,6 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import ApiKey
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.server import make_state
+from gateway.upstream import HttpxUpstream
 from model_pool.launcher import LaunchRequest, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
 from model_pool.store import RegistryStore
@@ -358,14 +359,14 @@ async def open_gateway(
     store = RegistryStore(path, clock=clock)
     env = {} if admin_token is None else {store.registry.gateway.admin_token_env: admin_token}
     base = make_state(store, pool_settings, proxy_settings, env=env)
-    await base.forwarder.http.aclose()  # its real client is replaced by the mock transport below
+    await base.forwarder.upstream.aclose()  # its real clients are replaced by the mock transport below
     replicas, launcher = FakeReplicas(), FakeLauncher()
     pool_sleep, proxy_sleep = FakeSleep(clock), FakeSleep(clock)
     http = httpx.AsyncClient(transport=httpx.MockTransport(replicas.handler))
     pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, pool_settings, clock=clock, sleep=pool_sleep)
     metrics = GatewayMetrics(pool)
-    forwarder = Forwarder(pool, base.forwarder.resolve, base.forwarder.known_models, http, metrics, proxy_settings,
-                          sleep=proxy_sleep, clock=clock)
+    forwarder = Forwarder(pool, base.forwarder.resolve, base.forwarder.known_models, HttpxUpstream(http), metrics,
+                          proxy_settings, sleep=proxy_sleep, clock=clock)
     state = dataclasses.replace(base, pool=pool, forwarder=forwarder, metrics=metrics, api_keys=dict(api_keys or {}))
     app = build_gateway(state, max_body_bytes=store.registry.gateway.max_body_bytes)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:

@@ -1,0 +1,286 @@
+"""The gateway's keep-alive HTTP/1.1 client against a real server on 127.0.0.1 whose replies each test scripts
+byte by byte: whole and streamed replies, connection reuse, aborts the server can see, timeouts, stale idle
+connections and broken replies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import pytest
+
+from gateway.httpclient import KeepAliveClient
+from gateway.upstream import Timeouts, UpstreamError, UpstreamTimeout
+
+TIMEOUTS = Timeouts(connect_s=2.0, read_s=5.0)
+JSON_REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}"
+
+# a scripted reply: writes to the connection, returns whether to keep it open for another request
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+
+
+@dataclass
+class Seen:
+    """What the server saw: connections accepted, requests (path, headers, body), clients that left early."""
+
+    num_connections: int = 0
+    requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
+    num_client_closed: int = 0
+
+
+@asynccontextmanager
+async def serve(scripts: dict[str, Script]) -> AsyncIterator[tuple[str, Seen]]:
+    seen = Seen()
+
+    async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.num_connections += 1
+        try:
+            keep = True
+            while keep:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                path = head[0].split(" ")[1]
+                headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in head[1:] if line)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                seen.requests.append((path, headers, body))
+                keep = await scripts[path](reader, writer)
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass  # the client closed an idle connection
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        server.close()
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())
+
+
+async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    writer.write(JSON_REPLY)
+    return True
+
+
+async def wait_for_client_to_leave(reader: asyncio.StreamReader, seen: Seen) -> bool:
+    if await reader.read(1) == b"":
+        seen.num_client_closed += 1
+    return False
+
+
+def test_a_whole_reply_and_the_connection_is_kept_for_the_next_request():
+    async def scenario() -> None:
+        async with serve({"/v1/chat": whole}) as (url, seen):
+            client = KeepAliveClient()
+            for _ in range(3):
+                reply = await client.post(url + "/v1/chat", b'{"model":"m"}', {"x-request-id": "r1"}, TIMEOUTS)
+                assert (reply.status_code, reply.headers["content-type"]) == (200, "application/json")
+                assert await reply.aread() == b'{"ok":true}'
+                await reply.aclose()
+            await client.aclose()
+        assert seen.num_connections == 1
+        path, headers, body = seen.requests[0]
+        assert (path, body, headers["x-request-id"], headers["content-length"]) == ("/v1/chat", b'{"model":"m"}',
+                                                                                    "r1", "13")
+        assert headers["host"] == url.removeprefix("http://")
+
+    run(scenario)
+
+
+def test_a_chunked_stream_arrives_piece_by_piece_before_the_server_is_done():
+    async def scenario() -> None:
+        go_on = asyncio.Event()
+
+        async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"7\r\ndata: 1\r\n")
+            await writer.drain()
+            await go_on.wait()  # the client has the first piece while the server still holds the rest
+            writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+            return True
+
+        async with serve({"/s": stream, "/w": whole}) as (url, seen):
+            client = KeepAliveClient()
+            reply = await client.post(url + "/s", b"{}", {}, TIMEOUTS)
+            chunks = reply.aiter_raw()
+            assert await anext(chunks) == b"data: 1"
+            go_on.set()
+            assert [chunk async for chunk in chunks] == [b"data: 2"]
+            await reply.aclose()
+            assert await (await client.post(url + "/w", b"{}", {}, TIMEOUTS)).aread() == b'{"ok":true}'
+            await client.aclose()
+        assert seen.num_connections == 1  # the finished stream left its connection reusable
+
+    run(scenario)
+
+
+def test_closing_a_reply_before_its_end_closes_the_connection_so_the_server_sees_the_client_leave():
+    async def scenario() -> None:
+        seen_ref: list[Seen] = []
+
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
+            await writer.drain()
+            return await wait_for_client_to_leave(reader, seen_ref[0])
+
+        async with serve({"/hold": hold, "/w": whole}) as (url, seen):
+            seen_ref.append(seen)
+            client = KeepAliveClient()
+            reply = await client.post(url + "/hold", b"{}", {}, TIMEOUTS)
+            assert await anext(reply.aiter_raw()) == b"abc"
+            await reply.aclose()
+            await client.post(url + "/w", b"{}", {}, TIMEOUTS)  # on a new connection
+            await asyncio.sleep(0.05)
+            await client.aclose()
+        assert (seen.num_client_closed, seen.num_connections) == (1, 2)
+
+    run(scenario)
+
+
+def test_a_silent_server_is_a_timeout_and_the_request_is_abandoned():
+    async def scenario() -> None:
+        seen_ref: list[Seen] = []
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+            return await wait_for_client_to_leave(reader, seen_ref[0])
+
+        async with serve({"/silent": silent}) as (url, seen):
+            seen_ref.append(seen)
+            client = KeepAliveClient()
+            with pytest.raises(UpstreamTimeout, match=r"within 0\.05 s"):
+                await client.post(url + "/silent", b"{}", {}, Timeouts(connect_s=2.0, read_s=0.05))
+            await asyncio.sleep(0.05)
+            await client.aclose()
+        assert seen.num_client_closed == 1
+
+    run(scenario)
+
+
+def test_a_cancelled_request_closes_its_connection():
+    async def scenario() -> None:
+        seen_ref: list[Seen] = []
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+            return await wait_for_client_to_leave(reader, seen_ref[0])
+
+        async with serve({"/silent": silent}) as (url, seen):
+            seen_ref.append(seen)
+            client = KeepAliveClient()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.post(url + "/silent", b"{}", {}, TIMEOUTS), 0.05)
+            await asyncio.sleep(0.05)
+        assert seen.num_client_closed == 1
+
+    run(scenario)
+
+
+def test_a_refused_connection_is_an_upstream_error():
+    async def scenario() -> None:
+        async with serve({}) as (url, _):
+            pass  # the port is free again
+        with pytest.raises(UpstreamError, match=r"connecting to 127\.0\.0\.1:\d+ failed") as info:
+            await KeepAliveClient().post(url + "/v1/chat", b"{}", {}, TIMEOUTS)
+        assert not isinstance(info.value, UpstreamTimeout)
+
+    run(scenario)
+
+
+def test_an_idle_connection_the_server_dropped_is_replaced_without_failing_the_request():
+    async def close_after(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(JSON_REPLY)
+        return False  # says keep-alive, then drops it as an idle timeout would
+
+    async def scenario() -> None:
+        async with serve({"/w": close_after}) as (url, seen):
+            client = KeepAliveClient()
+            for _ in range(2):
+                reply = await client.post(url + "/w", b"{}", {}, TIMEOUTS)
+                assert await reply.aread() == b'{"ok":true}'
+            await client.aclose()
+        assert seen.num_connections == 2
+
+    run(scenario)
+
+
+def test_a_connection_idle_past_max_idle_s_is_not_reused():
+    async def scenario() -> None:
+        now = [0.0]
+        async with serve({"/w": whole}) as (url, seen):
+            client = KeepAliveClient(max_idle_s=4.0, clock=lambda: now[0])
+            await (await client.post(url + "/w", b"{}", {}, TIMEOUTS)).aread()
+            now[0] += 3.9
+            await (await client.post(url + "/w", b"{}", {}, TIMEOUTS)).aread()
+            assert seen.num_connections == 1
+            now[0] += 4.1
+            await (await client.post(url + "/w", b"{}", {}, TIMEOUTS)).aread()
+            await client.aclose()
+        assert seen.num_connections == 2
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("sent", "says"), [
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 20\r\n\r\nonly ten b", "closed the connection mid-reply"),
+    (b"SMTP ready\r\n\r\n", "not valid HTTP"),
+])
+def test_a_broken_reply_is_an_upstream_error(sent, says):
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(sent)
+        return False
+
+    async def scenario() -> None:
+        async with serve({"/b": broken}) as (url, _):
+            client = KeepAliveClient()
+            with pytest.raises(UpstreamError, match=says):
+                reply = await client.post(url + "/b", b"{}", {}, TIMEOUTS)
+                await reply.aread()
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_a_body_delimited_by_the_connection_closing_is_read_whole():
+    async def old_style(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        return False
+
+    async def scenario() -> None:
+        async with serve({"/o": old_style}) as (url, _):
+            client = KeepAliveClient()
+            assert await (await client.post(url + "/o", b"{}", {}, TIMEOUTS)).aread() == b"all of it"
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_a_large_streamed_body_arrives_whole_through_the_buffer_limits():
+    body = bytes(range(256)) * (16 << 10)  # 4 MiB: past the high-water mark, so reading pauses and resumes
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        return True
+
+    async def scenario() -> None:
+        async with serve({"/big": big}) as (url, _):
+            client = KeepAliveClient()
+            reply = await client.post(url + "/big", b"{}", {}, TIMEOUTS)
+            await asyncio.sleep(0.2)  # let it fill the buffer
+            received = [chunk async for chunk in reply.aiter_raw()]
+            assert b"".join(received) == body
+            await client.aclose()
+
+    run(scenario)
+
+
+def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent():
+    async def scenario() -> None:
+        with pytest.raises(ValueError, match="line breaks"):
+            await KeepAliveClient().post("http://127.0.0.1:9/v1", b"{}", {"x-priority": "1\r\nx-evil: 1"}, TIMEOUTS)
+
+    run(scenario)
