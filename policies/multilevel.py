@@ -111,11 +111,21 @@ class MultiLevelPolicy:
         return max(running, key=lambda r: (lane_of(r), r.arrival_time))
 
     def urgent_victim(self, waiting: Queued, running: Sequence[Queued]) -> Queued | None:
-        """A running request an interactive arrival may displace: strictly less urgent, least urgent first."""
+        """A running request an interactive arrival may displace: strictly less urgent, least urgent first.
+
+        Normal requests are displaced only while normal has at least twice its minimum share: preempting one
+        throws its progress away (recompute), and preempting near the floor would make the two rules fight,
+        each step readmitting and preempting the same request.
+        """
         if lane_of(waiting) != INTERACTIVE:
             return None
-        candidates = [r for r in running if lane_of(r) > INTERACTIVE]
+        spare_normal = self._normal_share() < 2 * self.config.normal_min_share
+        candidates = [r for r in running if lane_of(r) == BACKGROUND or (lane_of(r) == NORMAL and not spare_normal)]
         return self.pick_victim(candidates) if candidates else None
+
+    def outranks(self, waiting: Queued, running: Queued) -> bool:
+        """A waiting request of a more urgent lane goes before a running request's next prompt chunk."""
+        return lane_of(waiting) < lane_of(running)
 
     def on_scheduled(self, request: Queued, num_tokens: int) -> None:
         """Feed the share accounting: tokens the scheduler just gave `request`."""
@@ -174,8 +184,10 @@ class MultiLevelPolicy:
                                    and self._effective_lane(BACKGROUND) < BACKGROUND - 1 else [])
         return min(contenders, key=lambda lane: (self._effective_lane(lane), lane))
 
-    def _normal_starved(self) -> bool:
+    def _normal_share(self) -> float:
+        """Normal's part of recently scheduled tokens (1.0 before anything was scheduled)."""
         total = sum(self._recent_tokens)
-        if total < 1.0:
-            return False
-        return self._recent_tokens[NORMAL] / total < self.config.normal_min_share
+        return 1.0 if total < 1.0 else self._recent_tokens[NORMAL] / total
+
+    def _normal_starved(self) -> bool:
+        return self._normal_share() < self.config.normal_min_share

@@ -34,6 +34,9 @@ class QueuePolicy(Protocol):
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         """The scheduler gave `request` this many tokens this step (for share accounting)."""
 
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        """Whether `waiting` should get this step's token budget before `running`'s next prompt chunk."""
+
     def num_ahead(self, priority: int) -> int:
         """Waiting requests a new arrival of `priority` would queue behind (admission limits count these)."""
 
@@ -79,6 +82,9 @@ class FCFSPolicy:
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         return None
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        return False  # work already started goes first
 
     def num_ahead(self, priority: int) -> int:
         return len(self._queue)

@@ -108,7 +108,23 @@ class Scheduler:
         by_id: dict[str, ScheduledRequest] = {}
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + chunks:
+        # Prompt chunks of running requests the policy ranks below the waiting head go after admission, so an
+        # urgent arrival is not starved of token budget by long prefills (FCFS never ranks a newcomer higher).
+        head = self.waiting.peek()
+        deferred = [r for r in chunks if head is not None and self.waiting.outranks(head, r)]
+        first = [r for r in chunks if not deferred or r not in deferred]
+        budget = self._schedule_running(decodes + first, out, budget, by_id)
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget, by_id)
+        self._schedule_running(deferred, out, budget, by_id)
+        for item in out.scheduled:
+            self.waiting.on_scheduled(item.request, item.num_new_tokens)
+        return out
+
+    def _schedule_running(self, requests: list[Request], out: SchedulerOutput, budget: int,
+                          by_id: dict[str, ScheduledRequest]) -> int:
+        """Give running requests their next tokens (preempting for KV blocks when needed); returns the budget left."""
+        for request in requests:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
@@ -124,13 +140,10 @@ class Scheduler:
                 out.scheduled.append(item)
                 by_id[request.request_id] = item
                 budget -= num_new
-        if not out.preempted:
-            self._admit_waiting(out, budget, by_id)
-        for item in out.scheduled:
-            self.waiting.on_scheduled(item.request, item.num_new_tokens)
-        return out
+        return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, by_id: dict[str, ScheduledRequest]) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, by_id: dict[str, ScheduledRequest]) -> int:
+        admitted: list[Request] = []  # never displaced again in the same step (no preempt/admit ping-pong)
         while budget > 0:
             request = self.waiting.peek()
             if request is None:
@@ -140,7 +153,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_computed, budget)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
                 # The policy may let an urgent arrival displace less urgent running work (never FCFS).
-                victim = self.waiting.urgent_victim(request, self.running)
+                victim = self.waiting.urgent_victim(request, [r for r in self.running if r not in admitted])
                 if victim is None:
                     break
                 budget += self._preempt_in_plan(victim, out, by_id)
@@ -153,10 +166,12 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            admitted.append(request)
             item = ScheduledRequest(request, num_new, num_computed)
             out.scheduled.append(item)
             by_id[request.request_id] = item
             budget -= num_new
+        return budget
 
     def _preempt_in_plan(self, victim: Request, out: SchedulerOutput, by_id: dict[str, ScheduledRequest]) -> int:
         """Preempt `victim` during planning; if this step had already scheduled it, take that back.

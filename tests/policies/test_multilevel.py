@@ -113,6 +113,16 @@ def test_victims(make_policy):
     assert policy.remove(running[0]) is False
 
 
+def test_normal_work_is_displaced_only_well_above_its_share(make_policy):
+    policy, _ = make_policy(normal_min_share=0.2)
+    running, arrival = [Item("n", NORMAL, 0)], Item("chat", INTERACTIVE, 5)
+    policy.on_scheduled(Item("x", INTERACTIVE, 0), 700)
+    policy.on_scheduled(Item("y", NORMAL, 0), 300)  # 30 % < 2 x 20 %: spared
+    assert policy.urgent_victim(arrival, running) is None
+    policy.on_scheduled(Item("y", NORMAL, 0), 600)  # now well above: may be displaced
+    assert policy.urgent_victim(arrival, running).name == "n"
+
+
 def test_long_requests_run_at_most_max_long_running_at_once(make_policy):
     policy, _ = make_policy(long_prompt_tokens=1000, max_long_running=1)
     doc1, doc2 = Item("doc1", NORMAL, 0, 5000), Item("doc2", NORMAL, 1, 1000)
@@ -172,3 +182,47 @@ def test_interactive_arrival_under_background_saturation(tiny_loaded, scheduling
         assert waited == 1 and engine.scheduler.num_preemptions >= 1
     else:
         assert waited > 40 and engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "multilevel"])
+def test_interactive_arrival_during_background_prefills(tiny_loaded, scheduling):
+    """Running background requests still in chunked prefill would take the whole token budget every step;
+    with `multilevel` the interactive arrival goes first anyway (and takes a seat from one of them)."""
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=2, max_num_batched_tokens=32,
+                          scheduling=scheduling)
+    engine = LLMEngine(tiny_loaded(), config)
+    for i in range(2):
+        engine.add_request(f"doc{i}", [5 + (i + j) % 200 for j in range(300)],
+                           SamplingParams(temperature=0.0, max_tokens=5), priority=BACKGROUND)
+    engine.step()  # both docs are now running, each with ~280 prompt tokens to go
+    engine.add_request("chat", [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=2), priority=INTERACTIVE)
+    waited = _steps_to_first_token(engine, "chat")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert waited == 1 if scheduling == "multilevel" else waited > 15
+
+
+def test_normal_keeps_its_minimum_share_under_an_interactive_flood(tiny_loaded):
+    """Counted in scheduled tokens: a constant flood of interactive work would starve normal requests under
+    strict priority; `normal_min_share` keeps them moving at (at least about) that share."""
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                          scheduling="multilevel", multilevel={"normal_min_share": 0.25, "share_window_tokens": 512})
+    engine = LLMEngine(tiny_loaded(), config)
+    lanes: dict[str, int] = {}
+    tokens = {INTERACTIVE: 0, NORMAL: 0}
+    for i in range(4):
+        engine.add_request(f"n{i}", [7, 8, 9 + i], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
+                           priority=NORMAL)
+        lanes[f"n{i}"] = NORMAL
+    for step in range(120):
+        if len(engine.scheduler.waiting) < 8:  # keep interactive work always waiting
+            engine.add_request(f"i{step}", [5, 6, step % 200 + 3], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                  ignore_eos=True),
+                               priority=INTERACTIVE)
+            lanes[f"i{step}"] = INTERACTIVE
+        for out in engine.step():
+            tokens[lanes[out.request_id]] += len(out.new_token_ids)
+    share = tokens[NORMAL] / (tokens[NORMAL] + tokens[INTERACTIVE])
+    assert 0.2 <= share <= 0.5, tokens  # at least about its 25 % floor; interactive keeps the larger part
+    assert engine.scheduler.num_preemptions <= 4  # no preempt/readmit churn (each one recomputes a prompt)
