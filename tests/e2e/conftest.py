@@ -84,12 +84,15 @@ class Gateway:
 
 
 @contextlib.contextmanager
-def running_gateway(root: Path, registry_text: str, port: int, model_path: Path) -> Iterator[Gateway]:
-    """`multiserve serve` over `registry_text` (written to root/registry.yaml), ready; stopped on exit."""
+def running_gateway(root: Path, registry_text: str, port: int, model_path: Path,
+                    extra_env: dict[str, str] | None = None) -> Iterator[Gateway]:
+    """`multiserve serve` over `registry_text` (written to root/registry.yaml), ready; stopped on exit.
+    `extra_env` goes to the gateway and, through it, to its workers."""
     registry = root / "registry.yaml"
     registry.write_text(registry_text)
     log_path = root / "gateway.log"
-    env = {**os.environ, "MULTISERVE_ADMIN_TOKEN": ADMIN_TOKEN, "MULTISERVE_LOG_DIR": str(root / "logs")}
+    env = {**os.environ, "MULTISERVE_ADMIN_TOKEN": ADMIN_TOKEN, "MULTISERVE_LOG_DIR": str(root / "logs"),
+           **(extra_env or {})}
     with log_path.open("wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(registry)],
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
