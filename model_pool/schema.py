@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from model_pool.errors import FieldProblems, Problem, join_field
+from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
 
 MIB = 1 << 20
@@ -124,6 +125,9 @@ class PolicySpec(_Frozen):
     # policies.multilevel.MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens,
     # max_long_running, share_window_tokens); unset ones keep that class's defaults
     multilevel: dict[str, float | int | None] = {}
+    # policies.classify.LaneThresholds fields: the prompt/max_tokens lengths that make a request interactive
+    # or background when it does not say its priority
+    lanes: dict[str, int] = {}
     max_queue_len: int | None = Field(default=None, ge=1)  # waiting requests per replica, then 429
     max_queue_wait_s: float | None = Field(default=None, gt=0)  # not started after this long: 429
     request_timeout_s: float | None = Field(default=None, gt=0)  # whole request, at the gateway: 504
@@ -139,13 +143,8 @@ class PolicySpec(_Frozen):
         if self.multilevel and self.scheduling != "multilevel":
             raise FieldProblems([Problem("multilevel", f"only used with scheduling 'multilevel' "
                                                        f"(scheduling is {self.scheduling!r})")])
-        try:
-            MultiLevelConfig(**self.multilevel)  # type: ignore[arg-type]
-        except TypeError as err:
-            known = ", ".join(f.name for f in dataclasses.fields(MultiLevelConfig))
-            raise FieldProblems([Problem("multilevel", f"{err}; known options: {known}")]) from None
-        except ValueError as err:
-            raise FieldProblems([Problem("multilevel", str(err))]) from None
+        _check_options(MultiLevelConfig, self.multilevel, "multilevel")
+        _check_options(LaneThresholds, self.lanes, "lanes")
         return self
 
 
@@ -195,6 +194,7 @@ class ModelSpec(_Frozen):
             return []
         unsupported = [("scheduling", self.policy.scheduling != "fcfs"),
                        ("max_queue_len", self.policy.max_queue_len is not None),
+                       ("lanes", bool(self.policy.lanes)),
                        ("max_queue_wait_s", self.policy.max_queue_wait_s is not None)]
         return [Problem(f"policy.{name}", "not supported for embedding models (they batch first come, first "
                                           "served)") for name, given in unsupported if given]
@@ -249,6 +249,7 @@ class ModelSpec(_Frozen):
             "device": self.device,
             "scheduling": self.policy.scheduling,
             **({"multilevel": dict(self.policy.multilevel)} if self.policy.multilevel else {}),
+            **({"lanes": dict(self.policy.lanes)} if self.policy.lanes else {}),
             **({} if self.type == "embedding" else {"max_queue_len": self.policy.max_queue_len,
                                                      "max_queue_wait_s": self.policy.max_queue_wait_s}),
         }
@@ -334,6 +335,17 @@ class Registry(_Frozen):
     def names_and_aliases(self) -> dict[str, str]:
         """Every name and alias a client may send, mapped to the model's name."""
         return {key: m.name for m in self.models for key in (m.name, *m.aliases)}
+
+
+def _check_options(options_type: Any, options: dict[str, Any], field: str) -> None:
+    """Raise FieldProblems naming `field` unless `options_type(**options)` accepts the options."""
+    try:
+        options_type(**options)
+    except TypeError as err:
+        known = ", ".join(f.name for f in dataclasses.fields(options_type))
+        raise FieldProblems([Problem(field, f"{err}; known options: {known}")]) from None
+    except ValueError as err:
+        raise FieldProblems([Problem(field, str(err))]) from None
 
 
 def _duplicates(field: str, values: list[str]) -> list[Problem]:

@@ -18,6 +18,14 @@ class LaneThresholds:
     interactive_max_tokens: int = 256
     background_min_prompt_tokens: int = 4096
 
+    def __post_init__(self) -> None:
+        for name in ("interactive_max_prompt_tokens", "interactive_max_tokens", "background_min_prompt_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.interactive_max_prompt_tokens >= self.background_min_prompt_tokens:
+            raise ValueError(f"interactive_max_prompt_tokens ({self.interactive_max_prompt_tokens}) must be below "
+                             f"background_min_prompt_tokens ({self.background_min_prompt_tokens})")
+
 
 def parse_lane(value: str | int) -> int:
     """A lane from a number (clamped) or a name; ValueError naming the accepted values otherwise."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from policies.admission import AdmissionLimits
+from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
 
 
@@ -118,6 +119,8 @@ class EngineConfig:
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
     multilevel: Mapping[str, Any] = field(default_factory=dict)
+    # policies.classify.LaneThresholds fields: how the replica's server tells a request's lane by its length
+    lanes: Mapping[str, int] = field(default_factory=dict)
     max_queue_len: int | None = None  # waiting requests; more are refused (429). None: unbounded
     max_queue_wait_s: float | None = None  # a request not started after this long is refused (429)
     seed: int = 0
@@ -149,17 +152,17 @@ class EngineConfig:
         self.admission_limits()  # its own range checks
         if self.multilevel:
             self.multilevel_config()
+        self.lane_thresholds()
+
+    def lane_thresholds(self) -> LaneThresholds:
+        return _build_options(LaneThresholds, self.lanes, "lanes")
 
     def admission_limits(self) -> AdmissionLimits:
         return AdmissionLimits(self.max_queue_len, self.max_queue_wait_s)
 
     def multilevel_config(self) -> MultiLevelConfig:
         """The multi-level policy's config; unknown option names are refused by name."""
-        known = {f.name for f in dataclasses.fields(MultiLevelConfig)}
-        unknown = sorted(set(self.multilevel) - known)
-        if unknown:
-            raise ValueError(f"unknown multilevel option(s) {unknown}; known: {sorted(known)}")
-        return MultiLevelConfig(**self.multilevel)
+        return _build_options(MultiLevelConfig, self.multilevel, "multilevel")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -170,3 +173,12 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+def _build_options(options_type: Any, options: Mapping[str, Any], what: str) -> Any:
+    """`options_type(**options)`, refusing unknown option names by name."""
+    known = {f.name for f in dataclasses.fields(options_type)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} option(s) {unknown}; known: {sorted(known)}")
+    return options_type(**options)

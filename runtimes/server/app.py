@@ -55,6 +55,7 @@ class _Server(ReplicaEndpoints):
         self.clock = clock
         self.probe_timeout_s = probe_timeout_s
         self.logprobs = LogprobFormatter(engine.engine.tokenizer)
+        self.lane_thresholds = engine.engine.config.lane_thresholds()
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -125,11 +126,11 @@ class _Server(ReplicaEndpoints):
             raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)
 
-    @staticmethod
-    def _lane(request: Request, priority: int | None, prompt: list[int], params: SamplingParams) -> int:
+    def _lane(self, request: Request, priority: int | None, prompt: list[int], params: SamplingParams) -> int:
         """The scheduling lane (policies/classify.py): the body's priority, X-Priority, else by length."""
         try:
-            return classify(priority, request.headers.get("x-priority"), None, len(prompt), params.max_tokens)
+            return classify(priority, request.headers.get("x-priority"), None, len(prompt), params.max_tokens,
+                            self.lane_thresholds)
         except ValueError as err:
             raise APIError(400, str(err), param="priority") from err
 

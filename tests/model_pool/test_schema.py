@@ -144,6 +144,9 @@ INVALID = {
     "multilevel bad value": (
         registry_text(chat("a", ", policy: {scheduling: multilevel, multilevel: {max_long_running: 0}}")),
         "models[0].policy.multilevel: max_long_running must be >= 1, got 0"),
+    "lane thresholds": (
+        registry_text(chat("a", ", policy: {lanes: {interactive_max_prompt_tokens: 5000}}")),
+        "models[0].policy.lanes: interactive_max_prompt_tokens (5000) must be below background_min_prompt_tokens"),
     "queue limit": (registry_text(chat("a", ", policy: {max_queue_len: 0}")),
                     "models[0].policy.max_queue_len: Input should be greater than or equal to 1"),
     "embedding with multilevel": (
@@ -185,12 +188,13 @@ def test_every_problem_is_reported_one_per_line():
 
 def test_policy_options_reach_the_engine():
     text = registry_text(chat("a", ", policy: {scheduling: multilevel, multilevel: {aging_s: 5, max_long_running: 2},"
-                                   " max_queue_len: 8, max_queue_wait_s: 2.5, routing: prefix_affinity}"))
+                                   " max_queue_len: 8, max_queue_wait_s: 2.5, routing: prefix_affinity,"
+                                   " lanes: {interactive_max_tokens: 64}}"))
     spec = parse_registry(text, "r.yaml").models[0]
     kwargs = spec.engine_kwargs()
     assert kwargs["multilevel"] == {"aging_s": 5, "max_long_running": 2}
     assert (kwargs["scheduling"], kwargs["max_queue_len"], kwargs["max_queue_wait_s"]) == ("multilevel", 8, 2.5)
-    assert spec.policy.routing == "prefix_affinity"
+    assert spec.policy.routing == "prefix_affinity" and kwargs["lanes"] == {"interactive_max_tokens": 64}
 
 
 def test_registry_validates_from_python_too():

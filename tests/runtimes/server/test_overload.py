@@ -99,3 +99,25 @@ def test_a_request_that_waited_too_long_is_a_429(serve):
         assert refused.headers["retry-after"]
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 400
     wait_until(lambda: all_blocks_free(engine), what="every block free")
+
+
+@pytest.mark.parametrize("extra, headers, lane", [
+    ({}, {}, 2),  # 12 prompt tokens: background by the configured length threshold
+    ({}, {"x-priority": "interactive"}, 0),  # the header (or the gateway, from the API key) says otherwise
+    ({"priority": 1}, {"x-priority": "interactive"}, 1),  # the body's own priority comes first
+])
+def test_the_lane_comes_from_priority_header_or_configured_length(serve, extra, headers, lane):
+    thresholds = {"interactive_max_prompt_tokens": 4, "background_min_prompt_tokens": 10}
+    client, engine = serve(scheduling="multilevel", lanes=thresholds)
+    results: list = []
+    body = {**LONG, "prompt": [5, 6, 7] * 4, **extra}
+    with client:
+        wait_until(lambda: client.get("/ready").status_code == 200, what="/ready")
+        thread = threading.Thread(target=lambda: results.append(
+            client.post("/v1/completions", json=body, headers=headers)))
+        thread.start()
+        wait_until(lambda: _counts(engine) == (1, 0), what="the request running")
+        assert engine.engine.scheduler.running[0].priority == lane
+        thread.join(60)
+        assert results[0].status_code == 200
+    wait_until(lambda: all_blocks_free(engine), what="every block free")
