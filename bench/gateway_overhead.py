@@ -2,7 +2,8 @@
 
 Two subprocesses on loopback: `bench.fake_backend` (a raw ASGI OpenAI stub, no delays) and `multiserve serve`
 (the real gateway; registry: one chat model `fake`, `launcher: url` pointing at the stub). This process is
-the load generator: one keep-alive httpx.AsyncClient per target, C requests in flight (closed loop), the same
+the load generator: one keep-alive client per target (`--client`: httpx.AsyncClient, or the gateway's own lean
+`KeepAliveClient`, which leaves the shared cores to the servers), C requests in flight (closed loop), the same
 body to both targets. Latency: time.perf_counter around one request until the whole reply is read; streams
 also report TTFB (time to the first body chunk).
 
@@ -47,6 +48,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from gateway.httpclient import KeepAliveClient
+from gateway.upstream import Timeouts
 from model_pool.launcher import free_port
 
 _REQUEST = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
@@ -69,7 +72,7 @@ class Samples:
     ttfb: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     cpu_s: float = 0.0  # the server process's (backend for direct, gateway for gateway)
-    client_cpu_s: float = 0.0  # this process's: the load generator's httpx client
+    client_cpu_s: float = 0.0  # this process's: the load generator's client
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -116,9 +119,29 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_request(client: httpx.AsyncClient, url: str, stream: bool) -> tuple[float, float]:
+Client = httpx.AsyncClient | KeepAliveClient
+
+
+def make_client(kind: str, concurrency: int) -> Client:
+    if kind == "keepalive":
+        return KeepAliveClient()
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(limits=limits, timeout=30.0)
+
+
+async def one_request(client: Client, url: str, stream: bool) -> tuple[float, float]:
     """(latency, ttfb) in seconds; ttfb = latency for non-streaming requests."""
     start = time.perf_counter()
+    if isinstance(client, KeepAliveClient):
+        reply = await client.post(url, BODY[stream], HEADERS, Timeouts(connect_s=30.0, read_s=30.0))
+        ttfb = 0.0
+        async for _ in reply.aiter_raw():
+            ttfb = ttfb or time.perf_counter() - start
+        await reply.aclose()
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {reply.status_code}")
+        latency = time.perf_counter() - start
+        return latency, ttfb if stream else latency
     async with client.stream("POST", url, content=BODY[stream], headers=HEADERS) as response:
         ttfb = 0.0
         async for _ in response.aiter_raw():
@@ -129,7 +152,7 @@ async def one_request(client: httpx.AsyncClient, url: str, stream: bool) -> tupl
     return latency, ttfb if stream else latency
 
 
-async def run_chunk(client: httpx.AsyncClient, url: str, n: int, concurrency: int, stream: bool,
+async def run_chunk(client: Client, url: str, n: int, concurrency: int, stream: bool,
                     pid: int, into: Samples | None) -> None:
     """`n` requests with `concurrency` in flight; recorded into `into` (None: warm-up)."""
     remaining = n
@@ -155,8 +178,7 @@ async def run_chunk(client: httpx.AsyncClient, url: str, n: int, concurrency: in
 
 async def run_scenario(args: argparse.Namespace, stream: bool, concurrency: int, urls: dict[str, str],
                        pids: dict[str, int], bar: tqdm) -> list[dict[str, Samples]]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    clients = {mode: httpx.AsyncClient(limits=limits, timeout=30.0) for mode in MODES}
+    clients = {mode: make_client(args.client, concurrency) for mode in MODES}
     bar.set_postfix_str(f"{'stream' if stream else 'chat'} C={concurrency}")
     try:
         for mode in MODES:
@@ -276,6 +298,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunks", type=int, default=4, help="direct/gateway alternations per repeat")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16], help="non-streaming scenarios")
+    parser.add_argument("--client", choices=("httpx", "keepalive"), default="httpx",
+                        help="the load generator's HTTP client (keepalive: gateway.httpclient, ~20x less CPU)")
     parser.add_argument("--stream-concurrency", type=int, nargs="*", default=[1], help="streaming scenarios")
     parser.add_argument("--out", default="bench/results/gateway_overhead.jsonl",
                         help="JSON line appended here ('' to skip)")
