@@ -46,13 +46,19 @@ MODEL_YAML = """\
 """
 
 
-@contextlib.contextmanager
-def serving(models: dict[str, bool], workdir: Path, ready_timeout_s: float = 600.0) -> Iterator[str]:
+def serving(models: dict[str, bool], workdir: Path, ready_timeout_s: float = 600.0
+            ) -> contextlib.AbstractContextManager[str]:
     """`multiserve serve` of SmolLM2 under each name in `models` (name -> prefix caching); yields its base URL."""
+    return serving_registry("".join(MODEL_YAML.format(name=name, source=SOURCE, caching=str(on).lower())
+                                    for name, on in models.items()), workdir, ready_timeout_s)
+
+
+@contextlib.contextmanager
+def serving_registry(models_yaml: str, workdir: Path, ready_timeout_s: float = 600.0) -> Iterator[str]:
+    """`multiserve serve` of a registry whose `models:` list is `models_yaml`, on a free port; yields its URL."""
     port = free_port()
     registry = workdir / "registry.yaml"
-    registry.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\nmodels:\n" + "".join(
-        MODEL_YAML.format(name=name, source=SOURCE, caching=str(on).lower()) for name, on in models.items()))
+    registry.write_text(f"gateway: {{host: 127.0.0.1, port: {port}}}\nmodels:\n" + models_yaml)
     log_path = workdir / "gateway.log"
     env = {**os.environ, "MULTISERVE_LOG_DIR": str(workdir / "logs")}
     with log_path.open("wb") as log:

@@ -114,9 +114,11 @@ class Scheduler:
         deferred = [r for r in chunks if head is not None and self.waiting.outranks(head, r)]
         first = [r for r in chunks if not deferred or r not in deferred]
         budget = self._schedule_running(decodes + first, out, budget, by_id)
+        num_scheduled = len(out.scheduled)
         if not out.preempted:
             budget = self._admit_waiting(out, budget, by_id)
-        self._schedule_running(deferred, out, budget, by_id)
+        if len(out.scheduled) == num_scheduled:  # nothing more urgent got in: the deferred chunks go now;
+            self._schedule_running(deferred, out, budget, by_id)  # else they wait, keeping the urgent step short
         for item in out.scheduled:
             self.waiting.on_scheduled(item.request, item.num_new_tokens)
         return out
