@@ -83,18 +83,13 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
              env: Mapping[str, str] | None = None) -> int:
     """`partition plan`: the registry's replicas planned onto the inventory, as a table or JSON."""
     out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
-    from model_pool.errors import RegistryError
     from partitioner.demand import replica_demands
     from partitioner.planner import plan
 
-    try:
-        registry, shapes, inventory, options = plan_inputs(args, env)
-    except (RegistryError, InventoryFileError, ValueError) as exc:
-        print(f"error: {exc}", file=err)
-        return 2
-    except DeviceError as exc:
-        print(f"error: reading the devices: {exc}", file=err)
-        return 1
+    inputs = plan_inputs_or_exit_code(args, env, err)
+    if isinstance(inputs, int):
+        return inputs
+    registry, shapes, inventory, options = inputs
     try:
         result = plan(inventory, replica_demands(registry, shapes), options)
     except InfeasiblePlan as exc:
@@ -104,6 +99,22 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
         return 1
     out.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else render_plan(result))
     return 0
+
+
+def plan_inputs_or_exit_code(args: argparse.Namespace, env: Mapping[str, str], err: TextIO
+                             ) -> tuple[Registry, dict[str, ModelShape], Inventory, PlanOptions] | int:
+    """`plan_inputs`, or the exit code after saying what is wrong: 2 for bad input, 1 when reading the devices
+    failed."""
+    from model_pool.errors import RegistryError
+
+    try:
+        return plan_inputs(args, env)
+    except (RegistryError, InventoryFileError, ValueError) as exc:
+        print(f"error: {exc}", file=err)
+        return 2
+    except DeviceError as exc:
+        print(f"error: reading the devices: {exc}", file=err)
+        return 1
 
 
 def plan_inputs(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Registry, dict[str, ModelShape],

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 from partitioner.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
 from partitioner.apply_plan import DEFAULT_MPS_LOG_ROOT, ApplyError
 from partitioner.backend import DeviceError, MigControl
-from partitioner.cli import add_plan_arguments, load_host_inventory, plan_inputs, render_plan
+from partitioner.cli import add_plan_arguments, load_host_inventory, plan_inputs_or_exit_code, render_plan
 from partitioner.commands import CommandResult, CommandRunner, SubprocessRunner
-from partitioner.inventory import Inventory, InventoryFileError, MigDevice, read_inventory
+from partitioner.inventory import Inventory, MigDevice, read_inventory
 from partitioner.plan import InfeasiblePlan
 
 if TYPE_CHECKING:
@@ -74,18 +74,13 @@ def run_apply(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
               env: Mapping[str, str] | None = None, runner: CommandRunner | None = None) -> int:
     """`partition apply`: plan, then reconcile the devices to it (or, with --dry-run, say how)."""
     out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
-    from model_pool.errors import RegistryError
     from partitioner.applier import Applier, reconcile
     from partitioner.demand import replica_demands
 
-    try:
-        registry, shapes, inventory, options = plan_inputs(args, env)
-    except (RegistryError, InventoryFileError, ValueError) as exc:
-        print(f"error: {exc}", file=err)
-        return 2
-    except DeviceError as exc:
-        print(f"error: reading the devices: {exc}", file=err)
-        return 1
+    inputs = plan_inputs_or_exit_code(args, env, err)
+    if isinstance(inputs, int):
+        return inputs
+    registry, shapes, inventory, options = inputs
     with tempfile.TemporaryDirectory() as scratch:
         mig, read, runner, state_path = _targets(args, inventory, env, runner, Path(scratch))
         try:
