@@ -111,15 +111,18 @@ class MultiLevelPolicy:
         return max(running, key=lambda r: (lane_of(r), r.arrival_time))
 
     def urgent_victim(self, waiting: Queued, running: Sequence[Queued]) -> Queued | None:
-        """A running request an interactive arrival may displace: strictly less urgent, least urgent first.
+        """A running request that `waiting` (which found no seat or KV room) may displace, least urgent first.
 
-        Normal requests are displaced only while normal has at least twice its minimum share: preempting one
-        throws its progress away (recompute), and preempting near the floor would make the two rules fight,
-        each step readmitting and preempting the same request.
+        Background only runs on idle capacity, so any interactive or normal arrival may displace it (otherwise
+        a normal request at the head of the queue would block interactive ones behind it until a background
+        request finished). An interactive arrival may also displace normal work, but only while normal has at
+        least twice its minimum share: preempting throws progress away (recompute), and preempting near the
+        floor would make the two rules fight, each step readmitting and preempting the same request.
         """
-        if lane_of(waiting) != INTERACTIVE:
+        lane = lane_of(waiting)
+        if lane == BACKGROUND:
             return None
-        spare_normal = self._normal_share() < 2 * self.config.normal_min_share
+        spare_normal = lane != INTERACTIVE or self._normal_share() < 2 * self.config.normal_min_share
         candidates = [r for r in running if lane_of(r) == BACKGROUND or (lane_of(r) == NORMAL and not spare_normal)]
         return self.pick_victim(candidates) if candidates else None
 

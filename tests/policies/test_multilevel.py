@@ -108,7 +108,9 @@ def test_victims(make_policy):
     running.append(Item("bg", BACKGROUND, 0))
     assert policy.pick_victim(running).name == "bg"
     assert policy.urgent_victim(Item("arrival", INTERACTIVE, 9), running).name == "bg"
-    assert policy.urgent_victim(Item("arrival", NORMAL, 9), running) is None
+    assert policy.urgent_victim(Item("arrival", NORMAL, 9), running).name == "bg"  # background: idle capacity
+    assert policy.urgent_victim(Item("arrival", NORMAL, 9), running[:3]) is None  # normal never displaces normal
+    assert policy.urgent_victim(Item("arrival", BACKGROUND, 9), running) is None
     assert policy.urgent_victim(Item("arrival", INTERACTIVE, 9), [Item("i", INTERACTIVE, 0)]) is None
     assert policy.remove(running[0]) is False
 
