@@ -49,6 +49,7 @@ import torch
 from tqdm import tqdm
 
 from runtimes.llm.async_engine import AsyncLLMEngine
+from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.loader import load_model, resolve_model_path
@@ -365,7 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_engine(args: argparse.Namespace, max_prompt: int) -> LLMEngine:
-    loaded = load_model(MODEL, torch.device("cpu"), torch.float32, progress=False)
+    device = torch.device("cpu")
+    loaded = load_model(MODEL, device, torch.float32, select_attention("auto", device), progress=False)
     seqs = max([*args.concurrency, args.step_batch, 64])
     block = 16
     tokens_per_seq = -(-(max_prompt + args.output_tokens) // block) * block + block

@@ -115,7 +115,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on CUDA, fp32 on CPU)
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
     multilevel: Mapping[str, Any] = field(default_factory=dict)
@@ -139,7 +139,7 @@ class EngineConfig:
             (0 < self.kv_cache_memory_fraction <= 1,
              f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
-            (self.attention_backend in ("auto", "torch", "triton"),
+            (self.attention_backend in ("auto", "torch", "cpu", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
             (self.scheduling in ("fcfs", "multilevel"),
              f"scheduling must be 'fcfs' or 'multilevel', got {self.scheduling!r}"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from policies.admission import RateMeter, retry_after_s
-from runtimes.llm.attention import paged_attention_ref
+from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.kv_cache_manager import KVCacheManager
@@ -81,7 +81,7 @@ class LLMEngine:
         config = config or EngineConfig()
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
-        attention_fn = _attention_backend(config.attention_backend, device)
+        attention_fn = select_attention(config.attention_backend, device)
         return cls(load_model(source, device, dtype, attention_fn), config, **kwargs)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------------ intake
@@ -269,10 +269,3 @@ def _default_kv_bytes(device: torch.device, fraction: float) -> int:
         return int(free * fraction)
     return _CPU_DEFAULT_KV_BYTES
 
-
-def _attention_backend(name: str, device: torch.device) -> Callable:
-    if name == "triton" or (name == "auto" and device.type == "cuda"):
-        from runtimes.llm.attention.triton_paged import paged_attention_triton
-
-        return paged_attention_triton
-    return paged_attention_ref

@@ -89,7 +89,24 @@ def load_state_dict(
     model = model.to_empty(device=device).to(dtype)
     _load_weights(model, tensors, config, device, dtype, progress, desc)
     model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
+    if device.type == "cpu":
+        _store_weights_transposed(model)
     return model.eval().requires_grad_(False)
+
+
+def _store_weights_transposed(model: LlamaForCausalLM) -> None:
+    """Keep each projection's and the (tied) LM head's [out, in] weight in column-major memory order: same
+    shape, same values, but `F.linear` then hands MKL a row-major [in, out] matrix, which its small-batch
+    sgemm runs faster. Measured on SmolLM2 (2-core AVX-512 Xeon, weights streamed from memory as in a
+    step): all projections + LM head at batch 32, 1 thread 181 -> 135-146 ms, 2 threads 58 -> 54 ms;
+    batch 1 and 512-token prefill unchanged. A tied embedding's lookups then read strided rows (negligible)."""
+    matmul_weights: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if model.lm_head is None:  # tied: the embedding table is the LM head's weight
+        matmul_weights.append(model.embed_tokens)
+    for module in matmul_weights:
+        weight = module.weight
+        assert isinstance(weight, torch.Tensor)
+        module.weight = torch.nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 
 
 # ----------------------------------------------------------------------------------------------- weights

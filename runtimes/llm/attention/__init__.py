@@ -1,6 +1,39 @@
-"""Attention over a paged KV cache: metadata, a PyTorch reference path and Triton kernels."""
+"""Attention over a paged KV cache: metadata, a PyTorch reference path, a CPU decode kernel and Triton kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+import torch
 
 from runtimes.llm.attention.metadata import AttentionMetadata
 from runtimes.llm.attention.reference import paged_attention_ref, write_kv
 
-__all__ = ["AttentionMetadata", "paged_attention_ref", "write_kv"]
+__all__ = ["AttentionMetadata", "paged_attention_ref", "select_attention", "write_kv"]
+
+log = structlog.get_logger(__name__)
+
+
+def select_attention(name: str, device: torch.device) -> Callable:
+    """The attention function for a backend name (auto | torch | cpu | triton) on `device`.
+
+    auto: Triton on CUDA; on CPU the C++ decode kernel, or the reference when it cannot be built (no
+    compiler), with a warning. Naming `cpu` or `triton` explicitly fails loudly instead.
+    """
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from runtimes.llm.attention.triton_paged import paged_attention_triton
+
+        return paged_attention_triton
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        from runtimes.llm.attention.cpu_paged import load_kernel, paged_attention_cpu
+
+        try:
+            load_kernel()
+        except (RuntimeError, OSError) as exc:  # torch's loader reports a failed build as RuntimeError
+            if name == "cpu":
+                raise
+            log.warning("cpu attention kernel unavailable, using the PyTorch reference", error=str(exc))
+            return paged_attention_ref
+        return paged_attention_cpu
+    return paged_attention_ref

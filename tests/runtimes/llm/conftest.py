@@ -23,10 +23,13 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_loaded():
-    """Our loader's SmolLM2 (fp32 on CPU), loaded once per session."""
+    """Our loader's SmolLM2 (fp32 on CPU) with the attention a worker picks there, loaded once per session."""
+    from runtimes.llm.attention import select_attention
     from runtimes.llm.loader import load_model
 
-    return load_model(smollm2_dir() / SMOLLM2_FILE, torch.device("cpu"), torch.float32, progress=False)
+    device = torch.device("cpu")
+    return load_model(smollm2_dir() / SMOLLM2_FILE, device, torch.float32, select_attention("auto", device),
+                      progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import torch
 from runtimes.llm.attention.metadata import AttentionMetadata
 from runtimes.llm.attention.reference import paged_attention_ref, write_kv
 from runtimes.llm.attention.triton_paged import paged_attention_triton, write_kv_triton
+from tests.runtimes.llm.paged_case import paged_case
 
 INTERPRET = os.environ["TRITON_INTERPRET"].lower() not in ("", "0", "false", "off", "no")
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -44,42 +45,6 @@ DTYPES = {
     (4, 8): [torch.float32, torch.bfloat16],
     (8, 32): [torch.float32],
 }
-
-
-def _case(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """Random query [T, H, D] and caches; shuffled non-contiguous block tables.
-
-    Returns (query, k_cache, v_cache, meta, valid): every cache slot no sequence owns (spare blocks, the
-    tail of each last block) is NaN, so a kernel that reads or weights a masked key produces NaN; `valid`
-    [num_blocks, block_size] marks the owned slots.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + 3  # spare blocks, never referenced
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, valid = [], torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    for n, s_len in zip(needed, seq_lens, strict=True):
-        table, perm = perm[:n], perm[n:]
-        tables.append(table)
-        for pos in range(s_len):
-            valid[table[pos // block_size], pos % block_size] = True
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    k_cache[~valid] = float("nan")
-    v_cache[~valid] = float("nan")
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=DEVICE)
-    return query.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta, valid.to(DEVICE)
 
 
 def _check(
@@ -124,20 +89,20 @@ def _params() -> list:
 def test_matches_reference_gqa(
     query_lens: list[int], seq_lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype
 ) -> None:
-    _check(*_case(query_lens, seq_lens, block_size, 4, 2, head_dim, dtype))
+    _check(*paged_case(query_lens, seq_lens, block_size, 4, 2, head_dim, dtype, device=DEVICE))
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 1)], ids=["mha", "mqa"])
 def test_head_layouts(scenario: str, num_heads: int, num_kv_heads: int) -> None:
     query_lens, seq_lens = SCENARIOS[scenario]
-    _check(*_case(query_lens, seq_lens, 16, num_heads, num_kv_heads, 16, torch.float32, seed=1))
+    _check(*paged_case(query_lens, seq_lens, 16, num_heads, num_kv_heads, 16, torch.float32, seed=1, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_write_kv_matches_reference(dtype: torch.dtype) -> None:
     query_lens, seq_lens = SCENARIOS["mixed"]
-    _, k_cache, v_cache, meta, _ = _case(query_lens, seq_lens, 4, 4, 2, 8, dtype, seed=2)
+    _, k_cache, v_cache, meta, _ = paged_case(query_lens, seq_lens, 4, 4, 2, 8, dtype, seed=2, device=DEVICE)
     key, value = (torch.randn(sum(query_lens), 2, 8, device=DEVICE) for _ in range(2))  # fp32 -> cache dtype
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     write_kv(key, value, k_ref, v_ref, meta.slot_mapping)
@@ -158,6 +123,6 @@ def test_empty_batch() -> None:
     [(16, 24, "head_dim must be a power of two"), (12, 16, "block_size must be a power of two")],
 )
 def test_rejects_unsupported_shapes(block_size: int, head_dim: int, message: str) -> None:
-    query, k_cache, v_cache, meta, _ = _case([3], [3], block_size, 4, 2, head_dim, torch.float32)
+    query, k_cache, v_cache, meta, _ = paged_case([3], [3], block_size, 4, 2, head_dim, torch.float32, device=DEVICE)
     with pytest.raises(AssertionError, match=message):
         paged_attention_triton(query, k_cache, v_cache, meta, 1.0)
