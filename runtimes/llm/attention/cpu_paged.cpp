@@ -1,14 +1,15 @@
 // Decode attention over the paged KV cache on CPU, fp32: one new query token per sequence.
 //
 // The PyTorch reference gathers every sequence's blocks into a padded copy (written, then read again by
-// SDPA); here each (sequence, KV head) pair walks its block table and reads each cached key and value once,
-// serving all the query heads of its group. Built by `cpu_paged.py` with torch's extension loader;
-// parallel over (sequence, KV head) with ATen's thread pool. Registered as torch.ops.multiserve_cpu.*.
+// SDPA); here each sequence walks its block table and reads each cached key and value once, serving all
+// the query heads that share it (GQA). Built by `cpu_paged.py` with torch's extension loader;
+// parallel over sequences with ATen's thread pool. Registered as torch.ops.multiserve_cpu.*.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,52 +41,58 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_stride, q_row_stride, q_head_stride;
 };
 
-// One (sequence, KV head): scores of its `group` query heads against every cached key, softmax, weighted
-// sum of the values. `q` points at the group's first query head (heads `q_head_stride` apart), `out` at its
-// first output head (contiguous); `scores` holds group x len floats, `acc` group x head_dim.
+// One sequence, query heads [h0, h0 + num_q) (whole groups): scores against every cached key, softmax,
+// weighted sum of the values. Walking tokens in cache order, each token's K (then V) row of all KV heads
+// is read once, front to back, which the hardware prefetcher follows within a block. `q` points at head
+// h0's query, `out` at its output row; `scores` holds num_q x len floats, `acc` num_q x head_dim.
 void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
-            int64_t group, const Shape& s, float scale, float* scores, float* acc, float* out) {
+            int64_t h0, int64_t num_q, const Shape& s, float scale, float* scores, float* acc, float* out) {
   const int64_t D = s.head_dim, row = s.num_kv_heads * D;  // floats between consecutive cached tokens
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t kv0 = (h0 / group) * D;  // offset of the first KV head this call reads within a token row
   auto slot = [&](int64_t t) { return (static_cast<int64_t>(table[t / s.block_size]) * s.block_size +
-                                       t % s.block_size) * row; };
+                                       t % s.block_size) * row + kv0; };
   for (int64_t t = 0; t < len; ++t) {
     const float* k = k_cache + slot(t);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * s.q_head_stride;
+    for (int64_t h = 0; h < num_q; ++h) {
+      const float* qh = q + h * s.q_head_stride;
+      const float* kh = k + (h / group) * D;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
-      scores[g * len + t] = dot * scale;
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+      scores[h * len + t] = dot * scale;
     }
   }
-  std::vector<float> inv_sum(group);
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    const float mx = *std::max_element(sg, sg + len);
+  std::vector<float> inv_sum(num_q);
+  for (int64_t h = 0; h < num_q; ++h) {
+    float* sh = scores + h * len;
+    const float mx = *std::max_element(sh, sh + len);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - mx);
-      sum += sg[t];
+      sh[t] = exp_nonpositive(sh[t] - mx);
+      sum += sh[t];
     }
-    inv_sum[g] = 1.f / sum;
+    inv_sum[h] = 1.f / sum;
   }
-  std::fill(acc, acc + group * D, 0.f);
+  std::fill(acc, acc + num_q * D, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const float* v = v_cache + slot(t);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * len + t];
-      float* a = acc + g * D;
+    for (int64_t h = 0; h < num_q; ++h) {
+      const float p = scores[h * len + t];
+      const float* vh = v + (h / group) * D;
+      float* a = acc + h * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+      for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv_sum[g];
+  for (int64_t h = 0; h < num_q; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = acc[h * D + d] * inv_sum[h];
 }
 
-// query [T, H, D] (contiguous in D), out [T, H, D] contiguous; k_cache, v_cache [num_blocks, block_size, KVH, D]; rows [B] int64 (the query row of
-// each sequence); block_tables [B, max_blocks] int32; seq_lens [B] int32. Writes out[rows[i]] only.
+// query [T, H, D] (contiguous in D), out [T, H, D] contiguous; k_cache, v_cache [num_blocks, block_size, KVH, D];
+// rows [B] int64 (the query row of each sequence); block_tables [B, max_blocks] int32; seq_lens [B] int32.
+// Writes out[rows[i]] only.
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, at::Tensor& out) {
@@ -101,7 +108,11 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
                 query.stride(0), query.stride(1)};
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && k_cache.size(3) == s.head_dim,
               "paged_decode_attention: heads ", s.num_heads, " over kv heads ", s.num_kv_heads);
-  const int64_t num_seqs = rows.size(0), group = s.num_heads / s.num_kv_heads;
+  const int64_t num_seqs = rows.size(0);
+  // A work item is a whole sequence (all heads: its cache rows are read front to back) when there are
+  // enough sequences to keep every thread busy, else one KV head's group of one sequence.
+  const int64_t splits = num_seqs >= at::get_num_threads() ? 1 : s.num_kv_heads;
+  const int64_t heads_per_item = s.num_heads / splits, num_items = num_seqs * splits;
   const float* q = query.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
@@ -110,16 +121,17 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, num_seqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(group * s.head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / s.num_kv_heads, kh = item % s.num_kv_heads;
+  // Sequences differ in length, so items are handed out one at a time rather than in equal ranges.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores, acc(heads_per_item * s.head_dim);
+    for (int64_t item = next++; item < num_items; item = next++) {
+      const int64_t i = item / splits, h0 = (item % splits) * heads_per_item;
       const int64_t len = lens[i];
-      const int64_t head = kh * group;
-      scores.resize(group * len);
-      attend(q + row_ids[i] * s.q_row_stride + head * s.q_head_stride, kc + kh * s.head_dim, vc + kh * s.head_dim,
-             tables + i * s.table_stride, len, group, s, fscale, scores.data(), acc.data(),
-             o + (row_ids[i] * s.num_heads + head) * s.head_dim);
+      scores.resize(heads_per_item * len);
+      float* out_row = o + (row_ids[i] * s.num_heads + h0) * s.head_dim;
+      attend(q + row_ids[i] * s.q_row_stride + h0 * s.q_head_stride, kc, vc, tables + i * s.table_stride, len,
+             h0, heads_per_item, s, fscale, scores.data(), acc.data(), out_row);
     }
   });
 }
