@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from runtimes.llm.config import ModelConfig, RopeScaling
-from runtimes.llm.model import AttentionFn, LlamaForCausalLM
+from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
 from runtimes.llm.tokenizer import Tokenizer
 
 
@@ -91,7 +91,30 @@ def load_state_dict(
     model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
     if device.type == "cpu":
         _store_weights_transposed(model)
+        if dtype == torch.float32:
+            pack_cpu_weights(model)
     return model.eval().requires_grad_(False)
+
+
+def pack_cpu_weights(model: LlamaForCausalLM) -> None:
+    """Give the gate|up projections and the LM head a oneDNN pre-packed (blocked) copy of their fp32 weight,
+    used for batches of `model.PACKED_MIN_ROWS` rows or more. Measured on SmolLM2 (2-core AVX-512 Xeon, 2 threads)
+    at 32 rows: gate|up 0.60 -> 0.46 ms, LM head 10.4 -> 8.7 ms, i.e. ~6 ms of a ~90 ms decode step; the other
+    projections were slower or equal packed, and at 1 row MKL on the plain weight is as fast or faster, so
+    both copies are kept (~330 MB more for SmolLM2: the gate|up weights and the tied embedding again).
+    Numerics: a different fp32 summation order, ~5e-6 from MKL's. No-op where torch lacks oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return
+    for module in model.modules():
+        if isinstance(module, Linear):  # the projections the model declares packable: gate|up
+            module.packed = _pack(module.weight)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.packed_lm_head = _pack(head)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    # the batch size is oneDNN's hint for choosing the blocked layout; the packed weight serves any batch
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 32)
 
 
 def _store_weights_transposed(model: LlamaForCausalLM) -> None:

@@ -19,6 +19,28 @@ from runtimes.llm.config import ModelConfig, RopeScaling
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
+# Batches of at least this many rows use a CPU pre-packed weight where the loader made one (see `Linear`).
+PACKED_MIN_ROWS = 8
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T, through oneDNN's pre-packed copy of `weight` when there is one and the batch is large
+    enough for its blocked layout to pay (at a single row MKL on the plain weight is as fast or faster)."""
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.is_cpu:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return F.linear(x, weight)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (no bias) that may also hold `packed`: oneDNN's blocked copy of its weight, which the CPU
+    loader sets on the largest projections (`loader.pack_cpu_weights`). It is an opaque tensor, neither a
+    parameter nor a buffer, so state dicts and `.to()` see only the plain weight."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.weight, self.packed)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -118,7 +140,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
@@ -148,6 +170,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so)."""
 
+    packed_lm_head: torch.Tensor | None = None  # oneDNN copy of the LM head's weight (CPU loader), see `Linear`
+
     def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn = paged_attention_ref) -> None:
         super().__init__()
         self.config = cfg
@@ -172,4 +196,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return packed_linear(hidden, weight, self.packed_lm_head).float()

@@ -127,3 +127,25 @@ def test_gguf_k_quants_logits_match(tmp_path, qtype):
     expected = _reference_logits(weights_from_gguf(ref, path), TOKENS)
     got = _our_logits(loaded.model, loaded.config, TOKENS, [10, 7])
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("spec_name", ["gqa-tied", "mha-untied"])
+def test_cpu_packed_weights_match_plain(spec_name):
+    """On CPU in fp32 the loader gives gate|up and the LM head oneDNN pre-packed copies; batches of
+    PACKED_MIN_ROWS rows or more use them, and the logits agree with the plain weights' at every size."""
+    from runtimes.llm.model import PACKED_MIN_ROWS
+    from tests.runtimes.llm.tiny import loaded_tiny
+
+    loaded = loaded_tiny(SPECS[spec_name], seed=5)
+    model = loaded.model
+    assert model.packed_lm_head is not None
+    assert all(layer.mlp.gate_up_proj.packed is not None for layer in model.layers)
+    assert len(TOKENS) >= PACKED_MIN_ROWS
+    chunks = [len(TOKENS)], [5, 7, 5], [PACKED_MIN_ROWS] + [1] * (len(TOKENS) - PACKED_MIN_ROWS)
+    packed = [_our_logits(model, loaded.config, TOKENS, c) for c in chunks]
+    model.packed_lm_head = None
+    for layer in model.layers:
+        layer.mlp.gate_up_proj.packed = None
+    for c, got in zip(chunks, packed, strict=True):
+        torch.testing.assert_close(got, _our_logits(model, loaded.config, TOKENS, c), atol=1e-5, rtol=1e-5)
