@@ -31,6 +31,7 @@ from gateway.traffic import TrafficMiddleware, TrafficRecorder
 from model_pool.pool import ModelPool
 from model_pool.replica import ReplicaState
 from model_pool.store import RegistryStore
+from policies.classify import LaneThresholds
 from runtimes.server.errors import exception_handlers
 
 
@@ -102,6 +103,12 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _lane_thresholds(state: GatewayState, model: str) -> LaneThresholds | None:
+    """A model's lane length thresholds as its replicas classify with them (None: the defaults)."""
+    spec = state.store.registry.resolve(model)
+    return LaneThresholds(**spec.policy.lanes) if spec is not None and spec.policy.lanes else None
+
+
 def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int = 4 << 20) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _endpoint("chat"), methods=["POST"]),
@@ -121,7 +128,8 @@ def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int
         Middleware(ApiKeyMiddleware, keys=state.api_keys),
     ]
     if state.traffic is not None:  # innermost: it sees the model the proxy resolved, and only admitted requests
-        middleware.append(Middleware(TrafficMiddleware, recorder=state.traffic))
+        middleware.append(Middleware(TrafficMiddleware, recorder=state.traffic,
+                                     thresholds_for=lambda model: _lane_thresholds(state, model)))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=exception_handlers())
     app.state.gateway = state
     state.started_at = state.started_at or time.time()

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from policies.classify import classify
+from policies.classify import LaneThresholds, classify
 from policies.multilevel import LANES
 
 log = structlog.get_logger(__name__)
@@ -141,8 +141,10 @@ class ReplyTap:
         return None, None, "none"
 
 
-def request_lane(body: bytes, headers: dict[bytes, bytes], prompt_tokens: int | None) -> str | None:
-    """The lane policies/classify.py gives this request; None when it depends on an unknown prompt length."""
+def request_lane(body: bytes, headers: dict[bytes, bytes], prompt_tokens: int | None,
+                 key_priority: int | str | None = None, thresholds: LaneThresholds | None = None) -> str | None:
+    """The lane policies/classify.py gives this request (with its API key's default lane and its model's length
+    thresholds, as the replica does); None when it depends on an unknown prompt length."""
     try:
         payload = json.loads(body) if body else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -151,11 +153,11 @@ def request_lane(body: bytes, headers: dict[bytes, bytes], prompt_tokens: int | 
         return None
     priority, max_tokens = payload.get("priority"), payload.get("max_tokens")
     header = headers.get(b"x-priority", b"").decode(errors="replace") or None
-    if priority is None and header is None and prompt_tokens is None:
+    if priority is None and header is None and key_priority is None and prompt_tokens is None:
         return None
     try:
-        return LANES[classify(priority if isinstance(priority, int) else None, header, None, prompt_tokens or 0,
-                              max_tokens if isinstance(max_tokens, int) else None)]
+        return LANES[classify(priority if isinstance(priority, int) else None, header, key_priority,
+                              prompt_tokens or 0, max_tokens if isinstance(max_tokens, int) else None, thresholds)]
     except ValueError:  # a bad priority: the replica refused it (400), and the record's status says so
         return None
 
@@ -164,8 +166,11 @@ class TrafficMiddleware:
     """Pure ASGI: taps the request body and the reply of tracked endpoints and records one line per request."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], recorder: TrafficRecorder,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 thresholds_for: Callable[[str], LaneThresholds | None] = lambda model: None) -> None:
+        """`thresholds_for(model)`: that model's lane length thresholds (None: the defaults)."""
         self.app, self.recorder, self.wall_clock = app, recorder, wall_clock
+        self.thresholds_for = thresholds_for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = TRACKED_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -184,7 +189,9 @@ class TrafficMiddleware:
             await self.app(scope, tapped_receive, tap.wrap(send))
         finally:
             prompt, output, source = tap.counts()
-            model = scope.get("state", {}).get("log", {}).get("model")
-            lane = request_lane(b"".join(parts), dict(scope.get("headers") or []), prompt)
+            state = scope.get("state", {})
+            model = state.get("log", {}).get("model")
+            lane = request_lane(b"".join(parts), dict(scope.get("headers") or []), prompt, state.get("key_priority"),
+                                None if model is None else self.thresholds_for(model))
             self.recorder.record(TrafficRecord(start_s, self.wall_clock(), model, endpoint, lane,
                                                tap.status or 500, tap.stream, prompt, output, source))

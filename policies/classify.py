@@ -43,7 +43,7 @@ def parse_lane(value: str | int) -> int:
 def classify(
     priority: int | None,
     header: str | None,
-    key_default: int | None,
+    key_default: int | str | None,
     num_prompt_tokens: int,
     max_tokens: int | None,
     thresholds: LaneThresholds | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gateway.middleware import ApiKey
 from gateway.traffic import ReplyTap, TrafficRecord, TrafficRecorder
 from tests.gateway.fakes import NUM_STREAM_CHUNKS, REGISTRY, FakeGateway, chat
 
@@ -64,3 +65,20 @@ def test_rotation_keeps_a_bounded_number_of_files(tmp_path):
     newest = records(log)[-1]
     assert newest["start_s"] == 199.0  # the live file holds the latest requests
     assert records(tmp_path / "t.jsonl.1")[-1]["start_s"] < records(log)[0]["start_s"]
+
+
+def test_the_recorded_lane_uses_the_models_thresholds_and_the_keys_default(with_gateway, tmp_path):
+    log = tmp_path / "traffic.jsonl"
+    lanes = "{lanes: {interactive_max_prompt_tokens: 2, background_min_prompt_tokens: 3}}"
+    text = traffic_registry(log).replace("    fallbacks: [beta]\n", f"    fallbacks: [beta]\n    policy: {lanes}\n")
+
+    async def scenario(gw: FakeGateway) -> None:
+        assert (await gw.client.post("/v1/chat/completions", json=chat("a", max_tokens=16),
+                                     headers={"authorization": "Bearer k"})).status_code == 200
+        assert (await gw.client.post("/v1/chat/completions", json=chat("beta", max_tokens=16),
+                                     headers={"authorization": "Bearer batch"})).status_code == 200
+
+    with_gateway(scenario, registry_text=text, api_keys={"k": ApiKey(), "batch": ApiKey(priority="background")})
+    alpha, beta = records(log)
+    assert alpha["lane"] == "background"  # 3 prompt tokens are "long" by alpha's own thresholds
+    assert beta["lane"] == "background"  # short, but its key's default lane says background
