@@ -36,10 +36,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from bench.llm_throughput import _SENTENCES, hardware_peaks, machine_info
+from bench.llm_throughput import _SENTENCES, hardware_peaks, machine_info, medians, pct_ms
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.embedding.engine import EmbeddingEngine, LoadedEncoder, load_encoder_dir
@@ -52,10 +51,6 @@ def make_inputs(count: int, seed: int = 0) -> list[str]:
     """`count` inputs of 1-3 sentences each (about 15-70 tokens)."""
     rng = random.Random(seed)
     return [" ".join(rng.sample(_SENTENCES, rng.randint(1, 3))) for _ in range(count)]
-
-
-def pct_ms(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) * 1e3
 
 
 async def _closed_loop(engine: AsyncEmbeddingEngine, texts: list[str], concurrency: int, tag: str
@@ -132,7 +127,7 @@ def run_all(args: argparse.Namespace, loaded: LoadedEncoder) -> dict[str, dict[s
             task = partial(run_scenario, loaded, texts[:count], conc, window_s, args.max_batch_size, f"r{rep}")
             runs.setdefault(label, []).append(task())
             print(f"  {label} (repeat {rep + 1}): {runs[label][-1]['sentences_per_s']:.0f} sentences/s", flush=True)
-    return {label: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for label, rs in runs.items()}
+    return {label: medians(rs) for label, rs in runs.items()}
 
 
 def report(results: dict[str, dict[str, float]], peak_gflops: float) -> str:
