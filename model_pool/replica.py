@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from model_pool.health import BreakerState, CircuitBreaker
+from model_pool.health import CircuitBreaker
 from model_pool.launcher import ReplicaHandle
 
 
@@ -68,7 +68,3 @@ class Replica:
             "restarts": self.restarts,
             "transitions": [{"at": t, "state": s} for t, s in self.transitions],
         }
-
-    @property
-    def breaker_open(self) -> bool:
-        return self.breaker.state == BreakerState.OPEN
