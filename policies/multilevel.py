@@ -59,8 +59,12 @@ class MultiLevelConfig:
                 raise ValueError(message)
 
 
+def _lane(priority: int) -> int:
+    return min(max(priority, INTERACTIVE), BACKGROUND)
+
+
 def lane_of(request: Queued) -> int:
-    return min(max(request.priority, INTERACTIVE), BACKGROUND)
+    return _lane(request.priority)
 
 
 class MultiLevelPolicy:
@@ -84,15 +88,14 @@ class MultiLevelPolicy:
         self._lanes[lane_of(request)].appendleft(request)
 
     def peek(self) -> Queued | None:
-        lane = self._next_lane()
-        return None if lane is None else self._head(lane)
+        chosen = self._next()
+        return None if chosen is None else chosen[1]
 
     def pop(self) -> Queued:
-        lane = self._next_lane()
-        if lane is None:
+        chosen = self._next()
+        if chosen is None:
             raise IndexError("pop from an empty multi-level queue")
-        request = self._head(lane)
-        assert request is not None  # _next_lane only returns lanes with an admissible head
+        lane, request = chosen
         self._lanes[lane].remove(request)
         if self._is_long(request):
             self._long_started.append(request)
@@ -138,7 +141,7 @@ class MultiLevelPolicy:
 
     def num_ahead(self, priority: int) -> int:
         """Requests in lanes at least as urgent: a flood of background work does not fill an interactive queue."""
-        return sum(len(lane) for lane in self._lanes[:min(max(priority, INTERACTIVE), BACKGROUND) + 1])
+        return sum(len(lane) for lane in self._lanes[:_lane(priority) + 1])
 
     def __len__(self) -> int:
         return sum(len(lane) for lane in self._lanes)
@@ -162,30 +165,26 @@ class MultiLevelPolicy:
     def _head(self, lane: int) -> Queued | None:
         """The first request of `lane` that may start now: long ones are skipped while their lane is full."""
         queue = self._lanes[lane]
-        if not queue or not self._is_long(queue[0]) or not self._long_lane_full():
-            return queue[0] if queue else None
-        return next((r for r in queue if not self._is_long(r)), None)
+        if queue and self._is_long(queue[0]) and self._long_lane_full():
+            return next((r for r in queue if not self._is_long(r)), None)
+        return queue[0] if queue else None
 
-    def _effective_lane(self, lane: int) -> float:
-        """The lane of a lane's head after aging (fractional: longer waits rank first within a level)."""
-        head = self._head(lane)
-        assert head is not None
-        waited = max(0.0, self.clock() - head.arrival_time)
-        return lane - waited / self.config.aging_s
-
-    def _next_lane(self) -> int | None:
-        waiting = [lane for lane in range(3) if self._head(lane) is not None]
-        if not waiting:
+    def _next(self) -> tuple[int, Queued] | None:
+        """The lane that goes next and its head (each lane's head is looked up once: this runs on every peek)."""
+        heads = {lane: head for lane in range(3) if (head := self._head(lane)) is not None}
+        if not heads:
             return None
-        if NORMAL in waiting and self._normal_starved():
-            return NORMAL
-        foreground = [lane for lane in waiting if lane != BACKGROUND]
-        if not foreground:
-            return BACKGROUND
+        if NORMAL in heads and self._normal_starved():
+            return NORMAL, heads[NORMAL]
+        if heads.keys() == {BACKGROUND}:
+            return BACKGROUND, heads[BACKGROUND]
+        # after aging, fractional: longer waits rank first within a level
+        now = self.clock()
+        rank = {lane: lane - max(0.0, now - head.arrival_time) / self.config.aging_s for lane, head in heads.items()}
         # aging may lift a long-waiting background head into the foreground competition
-        contenders = foreground + ([BACKGROUND] if BACKGROUND in waiting
-                                   and self._effective_lane(BACKGROUND) < BACKGROUND - 1 else [])
-        return min(contenders, key=lambda lane: (self._effective_lane(lane), lane))
+        contenders = [lane for lane in heads if lane != BACKGROUND or rank[lane] < BACKGROUND - 1]
+        lane = min(contenders, key=lambda lane: (rank[lane], lane))
+        return lane, heads[lane]
 
     def _normal_share(self) -> float:
         """Normal's part of recently scheduled tokens (1.0 before anything was scheduled)."""
