@@ -90,8 +90,7 @@ class TimeSliceArbiter:
         if self.holder == client_id:
             raise RuntimeError(f"{client_id} asked for the lease it already holds")
         if not client.waiting:
-            client.waiting = True
-            client.start_tag = max(client.finish_tag, self._vtime)  # back from idle: no banked credit
+            self._enqueue(client)
         return self._grant() if self.holder is None else None
 
     def release(self, client_id: str, busy_s: float, more: bool = False) -> str | None:
@@ -107,8 +106,7 @@ class TimeSliceArbiter:
         client.recent_busy_s += busy_s
         self.holder = None
         if more:
-            client.waiting = True
-            client.start_tag = max(client.finish_tag, self._vtime)
+            self._enqueue(client)
         return self._grant()
 
     def shares(self) -> list[ClientShare]:
@@ -120,6 +118,10 @@ class TimeSliceArbiter:
         return [ClientShare(c.client_id, c.weight, c.busy_s, c.num_steps,
                             c.recent_busy_s / total if total > 0 else 0.0, c.waiting, c.client_id == self.holder)
                 for c in clients]
+
+    def _enqueue(self, client: _Client) -> None:
+        client.waiting = True
+        client.start_tag = max(client.finish_tag, self._vtime)  # back from idle: no banked credit
 
     def _grant(self) -> str | None:
         waiting = [c for c in self._clients.values() if c.waiting]
