@@ -112,7 +112,7 @@ class Scheduler:
         # urgent arrival is not starved of token budget by long prefills (FCFS never ranks a newcomer higher).
         head = self.waiting.peek()
         deferred = [r for r in chunks if head is not None and self.waiting.outranks(head, r)]
-        first = [r for r in chunks if not deferred or r not in deferred]
+        first = [r for r in chunks if r not in deferred]
         budget = self._schedule_running(decodes + first, out, budget, by_id)
         num_scheduled = len(out.scheduled)
         if not out.preempted:
