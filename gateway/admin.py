@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from gateway.middleware import bearer_token
 from model_pool.errors import ModelNotFound
 from model_pool.store import RegistryDiff, RegistryError
 from runtimes.server.errors import APIError
@@ -23,8 +24,7 @@ from runtimes.server.errors import APIError
 def _state(request: Request) -> Any:
     state = request.app.state.gateway
     token = state.admin_token
-    auth = request.headers.get("authorization", "")
-    given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    given = bearer_token(request.headers.get("authorization", ""))
     if not token or not hmac.compare_digest(given.encode(), token.encode()):
         hint = "" if token else " (the admin API is disabled: its token environment variable is not set)"
         raise APIError(401, f"admin endpoints need `Authorization: Bearer <admin token>`{hint}",

@@ -30,6 +30,11 @@ def _state(scope: Scope) -> dict:
     return scope.setdefault("state", {})
 
 
+def bearer_token(authorization: str) -> str:
+    """The token of an `Authorization: Bearer <token>` header value ("" for any other value)."""
+    return authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+
+
 class RequestIdMiddleware:
     """Accept a sane `X-Request-ID` or make one; echo it on the response and bind it to log lines."""
 
@@ -152,8 +157,7 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not self.keys or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        auth = Headers(scope=scope).get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = bearer_token(Headers(scope=scope).get("authorization", ""))
         spec = self.keys.get(key)
         if spec is None:
             error = APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
