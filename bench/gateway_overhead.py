@@ -48,6 +48,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from bench.stats import nearest_rank
 from gateway.httpclient import KeepAliveClient
 from gateway.upstream import Timeouts
 from model_pool.launcher import free_port
@@ -201,16 +202,11 @@ async def run_scenario(args: argparse.Namespace, stream: bool, concurrency: int,
             await client.aclose()
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def summarize(name: str, concurrency: int, repeats: list[dict[str, Samples]], metric: str) -> dict[str, Any]:
     """One table row: medians over repeats of each target's p50/p99 (ms) and of the per-repeat differences."""
     row: dict[str, Any] = {"scenario": name, "concurrency": concurrency, "metric": metric}
     for q, label in ((0.5, "p50"), (0.99, "p99")):
-        per = {m: [percentile(getattr(s[m], metric), q) * 1e3 for s in repeats] for m in MODES}
+        per = {m: [nearest_rank(getattr(s[m], metric), q) * 1e3 for s in repeats] for m in MODES}
         for m in MODES:
             row[f"{m}_{label}_ms"] = statistics.median(per[m])
         added = [g - d for g, d in zip(per["gateway"], per["direct"], strict=True)]

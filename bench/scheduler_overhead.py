@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 
+from bench.stats import nearest_rank
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.request import Request
 from runtimes.llm.sampling_params import SamplingParams
@@ -87,11 +88,6 @@ def timed_steps(scheduler: Scheduler, steps: int, num_seqs: int) -> tuple[list[f
     return sched_t, update_t, total_t
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def measure(args: argparse.Namespace, num_seqs: int) -> dict[str, object]:
     sched_all, update_all, total_all, repeat_means = [], [], [], []
     for _ in range(args.repeats):
@@ -107,7 +103,7 @@ def measure(args: argparse.Namespace, num_seqs: int) -> dict[str, object]:
     return {
         "num_seqs": num_seqs,
         "median_us": statistics.median(total_all) * us,
-        "p90_us": percentile(total_all, 0.9) * us,
+        "p90_us": nearest_rank(total_all, 0.9) * us,
         "schedule_median_us": statistics.median(sched_all) * us,
         "update_median_us": statistics.median(update_all) * us,
         "mean_of_repeats_us": [round(m * us, 1) for m in repeat_means],

@@ -70,6 +70,12 @@ def percentiles(values: Sequence[float], qs: Sequence[int] = PERCENTILES) -> dic
     return {f"p{q}": float(v) for q, v in zip(qs, found, strict=True)}
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The sample nearest to quantile `q` (0..1) of `values`, no interpolation (the overhead benchmarks' p50/p99)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def _ms(values: Sequence[float]) -> dict[str, float]:
     stats = {k: v * 1e3 for k, v in percentiles(values).items()}
     stats["mean"] = float(np.mean(values)) * 1e3 if values else math.nan
