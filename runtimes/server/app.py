@@ -69,7 +69,8 @@ class _Server(ReplicaEndpoints):
         """Keep this event loop open until the engine has let go of every request, aborted ones included.
 
         The engine thread hands outputs to the loop that submitted the request; one it still delivers to
-        after the loop closed would kill the thread (AsyncLLMEngine does not guard against that).
+        after the loop closed is dropped (AsyncLLMEngine._deliver then aborts the request), so wait here
+        and let every request end normally while someone is still listening.
         """
         with anyio.move_on_after(timeout_s) as scope:
             while self.engine.engine.has_unfinished_requests():
