@@ -97,11 +97,9 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_big = APIError(413, f"request body exceeds the gateway limit of {self.max_bytes} bytes",
-                           code="body_too_large")
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(too_big)(scope, receive, send)
+            await error_response(self._too_big())(scope, receive, send)
             return
         seen = 0
 
@@ -111,10 +109,14 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise too_big
+                    raise self._too_big()
             return message
 
         await self.app(scope, counting_receive, send)
+
+    def _too_big(self) -> APIError:  # built only when needed: not on every request's path
+        return APIError(413, f"request body exceeds the gateway limit of {self.max_bytes} bytes",
+                        code="body_too_large")
 
 
 class ApiKey(BaseModel):
