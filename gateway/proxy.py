@@ -161,6 +161,7 @@ class Forwarder:
                              body: bytes, stream: bool, start: float) -> Response:
         chain = [spec] + [s for s in (self.resolve(f) for f in spec.fallbacks) if s is not None]
         outcome = _Outcome([])
+        deadline = None if spec.policy.request_timeout_s is None else start + spec.policy.request_timeout_s
         for target in chain:
             group = self.pool.group(target.name)
             if group is None or target.type not in ENDPOINTS[endpoint][1]:
@@ -168,7 +169,6 @@ class Forwarder:
             content = body if target.name == payload["model"] else json.dumps({**payload, "model": target.name}
                                                                                ).encode()
             key = routing_key(target, request, payload)
-            deadline = None if spec.policy.request_timeout_s is None else start + spec.policy.request_timeout_s
             try:
                 response = await self._try_group(request, group, endpoint, content, stream,
                                                  _Call(start, spec.name, key, deadline))
