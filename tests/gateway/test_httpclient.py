@@ -31,8 +31,8 @@ class Seen:
 
 
 @asynccontextmanager
-async def serve(scripts: dict[str, Script]) -> AsyncIterator[tuple[str, Seen]]:
-    seen = Seen()
+async def serve(scripts: dict[str, Script], seen: Seen | None = None) -> AsyncIterator[tuple[str, Seen]]:
+    seen = Seen() if seen is None else seen
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         seen.num_connections += 1
@@ -68,10 +68,15 @@ async def whole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> b
     return True
 
 
-async def wait_for_client_to_leave(reader: asyncio.StreamReader, seen: Seen) -> bool:
-    if await reader.read(1) == b"":
-        seen.num_client_closed += 1
-    return False
+def wait_for_client_to_leave(seen: Seen) -> Script:
+    """A script that answers nothing more and counts the client closing the connection."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if await reader.read(1) == b"":
+            seen.num_client_closed += 1
+        return False
+
+    return script
 
 
 def test_a_whole_reply_and_the_connection_is_kept_for_the_next_request():
@@ -122,15 +127,14 @@ def test_a_chunked_stream_arrives_piece_by_piece_before_the_server_is_done():
 
 def test_closing_a_reply_before_its_end_closes_the_connection_so_the_server_sees_the_client_leave():
     async def scenario() -> None:
-        seen_ref: list[Seen] = []
+        seen = Seen()
 
         async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n")
             await writer.drain()
-            return await wait_for_client_to_leave(reader, seen_ref[0])
+            return await wait_for_client_to_leave(seen)(reader, writer)
 
-        async with serve({"/hold": hold, "/w": whole}) as (url, seen):
-            seen_ref.append(seen)
+        async with serve({"/hold": hold, "/w": whole}, seen) as (url, _):
             client = KeepAliveClient()
             reply = await client.post(url + "/hold", b"{}", {}, TIMEOUTS)
             assert await anext(reply.aiter_raw()) == b"abc"
@@ -145,13 +149,8 @@ def test_closing_a_reply_before_its_end_closes_the_connection_so_the_server_sees
 
 def test_a_silent_server_is_a_timeout_and_the_request_is_abandoned():
     async def scenario() -> None:
-        seen_ref: list[Seen] = []
-
-        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-            return await wait_for_client_to_leave(reader, seen_ref[0])
-
-        async with serve({"/silent": silent}) as (url, seen):
-            seen_ref.append(seen)
+        seen = Seen()
+        async with serve({"/silent": wait_for_client_to_leave(seen)}, seen) as (url, _):
             client = KeepAliveClient()
             with pytest.raises(UpstreamTimeout, match=r"within 0\.05 s"):
                 await client.post(url + "/silent", b"{}", {}, Timeouts(connect_s=2.0, read_s=0.05))
@@ -164,13 +163,8 @@ def test_a_silent_server_is_a_timeout_and_the_request_is_abandoned():
 
 def test_a_cancelled_request_closes_its_connection():
     async def scenario() -> None:
-        seen_ref: list[Seen] = []
-
-        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-            return await wait_for_client_to_leave(reader, seen_ref[0])
-
-        async with serve({"/silent": silent}) as (url, seen):
-            seen_ref.append(seen)
+        seen = Seen()
+        async with serve({"/silent": wait_for_client_to_leave(seen)}, seen) as (url, _):
             client = KeepAliveClient()
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(client.post(url + "/silent", b"{}", {}, TIMEOUTS), 0.05)
