@@ -57,7 +57,8 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs (all `n` samples interleaved) until every one finishes.
 
-        Invalid requests raise InvalidRequestError from the first iteration. Closing the iterator
+        Invalid requests raise InvalidRequestError from the first iteration, and refused ones (queue full, or
+        waited past `max_queue_wait_s` without starting) OverloadedError. Closing the iterator
         early (a client went away) aborts the request and frees its blocks.
         """
         self._check_alive()
@@ -71,6 +72,9 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finish_reason == "rejected":  # every sample was let go along with this one
+                    remaining = 0
+                    raise self.engine.rejection_error(item)
                 if item.finished:
                     remaining -= 1
                 yield item

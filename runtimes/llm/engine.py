@@ -160,6 +160,12 @@ class LLMEngine:
         """When a refused client should come back: the waiting queue at the recent finish rate."""
         return retry_after_s(len(self.scheduler.waiting), self._finishes.rate(self.clock()))
 
+    def rejection_error(self, out: RequestOutput) -> OverloadedError:
+        """What to tell the client of a request refused for waiting too long (finish_reason "rejected")."""
+        return OverloadedError(
+            f"the replica is overloaded: the request waited {out.time - out.arrival_time:.1f} s without starting, "
+            f"over its limit max_queue_wait_s={self.config.max_queue_wait_s:g}", self.retry_after_s())
+
     def abort_request(self, request_id: str,
                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[RequestOutput]:
         """Stop a request (all its samples) and free its blocks at once; `status` says why."""

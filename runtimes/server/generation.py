@@ -54,7 +54,6 @@ class Generation:
         self.request_id = request_id
         self.choices = [Choice(i) for i in range(params.n)]
         self.num_prompt_tokens = 0
-        self._engine = engine
         self._metrics = metrics
         self._clock = clock
         self._start_s = clock()
@@ -76,18 +75,10 @@ class Generation:
         """Wait for the first output; raises the engine's InvalidRequestError or OverloadedError if it refuses
         the request, at submission or (queue-wait limit) before it started."""
         try:
-            self._pending = first = await anext(self._stream)
+            self._pending = await anext(self._stream)
         except OverloadedError:
             self._metrics.observe_finish("rejected")
             raise
-        if first.finish_reason == "rejected":
-            self._closed = True  # the engine has already let go of every sample
-            self._metrics.observe_finish("rejected")
-            config = self._engine.engine.config
-            raise OverloadedError(
-                f"the replica is overloaded: the request waited {first.time - first.arrival_time:.1f} s without "
-                f"starting, over its limit max_queue_wait_s={config.max_queue_wait_s:g}",
-                self._engine.engine.retry_after_s())
 
     async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
         """Every output after `start()`, recorded; closing this early aborts the request."""
