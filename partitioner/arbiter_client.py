@@ -10,6 +10,7 @@ one line back on a Unix socket (see docs/partitioner.md for the measured overhea
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable
@@ -73,7 +74,23 @@ class LeaseClient:
         try:
             self._sock.sendall(line.encode())
         except OSError as exc:
+            # The service answers a protocol error with `E <why>` and then closes: when our write comes after
+            # the close, the reason is still waiting in our receive buffer, and it says more than EPIPE.
+            said = self._last_words()
+            if said is not None:
+                raise ArbiterError(f"arbiter at {self.socket_path} answered {said!r} to {self.client_id}") from None
             raise ArbiterError(f"lost the time-slice arbiter at {self.socket_path}: {exc}") from None
+
+    def _last_words(self) -> str | None:
+        """A line the service sent before it closed on us, if one is there to read."""
+        self._sock.settimeout(0.2)
+        try:
+            return self._read_line()
+        except ArbiterError:
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                self._sock.settimeout(None)
 
     def _read_line(self) -> str:
         while b"\n" not in self._buffer:

@@ -84,12 +84,40 @@ def test_protocol_errors_close_the_connection(service):
         assert raw.recv(256) == b""
     first = LeaseClient(service.socket_path, "x/0", 1.0)
     twin = LeaseClient(service.socket_path, "x/0", 1.0)  # the same id twice: refused at its first acquire
-    with pytest.raises(ArbiterError, match=r"answered .E bad hello"):
-        twin.acquire()
-    first.acquire()
-    first.release()
-    first.close()
-    twin.close()
+    try:
+        # The service may close before or after the twin's `A` goes out: either way it reads the service's reason.
+        with pytest.raises(ArbiterError, match=r"answered .E bad hello"):
+            twin.acquire()
+        first.acquire()
+        first.release()
+    finally:
+        first.close()
+        twin.close()
+
+
+def test_a_write_after_the_service_closed_still_reports_its_reason(tmp_path):
+    """The order that made the test above flaky, forced: the refusal and close land before the client writes."""
+    path = tmp_path / "refuser.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def refuse() -> None:
+        conn, _ = listener.accept()
+        conn.recv(256)  # the hello
+        conn.sendall(b"E no room for you\n")
+        conn.close()
+
+    server = threading.Thread(target=refuse)
+    server.start()
+    client = LeaseClient(path, "late/0", 1.0)
+    try:
+        server.join(5.0)
+        with pytest.raises(ArbiterError, match=r"answered 'E no room for you' to late/0"):
+            client.acquire()
+    finally:
+        client.close()
+        listener.close()
 
 
 def test_unreachable_arbiter_is_a_clear_error(tmp_path):
