@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 CommandT = TypeVar("CommandT")
 StepResultT = TypeVar("StepResultT")
+
+# An idle loop waits for commands in slices this long. A worker's SIGTERM handler runs on the main thread, which
+# is this loop's; when the kernel delivers the signal to another thread (HTTP, tqdm, OpenMP), a main thread
+# blocked on a lock without a timeout never wakes to run the handler, and the worker ignores SIGTERM until a
+# request happens to arrive. Seen in CI: 1 run in 6 under load.
+IDLE_WAKE_S = 0.25
 
 
 class StepGate(Protocol):
@@ -57,6 +64,20 @@ class EngineDriver(Generic[CommandT]):
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise RuntimeError("the engine thread has died") from self.dead_error
+
+    def _next_command(self, timeout_s: float | None) -> CommandT | None:
+        """The next command; waits up to `timeout_s` (None: until one comes). Raises queue.Empty on timeout."""
+        if timeout_s is not None and timeout_s <= 0:
+            return self._commands.get_nowait()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait_s = IDLE_WAKE_S if deadline is None else min(IDLE_WAKE_S, deadline - time.monotonic())
+            try:
+                return self._commands.get(timeout=max(wait_s, 0.0))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            # back to the interpreter between slices: a pending signal handler runs here
 
     def _gated(self, step: Callable[[], StepResultT], more: Callable[[], bool]) -> StepResultT:
         """`step()` inside the gate; `more()` (asked after the step) tells the gate whether another follows."""

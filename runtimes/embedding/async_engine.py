@@ -96,12 +96,8 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
         while True:
             wait_s = self.engine.batch_wait_s()
             try:
-                if wait_s is None:
-                    command = self._commands.get()
-                elif wait_s <= 0:
-                    command = self._commands.get_nowait()  # a batch is due: take what is queued, then step
-                else:
-                    command = self._commands.get(timeout=wait_s)
+                # wait_s <= 0: a batch is due: take what is queued, then step
+                command = self._next_command(None if wait_s is None else max(wait_s, 0.0))
             except queue.Empty:
                 return True
             if command is None:

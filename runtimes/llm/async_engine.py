@@ -109,7 +109,7 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
         """Apply queued commands; wait for one if idle. False on shutdown."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._next_command(None if block else 0.0)
             except queue.Empty:
                 return True
             block = False
