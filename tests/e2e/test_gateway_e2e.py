@@ -96,6 +96,9 @@ def _replicas(gateway: Gateway) -> list[dict]:
 
 
 def test_failover_when_a_replica_is_killed(gateway):
+    # The gateway is ready once each model has a ready replica; failover needs the second one too (on a loaded
+    # machine it may still be loading, and then every request in flight rightly gets 503 when the first dies).
+    _wait_for(lambda: all(r["state"] == "ready" for r in _replicas(gateway)), what="both tiny-chat replicas ready")
     victim = _replicas(gateway)[0]
     ready_codes: list[int] = []
     stop = threading.Event()
