@@ -61,13 +61,17 @@ class _TimeShareCollector(Collector):
                                    "its lease.", labels=labels)
         steps = CounterMetricFamily(f"{PREFIX}_timeslice_steps", "Engine steps each replica ran under its lease.",
                                     labels=labels)
+        expired = CounterMetricFamily(f"{PREFIX}_timeslice_leases_expired", "Leases a replica held past the "
+                                      "arbiter's max_lease_s, which then passed on (a hung or very long step).",
+                                      labels=labels)
         for device, clients in self.source().items():
             for c in clients:
                 weight.add_metric([device, c.client_id], c.weight)
                 share.add_metric([device, c.client_id], c.recent_share)
                 busy.add_metric([device, c.client_id], c.busy_s)
                 steps.add_metric([device, c.client_id], float(c.num_steps))
-        yield from (weight, share, busy, steps)
+                expired.add_metric([device, c.client_id], float(c.num_expired))
+        yield from (weight, share, busy, steps, expired)
 
 
 class GatewayMetrics:

@@ -11,6 +11,9 @@ step it ran, and the waiting client with the smallest tag goes next. So two satu
 - A client that will step again right away says so at release (`more=True`) and is queued in the same
   breath. Without that, the other client would slip in during every short gap between a busy client's steps
   and the shares would drift towards one step each.
+- A lease held past `max_lease_s` (a hung step, a stopped process) expires: the next client is granted and
+  the late one is charged in full when its release finally comes. One stuck replica must not freeze every
+  replica that shares its device; for that while, two run at once, as without an arbiter.
 
 `request`, `release` and `unregister` return the client granted by that event (or None): the transport
 (`arbiter_service`) sends it the grant. The clock is injected; tests drive the core with a fake one.
@@ -36,6 +39,8 @@ class _Client:
     num_steps: int = 0
     recent_busy_s: float = 0.0  # busy time decayed over the share window, as of `recent_at`
     recent_at: float = 0.0
+    granted_at: float | None = None  # when it was last granted the lease
+    num_expired: int = 0  # leases it held past max_lease_s
 
 
 @dataclass(frozen=True)
@@ -49,16 +54,22 @@ class ClientShare:
     recent_share: float  # of the busy time all clients had in the window (0 when nobody ran)
     waiting: bool
     holding: bool
+    num_expired: int  # leases it held so long that they expired and passed on
 
 
 class TimeSliceArbiter:
     """The lease of one device. Not thread-safe: its one owner (the service's thread, or a test) calls it."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, share_window_s: float = 10.0) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, share_window_s: float = 10.0,
+                 max_lease_s: float = 30.0) -> None:
         if share_window_s <= 0:
             raise ValueError(f"share_window_s must be > 0, got {share_window_s}")
+        if not max_lease_s > 0:
+            raise ValueError(f"max_lease_s must be > 0, got {max_lease_s}")
         self._clock = clock
         self._window_s = share_window_s
+        self.max_lease_s = max_lease_s
+        self._overdue: set[str] = set()  # clients whose lease expired and who have not released it yet
         self._clients: dict[str, _Client] = {}
         self._next_order = 0
         self._vtime = 0.0  # the system's virtual time: the start tag of the step last granted
@@ -79,6 +90,7 @@ class TimeSliceArbiter:
     def unregister(self, client_id: str) -> str | None:
         """Forget a client (its process went away); a lease it held passes on."""
         self._clients.pop(client_id, None)
+        self._overdue.discard(client_id)
         if self.holder == client_id:
             self.holder = None
             return self._grant()
@@ -87,7 +99,7 @@ class TimeSliceArbiter:
     def request(self, client_id: str) -> str | None:
         """`client_id` wants the lease for one step. Returns who is granted now (maybe it), or None."""
         client = self._client(client_id)
-        if self.holder == client_id:
+        if self.holder == client_id or client_id in self._overdue:
             raise RuntimeError(f"{client_id} asked for the lease it already holds")
         if not client.waiting:
             self._enqueue(client)
@@ -95,18 +107,42 @@ class TimeSliceArbiter:
 
     def release(self, client_id: str, busy_s: float, more: bool = False) -> str | None:
         """The holder ran one step for `busy_s` seconds; `more`: it will ask again at once (queue it now)."""
-        if self.holder != client_id:
+        late = client_id in self._overdue
+        if self.holder != client_id and not late:
             raise RuntimeError(f"{client_id} released a lease it does not hold (holder: {self.holder})")
         client = self._client(client_id)
+        client.granted_at = None
         busy_s = max(0.0, busy_s)
         client.finish_tag = client.start_tag + busy_s / client.weight
         client.busy_s += busy_s
         client.num_steps += 1
         self._decay(client)
         client.recent_busy_s += busy_s
-        self.holder = None
         if more:
             self._enqueue(client)
+        if late:  # its lease passed on when it expired; whoever holds the device now keeps it
+            self._overdue.discard(client_id)
+            return self._grant() if self.holder is None else None
+        self.holder = None
+        return self._grant()
+
+    def lease_deadline(self) -> float | None:
+        """When the current lease expires (on the arbiter's clock), or None when nobody holds the device."""
+        if self.holder is None:
+            return None
+        granted_at = self._clients[self.holder].granted_at
+        return None if granted_at is None else granted_at + self.max_lease_s
+
+    def expire(self) -> str | None:
+        """Pass the lease on if its holder kept it past `max_lease_s`. Returns who is granted now, or None."""
+        deadline = self.lease_deadline()
+        if deadline is None or self._clock() < deadline:
+            return None
+        assert self.holder is not None
+        late = self._clients[self.holder]
+        late.num_expired += 1
+        self._overdue.add(late.client_id)
+        self.holder = None
         return self._grant()
 
     def shares(self) -> list[ClientShare]:
@@ -116,7 +152,8 @@ class TimeSliceArbiter:
             self._decay(client)
         total = sum(c.recent_busy_s for c in clients)
         return [ClientShare(c.client_id, c.weight, c.busy_s, c.num_steps,
-                            c.recent_busy_s / total if total > 0 else 0.0, c.waiting, c.client_id == self.holder)
+                            c.recent_busy_s / total if total > 0 else 0.0, c.waiting, c.client_id == self.holder,
+                            c.num_expired)
                 for c in clients]
 
     def _enqueue(self, client: _Client) -> None:
@@ -129,6 +166,7 @@ class TimeSliceArbiter:
             return None
         nxt = min(waiting, key=lambda c: (c.start_tag, c.order))
         nxt.waiting = False
+        nxt.granted_at = self._clock()
         self._vtime = max(self._vtime, nxt.start_tag)
         self.holder = nxt.client_id
         return nxt.client_id

@@ -12,7 +12,7 @@ Wire protocol, ASCII lines (client -> service):
                              at once (the answer is a `G` when it is my turn again)
   `S`                        stats: the service answers `J <json>` (any connection; `partition status` uses it)
 A malformed line gets `E <message>` and the connection is closed. A closed connection unregisters its client,
-and a lease it held passes on.
+and a lease it held passes on; so does a lease held past `max_lease_s` (see `arbiter.TimeSliceArbiter`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import structlog
+
 from partitioner.arbiter import ClientShare, TimeSliceArbiter
+
+log = structlog.get_logger(__name__)
 
 
 class _Conn:
@@ -42,10 +46,11 @@ class ArbiterService:
     """Serves one device's `TimeSliceArbiter` at `socket_path` from a thread of its own. `start()`, `close()`."""
 
     def __init__(self, socket_path: str | Path, device_key: str, clock: Callable[[], float] = time.monotonic,
-                 share_window_s: float = 10.0) -> None:
+                 share_window_s: float = 10.0, max_lease_s: float = 30.0) -> None:
         self.socket_path = Path(socket_path)
         self.device_key = device_key
-        self._arbiter = TimeSliceArbiter(clock, share_window_s)
+        self._clock = clock
+        self._arbiter = TimeSliceArbiter(clock, share_window_s, max_lease_s)
         self._lock = threading.Lock()  # the arbiter's state is read by scrapes from other threads
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -87,18 +92,35 @@ class ArbiterService:
     def _serve(self) -> None:
         try:
             while not self._closing:
-                for key, _ in self._selector.select():
+                for key, _ in self._selector.select(self._until_lease_expires()):
                     if key.data == "wake":
                         continue
                     if key.data is None:
                         self._accept()
                     else:
                         self._read(key.data)
+                self._expire_lease()
         finally:
             for conn in list(self._selector.get_map().values()):
                 conn.fileobj.close()  # type: ignore[union-attr]
             self._selector.close()
             self._wake_w.close()
+
+    def _until_lease_expires(self) -> float | None:
+        """The select timeout: none while nobody holds the lease, so an idle device costs nothing."""
+        with self._lock:
+            deadline = self._arbiter.lease_deadline()
+        return None if deadline is None else max(0.0, deadline - self._clock())
+
+    def _expire_lease(self) -> None:
+        with self._lock:
+            late = self._arbiter.holder
+            granted = self._arbiter.expire()
+            expired = self._arbiter.holder != late
+        if expired:
+            log.warning("arbiter_lease_expired", device=self.device_key, client=late,
+                        max_lease_s=self._arbiter.max_lease_s, granted=granted)
+            self._send_grant(granted)
 
     def _accept(self) -> None:
         assert self._listener is not None

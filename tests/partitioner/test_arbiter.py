@@ -99,6 +99,42 @@ def test_a_departing_holder_passes_the_lease_on():
     assert [s.client_id for s in arbiter.shares()] == ["b"]
 
 
+def test_a_lease_held_too_long_expires_and_the_late_release_is_charged_in_full():
+    clock = FakeClock()
+    arbiter = TimeSliceArbiter(clock, share_window_s=5.0, max_lease_s=2.0)
+    arbiter.register("stuck", 1.0)
+    arbiter.register("b", 1.0)
+    assert arbiter.request("stuck") == "stuck" and arbiter.lease_deadline() == 2.0
+    assert arbiter.request("b") is None
+    clock.now_s = 1.9
+    assert arbiter.expire() is None and arbiter.holder == "stuck"  # not yet
+    clock.now_s = 2.0
+    assert arbiter.expire() == "b"  # b must not wait on a hung step
+    assert arbiter.lease_deadline() == 4.0
+    with pytest.raises(RuntimeError, match="stuck asked for the lease it already holds"):
+        arbiter.request("stuck")  # it has not released yet: the client protocol still holds
+    clock.now_s = 2.5
+    assert arbiter.release("stuck", 2.5, more=True) is None  # late, and queued again: b keeps the device
+    assert arbiter.holder == "b"
+    assert arbiter.release("b", 0.5, more=True) == "b"  # stuck's tag is 2.5, b's 0.5: b goes on
+    by_id = {s.client_id: s for s in arbiter.shares()}
+    assert (by_id["stuck"].busy_s, by_id["stuck"].num_expired, by_id["stuck"].holding) == (2.5, 1, False)
+    assert by_id["b"].num_expired == 0 and by_id["b"].holding
+
+
+def test_an_expired_lease_with_nobody_waiting_leaves_the_device_free():
+    clock = FakeClock()
+    arbiter = TimeSliceArbiter(clock, max_lease_s=1.0)
+    arbiter.register("a", 1.0)
+    arbiter.request("a")
+    clock.now_s = 5.0
+    assert arbiter.expire() is None and arbiter.holder is None and arbiter.lease_deadline() is None
+    assert arbiter.release("a", 5.0) is None and arbiter.holder is None
+    assert arbiter.request("a") == "a"  # it can take the lease again
+    with pytest.raises(ValueError, match="max_lease_s must be > 0"):
+        TimeSliceArbiter(clock, max_lease_s=0.0)
+
+
 def test_protocol_errors_name_the_client():
     arbiter, _ = two_clients()
     with pytest.raises(RuntimeError, match="b released a lease it does not hold"):

@@ -76,6 +76,29 @@ def test_a_client_that_dies_holding_the_lease_passes_it_on(service):
     b.close()
 
 
+def test_a_hung_holder_loses_the_lease_after_max_lease_s_and_may_release_late(tmp_path):
+    service = ArbiterService(tmp_path / "hung.sock", "cpu", max_lease_s=0.2).start()
+    hung = LeaseClient(service.socket_path, "hung/0", 1.0)
+    other = LeaseClient(service.socket_path, "other/0", 1.0)
+    try:
+        hung.acquire()  # and then its step never ends...
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (other.acquire(), done.set()))
+        thread.start()
+        assert done.wait(5.0)  # ...yet the other replica gets the device once the lease expires
+        thread.join()
+        assert by_id(service)["hung/0"].num_expired == 1
+        hung.release()  # the step finally ended: accepted and charged, no protocol error
+        other.release()
+        hung.acquire()  # and it takes turns as before
+        hung.release()
+        wait_for(lambda: by_id(service)["hung/0"].num_steps == 2)
+    finally:
+        hung.close()
+        other.close()
+        service.close()
+
+
 def test_protocol_errors_close_the_connection(service):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         raw.connect(str(service.socket_path))

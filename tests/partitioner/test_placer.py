@@ -119,6 +119,7 @@ def test_make_state_plans_replicas_and_exports_shares(tmp_path):
         text = state.metrics.render().decode()
         assert 'multiserve_gateway_timeslice_weight{device="cpu",replica="chat/0"} 3.0' in text
         assert 'multiserve_gateway_timeslice_steps_total{device="cpu",replica="chat/0"}' in text
+        assert 'multiserve_gateway_timeslice_leases_expired_total{device="cpu",replica="chat/0"} 0.0' in text
         client.close()
     finally:
         placer.close()
