@@ -8,7 +8,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import FrameType
 
@@ -26,7 +26,7 @@ from gateway.traffic import TrafficRecorder
 from gateway.upstream import ByScheme, HttpxUpstream
 from model_pool.launcher import LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
-from model_pool.schema import ModelSpec, TrafficLogConfig
+from model_pool.schema import ModelSpec, Registry, TrafficLogConfig
 from model_pool.store import RegistryError, RegistryStore
 from model_pool.watch import RegistryWatcher
 from partitioner.placer import ReplicaPlacer, arbiter_dir
@@ -46,7 +46,7 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     gateway_cfg = store.registry.gateway
     # Connections to replicas are kept alive and pooled; no timeout here: each request sets its own.
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=None)
-    placer = placer or default_placer(store, env)
+    placer = placer or default_placer(lambda: store.registry, env)
     pool = ModelPool({"local": LocalLauncher(log_dir=log_dir), "url": UrlLauncher()}, http, pool_settings,
                      env_for=placer)
     metrics = GatewayMetrics(pool)
@@ -73,10 +73,11 @@ def _traffic_recorder(cfg: TrafficLogConfig) -> TrafficRecorder | None:
     return None if cfg.path is None else TrafficRecorder(cfg.path, cfg.max_bytes, cfg.backups)
 
 
-def default_placer(store: RegistryStore, env: dict[str, str]) -> ReplicaPlacer:
+def default_placer(registry: Callable[[], Registry], env: dict[str, str]) -> ReplicaPlacer:
+    """Plans `registry()` onto this host's inventory (NVML, or the CPU), read on first use."""
     from partitioner.cli import load_host_inventory
 
-    return ReplicaPlacer(lambda: store.registry, lambda: load_host_inventory(None, env), arbiter_dir(env))
+    return ReplicaPlacer(registry, lambda: load_host_inventory(None, env), arbiter_dir(env))
 
 
 def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
@@ -116,13 +117,18 @@ def run_serve(config: str | Path, host: str | None = None, port: int | None = No
     from runtimes.server.worker import configure_logging
 
     configure_logging()  # structlog JSON lines, the same shape as the workers'
+    env = dict(os.environ)
+    # The placer reads the registry from the store, and the store asks the placer whether each registry (the
+    # first, and every edit) can be placed on this host: an infeasible one is refused like an invalid one.
+    placer = default_placer(lambda: store.registry, env)
     try:
-        store = RegistryStore(config)
+        store = RegistryStore(config, check=placer.problems)
     except RegistryError as err:
         print(f"error: {err}")
         return 2
     cfg = store.registry.gateway
-    state = make_state(store, log_dir=Path(os.environ.get("MULTISERVE_LOG_DIR", ".multiserve/logs")))
+    state = make_state(store, log_dir=Path(env.get("MULTISERVE_LOG_DIR", ".multiserve/logs")), env=env,
+                       placer=placer)
     app = build_gateway(state, lifespan=lifespan_for(state), max_body_bytes=cfg.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port,
                                            log_level="warning", lifespan="on", timeout_graceful_shutdown=30))

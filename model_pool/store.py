@@ -3,6 +3,8 @@
 Changes come from the file (an operator's edit, picked up by `watch.RegistryWatcher` or a reload) and from the admin
 API (`put_model`, `delete_model`, `scale`). Either way the whole new registry is validated before anything changes;
 a rejected change keeps the last good registry, is recorded as `last_rejected` and raised as `RegistryError`.
+Beyond the schema, an optional `check` judges the whole registry against the host (the gateway's partitioner:
+a registry whose replicas cannot be placed on the devices is refused, not served half-isolated).
 Admin edits are written back to the file atomically, touching only the lines of the edited model.
 """
 
@@ -26,10 +28,12 @@ from model_pool import yaml_edit
 from model_pool.errors import ModelNotFound, Problem, RegistryError
 from model_pool.schema import Registry, validation_problems
 
-__all__ = ["ModelNotFound", "RegistryDiff", "RegistryError", "RegistryStore", "RejectedEdit", "content_hash",
+__all__ = ["ModelNotFound", "RegistryCheck", "RegistryDiff", "RegistryError", "RegistryStore", "RejectedEdit",
+           "content_hash",
            "diff_registries", "load_registry", "parse_registry"]
 
 T = TypeVar("T")
+RegistryCheck = Callable[[Registry], Iterable[Problem]]  # what is wrong with a schema-valid registry, if anything
 
 
 @dataclass(frozen=True)
@@ -127,12 +131,17 @@ class RegistryStore:
     Raises `RegistryError` at construction when the file is not a valid registry (there is no last good one yet).
     """
 
-    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time,
+                 check: RegistryCheck | None = None) -> None:
         self._path = Path(path)
         self._clock = clock
+        self._check = check
         self._lock = threading.RLock()
         self._text = _read_text(self._path)
         self._registry = parse_registry(self._text, self._path)
+        problems = list(check(self._registry)) if check is not None else []
+        if problems:
+            raise RegistryError(self._path, problems)
         self._hash = content_hash(self._text.encode("utf-8"))
         self._version = 1
         self._applied_at = clock()
@@ -182,6 +191,7 @@ class RegistryStore:
             if digest == self._hash:
                 return None
             registry = self._guard("file", lambda: parse_registry(text, self._path))
+            self._run_check("file", registry)
             self._text, self._hash = text, digest
             diff = diff_registries(self._registry, registry)
             if diff.is_empty:
@@ -243,9 +253,16 @@ class RegistryStore:
 
     def _validated(self, doc: dict[str, Any]) -> Registry:
         try:
-            return Registry.model_validate(doc)
+            registry = Registry.model_validate(doc)
         except ValidationError as exc:
             self._reject("admin", validation_problems(exc))
+        self._run_check("admin", registry)
+        return registry
+
+    def _run_check(self, source: Literal["file", "admin"], registry: Registry) -> None:
+        problems = list(self._check(registry)) if self._check is not None else []
+        if problems:
+            self._reject(source, problems)
 
     def _commit(self, registry: Registry, edit: Callable[[str], str]) -> RegistryDiff:
         diff = diff_registries(self._registry, registry)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import structlog
 
+from model_pool.errors import Problem
 from model_pool.schema import ModelSpec, Registry
 from partitioner.arbiter import ClientShare
 from partitioner.arbiter_service import ArbiterService
@@ -58,9 +59,10 @@ class ReplicaPlacer:
         self.socket_dir = socket_dir
         self._options = options or PlanOptions()
         self._shapes = dict(shapes or {})
-        self._planned: tuple[Registry, Plan | None] | None = None
+        self._planned: tuple[Registry, Plan | InfeasiblePlan] | None = None
         self._services: dict[str, ArbiterService] = {}
         self._lock = threading.Lock()  # scrapes read the services from other threads
+        self._plan_lock = threading.Lock()
 
     def __call__(self, spec: ModelSpec, index: int) -> dict[str, str]:
         registry = self._registry()
@@ -84,19 +86,34 @@ class ReplicaPlacer:
 
     def plan_for(self, registry: Registry) -> Plan | None:
         """The plan of `registry` (cached until the registry changes); None, logged, when it is infeasible: the
-        replicas then launch as they would without a partitioner."""
-        if self._planned is not None and self._planned[0] is registry:
-            return self._planned[1]
-        if self._inventory is None:
-            self._inventory = self._read_inventory()
-        result: Plan | None
-        try:
-            result = plan(self._inventory, replica_demands(registry, self._shapes), self._options)
-        except InfeasiblePlan as exc:
-            log.error("partition_plan_infeasible", problems=list(exc.problems))
-            result = None
-        self._planned = (registry, result)
+        replicas then launch as they would without a partitioner. (`multiserve serve` never gets there: its
+        registry store refuses such a registry through `problems`.)"""
+        result = self._plan(registry)
+        if isinstance(result, InfeasiblePlan):
+            log.error("partition_plan_infeasible", problems=list(result.problems))
+            return None
         return result
+
+    def problems(self, registry: Registry) -> list[Problem]:
+        """What keeps `registry` from being placed on this host: the registry store's `check`."""
+        result = self._plan(registry)
+        if isinstance(result, InfeasiblePlan):
+            return [Problem("(partition plan)", problem) for problem in result.problems]
+        return []
+
+    def _plan(self, registry: Registry) -> Plan | InfeasiblePlan:
+        with self._plan_lock:  # the store checks edits from admin threads while the pool launches replicas
+            if self._planned is not None and self._planned[0] is registry:
+                return self._planned[1]
+            if self._inventory is None:
+                self._inventory = self._read_inventory()
+            result: Plan | InfeasiblePlan
+            try:
+                result = plan(self._inventory, replica_demands(registry, self._shapes), self._options)
+            except InfeasiblePlan as exc:
+                result = exc
+            self._planned = (registry, result)
+            return result
 
     def _service(self, device_key: str) -> ArbiterService:
         with self._lock:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_pool.errors import ModelNotFound, RegistryError
+from model_pool.errors import ModelNotFound, Problem, RegistryError
 from model_pool.schema import Registry
 from model_pool.store import RegistryDiff, RegistryStore, content_hash, diff_registries, load_registry
 from tests.model_pool.conftest import SAMPLE
@@ -64,6 +64,29 @@ def test_invalid_file_edit_keeps_last_good_registry(make_store, clock):
     assert store.reload_from_file() == RegistryDiff(resized=(("chat-b", 2, 3),))
     assert store.version == 2 and store.registry.resolve("chat-b").replicas == 3  # type: ignore[union-attr]
     assert store.last_rejected is not None and store.last_rejected.when == clock.now  # history, not cleared
+
+
+def no_more_than_two_replicas(registry: Registry) -> list[Problem]:
+    """A stand-in for the partitioner's check: a registry the host cannot place."""
+    return [Problem("(partition plan)", f"{m.name}: {m.replicas} replicas do not fit, 2 do")
+            for m in registry.models if m.replicas > 2]
+
+
+def test_the_check_refuses_a_registry_at_start_and_any_edit_it_finds_wrong(registry_file, clock):
+    with pytest.raises(RegistryError, match=r"\(partition plan\): chat-b: 3 replicas do not fit"):
+        RegistryStore(registry_file(SAMPLE.replace("replicas: 2", "replicas: 3")), check=no_more_than_two_replicas)
+    store = RegistryStore(registry_file(SAMPLE), clock=clock, check=no_more_than_two_replicas)
+    good = store.registry
+    store.path.write_text(SAMPLE.replace("replicas: 2", "replicas: 3"))
+    with pytest.raises(RegistryError, match="3 replicas do not fit"):
+        store.reload_from_file()
+    assert store.registry is good and store.last_rejected is not None and store.last_rejected.source == "file"
+    store.path.write_text(SAMPLE)  # the operator puts it back
+    assert store.reload_from_file() is None and store.version == 1
+    with pytest.raises(RegistryError, match="chat-a: 5 replicas do not fit"):
+        store.scale("chat-a", 5)
+    assert store.registry is good and store.path.read_text() == SAMPLE and store.last_rejected.source == "admin"
+    assert store.scale("chat-a", 2).resized == (("chat-a", 1, 2),)  # what fits still goes through
 
 
 def test_unreadable_file_is_a_rejected_edit(make_store):

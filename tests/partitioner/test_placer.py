@@ -4,11 +4,15 @@ and a real `multiserve worker` process taking leases from the pool's arbiter."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 import yaml
 
 from gateway.server import make_state
+from model_pool.launcher import free_port
 from model_pool.schema import Registry
 from model_pool.store import RegistryStore
 from partitioner.arbiter_service import ArbiterService
@@ -18,7 +22,7 @@ from partitioner.placer import ReplicaPlacer, needs_arbiter
 from partitioner.worker_env import WorkerSettings, worker_settings
 from tests.partitioner.conftest import gpus
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
-from tests.runtimes.server.test_worker import worker_process
+from tests.runtimes.server.test_worker import REPO_ROOT, worker_process
 
 CPU = Inventory(devices=(), source="cpu", note="no NVML (test)")
 
@@ -81,6 +85,25 @@ def test_an_infeasible_plan_launches_replicas_unpartitioned(tmp_path):
     reg = registry(big={"device": "cuda"})  # no GPU here, and the model insists on one
     made = ReplicaPlacer(lambda: reg, lambda: CPU, tmp_path)
     assert made(reg.resolve("big"), 0) == {} and made.plan_for(reg) is None
+
+
+def test_problems_name_what_does_not_fit_and_serve_refuses_such_a_registry(tmp_path):
+    huge = {"device": "cuda", "placement": {"isolation": "mps", "memory_gib": 100000}}  # fits no host
+    reg = registry(huge=huge)
+    made = ReplicaPlacer(lambda: reg, lambda: gpus("h100-80gb"), tmp_path)
+    problems = made.problems(reg)
+    assert problems and all(p.field == "(partition plan)" for p in problems)
+    assert "huge/0" in str(problems[0]), problems
+    fits = registry(small={"device": "cuda", "placement": {"isolation": "mps", "memory_gib": 1}})
+    assert made.problems(fits) == [] and made.plan_for(fits) is not None
+    path = tmp_path / "reg.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "huge", "type": "chat", "source": {"path": "/m/huge.gguf"},
+                                                **huge}]}))
+    # a process of its own: serve configures logging for the whole process
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port",
+                           str(free_port())], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode == 2, done.stdout + done.stderr  # before any replica or port is touched
+    assert done.stdout.startswith(f"error: {path}") and "(partition plan): huge/0" in done.stdout
 
 
 def test_needs_arbiter_only_for_time_slicing(tmp_path):
