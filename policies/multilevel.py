@@ -5,7 +5,8 @@ A request's lane is its `priority` (0 interactive, 1 normal, 2 background; the c
 
 - Within a lane: first come, first served; preempted requests return to the front of their lane.
 - Across lanes: the most urgent non-empty lane goes first, except that
-  * waiting promotes (aging): every `aging_s` a request has waited lifts it one lane;
+  * waiting promotes (aging): every `aging_s` a request has waited lifts it one lane, background at most to
+    just above normal (never ahead of interactive: see `_next`);
   * normal keeps a minimum share: when normal's share of recently scheduled tokens is below
     `normal_min_share` and normal has work waiting, normal goes before interactive;
   * background only runs on idle capacity: it is admitted only when no other lane is waiting.
@@ -181,6 +182,10 @@ class MultiLevelPolicy:
         # after aging, fractional: longer waits rank first within a level
         now = self.clock()
         rank = {lane: lane - max(0.0, now - head.arrival_time) / self.config.aging_s for lane, head in heads.items()}
+        if BACKGROUND in rank:
+            # Aged background competes with normal work, never with interactive: it cannot displace anyone, so
+            # at the head of a full engine it would hold every interactive arrival behind it until a seat frees.
+            rank[BACKGROUND] = max(rank[BACKGROUND], INTERACTIVE + 0.5)
         # aging may lift a long-waiting background head into the foreground competition
         contenders = [lane for lane in heads if lane != BACKGROUND or rank[lane] < BACKGROUND - 1]
         lane = min(contenders, key=lambda lane: (rank[lane], lane))

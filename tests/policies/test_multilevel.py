@@ -89,6 +89,17 @@ def test_background_runs_only_on_idle_capacity_unless_aged(make_policy):
     assert policy.peek().name == "bg"
 
 
+def test_aged_background_never_goes_before_interactive(make_policy):
+    """Aging lifts background to compete with normal work, never above an interactive arrival: an aged
+    background head that finds every seat taken cannot displace anyone, and would block the queue."""
+    policy, clock = make_policy(aging_s=10.0)
+    policy.add(Item("bg", BACKGROUND, 0.0))
+    clock.now = 100.0  # ten periods
+    policy.add(Item("chat", INTERACTIVE, 100.0))
+    policy.add(Item("n", NORMAL, 100.0))
+    assert _drain(policy) == ["chat", "bg", "n"]
+
+
 def test_normal_keeps_its_minimum_share(make_policy):
     policy, _ = make_policy(normal_min_share=0.25)
     interactive, normal = Item("i", INTERACTIVE, 0), Item("n", NORMAL, 0)
@@ -184,6 +195,26 @@ def test_interactive_arrival_under_background_saturation(tiny_loaded, scheduling
         assert waited == 1 and engine.scheduler.num_preemptions >= 1
     else:
         assert waited > 40 and engine.scheduler.num_preemptions == 0
+
+
+def test_an_interactive_arrival_is_not_stuck_behind_aged_background_work(tiny_loaded):
+    """Every seat runs background work and more background has waited for ages (a saturating batch load):
+    an interactive arrival still starts at the next step, displacing a running background request."""
+    now = [0.0]
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                          scheduling="multilevel", multilevel={"aging_s": 1.0})
+    engine = LLMEngine(tiny_loaded(), config, clock=lambda: now[0])
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(f"bg{i}", [5 + i, 6, 7, 8], long, priority=BACKGROUND)
+    for _ in range(3):
+        engine.step()
+    now[0] = 50.0  # the four waiting background requests have waited 50 aging periods
+    engine.add_request("chat", [9, 10, 11], SamplingParams(temperature=0.0, max_tokens=2), priority=INTERACTIVE)
+    assert _steps_to_first_token(engine, "chat") == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("scheduling", ["fcfs", "multilevel"])
