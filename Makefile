@@ -24,7 +24,7 @@ serve: install
 	$(BIN)/multiserve serve --config configs/default.yaml --host 127.0.0.1 --port 8000
 
 test: install lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --hypothesis-profile=ci
 
 lint: install
 	$(BIN)/ruff check .

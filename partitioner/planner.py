@@ -99,7 +99,47 @@ def plan(inventory: Inventory, demands: Sequence[ReplicaDemand], options: PlanOp
             problems.append(problem)
     if problems:
         raise InfeasiblePlan(problems)
+    _settle_mig_assignment(managed, options)
     return build_plan(inventory, gpus, cpu, options)
+
+
+def _settle_mig_assignment(gpus: list[GpuState], options: PlanOptions) -> None:
+    """Re-deal the chosen MIG devices (reused and to be created) to the mig replicas, as a later re-plan of the
+    applied state would: in placement order, each replica takes the smallest device of the final set that
+    holds it. Greedy placement alone gave the reused devices out first, so a re-plan, which finds the created
+    devices existing, could swap replicas between GPUs (and restart them) for nothing.
+
+    Left as placed when the re-deal does not seat everyone (it always does when sizes are nested, as MIG
+    profiles are; the fallback keeps a valid plan regardless).
+    """
+    mig = [(gpu, q) for gpu in gpus if gpu.mode == "mig" for q in gpu.placed]
+    if len(mig) < 2:
+        return
+
+    def size(gpu: GpuState, q: Placed) -> tuple[int, int, int, int]:
+        if q.reused is not None:
+            return (q.reused.memory_total_bytes, q.reused.slice_count, gpu.dev.index, q.reused.start or 0)
+        assert q.profile is not None
+        return (q.profile.memory_bytes, q.profile.slice_count, gpu.dev.index, 1 << 30)  # start: decided later
+
+    def holds(gpu: GpuState, q: Placed, demand: ReplicaDemand) -> bool:
+        if q.reused is not None:
+            known = gpu.dev.profile(q.reused.profile)
+            return _fits(demand, q.reused.memory_total_bytes, known.sm_count if known else 0, gpu.dev, options)
+        assert q.profile is not None
+        return _fits(demand, q.profile.memory_bytes, q.profile.sm_count, gpu.dev, options)
+
+    free = sorted(mig, key=lambda slot: size(*slot))
+    dealt: list[tuple[GpuState, Placed]] = []
+    for _, placed in sorted(mig, key=lambda slot: _order_key(slot[1])):
+        slot = next(((g, q) for g, q in free if holds(g, q, placed.demand)), None)
+        if slot is None:
+            return
+        free.remove(slot)
+        gpu, device = slot
+        dealt.append((gpu, Placed(placed.demand, "mig", placed.note, profile=device.profile, reused=device.reused)))
+    for gpu in {id(g): g for g, _ in mig}.values():
+        gpu.placed = [q for g, q in dealt if g is gpu]
 
 
 def _gpu_state(dev: GpuDevice, options: PlanOptions) -> GpuState:

@@ -184,6 +184,26 @@ def test_an_applied_plan_replans_with_no_actions(case):
         [(r.replica_id, r.device_key, r.isolation) for r in result.replicas]
 
 
+def test_replicas_keep_their_gpus_when_the_mig_devices_planned_for_them_exist():
+    """The counterexample hypothesis found (pinned here): GPU 0 has a free 3g.20gb device, GPU 1 has MIG off.
+    The plan gave the reused device to m0 and created a 1g.5gb on GPU 1 for m1; re-planned once that device
+    existed, the smallest-first rule swapped them. Replicas are now dealt the final set of devices up front."""
+    fake = FakeBackend(gpus("a100-40gb"))
+    fake.set_mig_mode(0, True)
+    busy = fake.create_mig_device(0, "3g.20gb", 0)
+    fake.add_process(0, pid=1000, used_memory_bytes=GIB, device_uuid=busy.uuid)
+    fake.create_mig_device(0, "3g.20gb", 4)
+    gpu0 = fake.read_gpu(0)
+    idle = gpus("a100-40gb", count=3).devices
+    inventory = Inventory(devices=(replace(gpu0, uuid=idle[0].uuid), idle[1], idle[2]), source="fake:pinned")
+    demands = [demand("m0", 0, "mig", 1, weight=0.5), demand("m1", 0, "mig", 1, weight=0.5)]
+    first = plan(inventory, demands, PlanOptions())
+    again = plan(apply_on_fake(first, inventory), demands, PlanOptions())
+    assert again.actions() == ()
+    placed = [(r.replica_id, r.device_key) for r in first.replicas]
+    assert placed == [(r.replica_id, r.device_key) for r in again.replicas] == [("m0/0", "gpu1"), ("m1/0", "gpu0")]
+
+
 def test_property_inventories_include_busy_gpus():
     """A plain example beside the properties: a foreign process's memory shrinks what a GPU offers."""
     inventory = gpus(processes={0: [DeviceProcess(pid=1, used_memory_bytes=10 * GIB)]})
