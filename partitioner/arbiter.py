@@ -39,7 +39,6 @@ class _Client:
     num_steps: int = 0
     recent_busy_s: float = 0.0  # busy time decayed over the share window, as of `recent_at`
     recent_at: float = 0.0
-    granted_at: float | None = None  # when it was last granted the lease
     num_expired: int = 0  # leases it held past max_lease_s
 
 
@@ -70,6 +69,7 @@ class TimeSliceArbiter:
         self._window_s = share_window_s
         self.max_lease_s = max_lease_s
         self._overdue: set[str] = set()  # clients whose lease expired and who have not released it yet
+        self._holder_since = 0.0  # when the holder was granted the lease (meaningful while there is one)
         self._clients: dict[str, _Client] = {}
         self._next_order = 0
         self._vtime = 0.0  # the system's virtual time: the start tag of the step last granted
@@ -111,7 +111,6 @@ class TimeSliceArbiter:
         if self.holder != client_id and not late:
             raise RuntimeError(f"{client_id} released a lease it does not hold (holder: {self.holder})")
         client = self._client(client_id)
-        client.granted_at = None
         busy_s = max(0.0, busy_s)
         client.finish_tag = client.start_tag + busy_s / client.weight
         client.busy_s += busy_s
@@ -128,10 +127,7 @@ class TimeSliceArbiter:
 
     def lease_deadline(self) -> float | None:
         """When the current lease expires (on the arbiter's clock), or None when nobody holds the device."""
-        if self.holder is None:
-            return None
-        granted_at = self._clients[self.holder].granted_at
-        return None if granted_at is None else granted_at + self.max_lease_s
+        return None if self.holder is None else self._holder_since + self.max_lease_s
 
     def expire(self) -> str | None:
         """Pass the lease on if its holder kept it past `max_lease_s`. Returns who is granted now, or None."""
@@ -166,7 +162,7 @@ class TimeSliceArbiter:
             return None
         nxt = min(waiting, key=lambda c: (c.start_tag, c.order))
         nxt.waiting = False
-        nxt.granted_at = self._clock()
+        self._holder_since = self._clock()
         self._vtime = max(self._vtime, nxt.start_tag)
         self.holder = nxt.client_id
         return nxt.client_id

@@ -92,35 +92,34 @@ class ArbiterService:
     def _serve(self) -> None:
         try:
             while not self._closing:
-                for key, _ in self._selector.select(self._until_lease_expires()):
+                for key, _ in self._selector.select(self._expire_due_lease()):
                     if key.data == "wake":
                         continue
                     if key.data is None:
                         self._accept()
                     else:
                         self._read(key.data)
-                self._expire_lease()
         finally:
             for conn in list(self._selector.get_map().values()):
                 conn.fileobj.close()  # type: ignore[union-attr]
             self._selector.close()
             self._wake_w.close()
 
-    def _until_lease_expires(self) -> float | None:
-        """The select timeout: none while nobody holds the lease, so an idle device costs nothing."""
-        with self._lock:
-            deadline = self._arbiter.lease_deadline()
-        return None if deadline is None else max(0.0, deadline - self._clock())
-
-    def _expire_lease(self) -> None:
+    def _expire_due_lease(self) -> float | None:
+        """Pass on a lease held past max_lease_s; the select timeout until the current lease is due (none while
+        nobody holds it, so an idle device costs nothing)."""
         with self._lock:
             late = self._arbiter.holder
             granted = self._arbiter.expire()
             expired = self._arbiter.holder != late
+            deadline = self._arbiter.lease_deadline()
         if expired:
             log.warning("arbiter_lease_expired", device=self.device_key, client=late,
                         max_lease_s=self._arbiter.max_lease_s, granted=granted)
-            self._send_grant(granted)
+            self._send_grant(granted)  # may pass the lease on again (a client that went away)
+            with self._lock:
+                deadline = self._arbiter.lease_deadline()
+        return None if deadline is None else max(0.0, deadline - self._clock())
 
     def _accept(self) -> None:
         assert self._listener is not None
