@@ -29,8 +29,7 @@ from model_pool.errors import ModelNotFound, Problem, RegistryError
 from model_pool.schema import Registry, validation_problems
 
 __all__ = ["ModelNotFound", "RegistryCheck", "RegistryDiff", "RegistryError", "RegistryStore", "RejectedEdit",
-           "content_hash",
-           "diff_registries", "load_registry", "parse_registry"]
+           "content_hash", "diff_registries", "load_registry", "parse_registry"]
 
 T = TypeVar("T")
 RegistryCheck = Callable[[Registry], Iterable[Problem]]  # what is wrong with a schema-valid registry, if anything
@@ -139,9 +138,7 @@ class RegistryStore:
         self._lock = threading.RLock()
         self._text = _read_text(self._path)
         self._registry = parse_registry(self._text, self._path)
-        problems = list(check(self._registry)) if check is not None else []
-        if problems:
-            raise RegistryError(self._path, problems)
+        self._run_check("file", self._registry)
         self._hash = content_hash(self._text.encode("utf-8"))
         self._version = 1
         self._applied_at = clock()
