@@ -96,8 +96,7 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
         while True:
             wait_s = self.engine.batch_wait_s()
             try:
-                # wait_s <= 0: a batch is due: take what is queued, then step
-                command = self._next_command(None if wait_s is None else max(wait_s, 0.0))
+                command = self._next_command(wait_s)  # wait_s <= 0: a batch is due: take what is queued, step
             except queue.Empty:
                 return True
             if command is None:
