@@ -124,8 +124,7 @@ def _settle_mig_assignment(gpus: list[GpuState], options: PlanOptions) -> None:
 
     def holds(gpu: GpuState, q: Placed, demand: ReplicaDemand) -> bool:
         if q.reused is not None:
-            known = gpu.dev.profile(q.reused.profile)
-            return _fits(demand, q.reused.memory_total_bytes, known.sm_count if known else 0, gpu.dev, options)
+            return _fits_mig_device(demand, q.reused, gpu.dev, options)
         assert q.profile is not None
         return _fits(demand, q.profile.memory_bytes, q.profile.sm_count, gpu.dev, options)
 
@@ -259,6 +258,12 @@ def _fits(demand: ReplicaDemand, memory_bytes: int, sm_count: int, dev: GpuDevic
             and sm_count >= _sm_needed(demand, dev))
 
 
+def _fits_mig_device(demand: ReplicaDemand, m: MigDevice, dev: GpuDevice, options: PlanOptions) -> bool:
+    """`demand` fits the existing MIG device `m` (a profile the tables do not know offers no SMs)."""
+    known = dev.profile(m.profile)
+    return _fits(demand, m.memory_total_bytes, known.sm_count if known else 0, dev, options)
+
+
 def _free_mig_device(p: Placed, gpus: list[GpuState],
                      options: PlanOptions) -> tuple[GpuState, MigDevice] | None:
     """The smallest existing MIG device that holds the demand and that nobody else uses."""
@@ -269,9 +274,7 @@ def _free_mig_device(p: Placed, gpus: list[GpuState],
         busy = {q.device_uuid for q in gpu.dev.processes if q.pid not in options.own_pids}
         taken = {q.reused.uuid for q in gpu.placed if q.reused is not None}
         for m in gpu.dev.mig_devices:
-            known = gpu.dev.profile(m.profile)
-            sm = known.sm_count if known else 0
-            if m.uuid not in busy | taken and _fits(p.demand, m.memory_total_bytes, sm, gpu.dev, options):
+            if m.uuid not in busy | taken and _fits_mig_device(p.demand, m, gpu.dev, options):
                 candidates.append(((m.memory_total_bytes, m.slice_count, gpu.dev.index, m.start or 0, m.uuid),
                                    gpu, m))
     if not candidates:
