@@ -2,6 +2,10 @@
 
 Every call needs `Authorization: Bearer <token>` with the token from the environment variable the
 registry names (`gateway.admin_token_env`); without it set, the admin API answers 401 to everyone.
+
+The store parses and validates a whole registry per edit (seconds for a large file) and waits for a reload in
+progress, so every call into it runs in a worker thread, never on the event loop. Values are checked by the
+registry schema alone: an edit it refuses is a 400 carrying the schema's message, naming the field.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import anyio.to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -37,16 +42,20 @@ async def _json_body(request: Request) -> Any:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
+    except RecursionError as err:
+        raise APIError(400, "the request body nests too deeply", code="invalid_json") from err
 
 
-async def _apply(state: Any, edit: Callable[[], RegistryDiff]) -> JSONResponse:
-    """Run one registry edit (validated whole, persisted by the store), then bring the pool in line."""
+async def _apply(state: Any, edit: Callable[[], RegistryDiff], param: str | None = None) -> JSONResponse:
+    """Run one registry edit (validated whole, persisted by the store) in a worker thread, then bring the pool in
+    line. `param`: the request field a rejection is about, when the endpoint takes just one."""
     try:
-        diff = edit()
+        diff = await anyio.to_thread.run_sync(edit)
     except ModelNotFound as err:
         raise APIError(404, f"model {err.name!r} is not in the registry", param="name", code="model_not_found") from err
     except RegistryError as err:
-        raise APIError(400, f"registry edit rejected, nothing changed: {err}", code="registry_rejected") from err
+        raise APIError(400, f"registry edit rejected, nothing changed: {err}", param=param,
+                       code="registry_rejected") from err
     await state.pool.apply(state.store.registry)
     return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
 
@@ -92,10 +101,10 @@ async def scale_model(request: Request) -> JSONResponse:
     name = request.path_params["name"]
     _model_or_404(state, name)
     body = await _json_body(request)
-    replicas = body.get("replicas") if isinstance(body, dict) else None
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
-        raise APIError(400, f"replicas: must be an integer >= 0, got {replicas!r}", param="replicas")
-    return await _apply(state, lambda: state.store.scale(name, replicas))
+    if not isinstance(body, dict):
+        raise APIError(400, 'the body must be an object: {"replicas": <count>}', param="replicas", code="invalid_json")
+    replicas = body.get("replicas")  # the schema checks it (an integer in range) and names it when it is not
+    return await _apply(state, lambda: state.store.scale(name, replicas), param="replicas")
 
 
 def _replica_action(drain: bool):
@@ -112,7 +121,7 @@ def _replica_action(drain: bool):
 
 async def registry_status(request: Request) -> JSONResponse:
     state = _state(request)
-    return JSONResponse(state.store.status())
+    return JSONResponse(await anyio.to_thread.run_sync(state.store.status))  # it waits for a reload in progress
 
 
 def admin_routes() -> list[Route]:

@@ -3,22 +3,55 @@
 Single-field rules live on the fields; rules that relate fields of one model live on `ModelSpec`, rules across
 models (unique names and aliases, fallbacks) on `Registry`. Cross-field validators raise `FieldProblems` so that
 every error names the field at fault: `models[1].fallbacks[0]: unknown model 'nope'`.
+
+The numeric bounds (`MAX_*`) are checked here and nowhere else: the admin API and the store pass values through
+and show this module's message. Sources are checked by `model_pool.sources`; a `{path}` source must lie under
+`gateway.model_roots`, which are relative to the registry file, so that rule needs the file's directory and runs
+when the registry is validated with `validate_registry` (the file and admin edits always are); a `Registry` built
+in code with plain `model_validate` has no file to be relative to and skips it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from model_pool import sources
 from model_pool.errors import FieldProblems, Problem, join_field
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
 
 MIB = 1 << 20
 GIB = 1 << 30
+
+# Upper bounds of the numeric fields. Each is far above what one host runs and low enough that a typo (an extra
+# zero or six) is refused instead of starting a million processes or sizing a cache beyond any device.
+MAX_REPLICAS = 64  # per model; each replica is a process with its own weights and KV cache
+MAX_BLOCK_SIZE = 256  # tokens per KV-cache block (and a power of two)
+MAX_NUM_SEQS = 4096  # sequences a replica runs at once
+MAX_NUM_BATCHED_TOKENS = 1 << 20  # tokens in one engine step
+MAX_MODEL_LEN = 1 << 21  # tokens of context (2M; the longest-context open models have 1M)
+MAX_GIB = 4096.0  # kv_cache_gib, memory_gib: 4 TiB, more than any single host has
+MAX_QUEUE_LEN = 1 << 20  # waiting requests per replica
+MAX_WAIT_S = 86_400.0  # queue waits and request timeouts: a day
+MAX_WEIGHT = 1000.0  # a time-slice share relative to co-located models
+MAX_LOAD_BOUND = 100.0  # x the mean in-flight requests
+MAX_PREFIX_CHARS = 1 << 20  # characters of a prompt hashed for prefix affinity
+MAX_BODY_BYTES = 1 << 30  # a request body the gateway buffers
+# Bounded integer fields are `strict`: `true` or "3" for `replicas` is a mistake, not 1 or 3.
 
 ModelType = Literal["chat", "completion", "embedding"]
 # A Ray launcher is planned; until a pool can start replicas on Ray, the schema refuses it by name.
@@ -57,6 +90,20 @@ class TrafficLogConfig(_Frozen):
     backups: int = Field(default=3, ge=0, le=100)  # rotated files kept: path.1 ... path.<backups>
 
 
+class HttpLimits(_Frozen):
+    """How long a client may take to send a request, how large its head may be, how many connections are served
+    (runtimes/server/http_guard.py enforces them, at the gateway and at every replica)."""
+
+    header_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WAIT_S)
+    body_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * MIB, strict=True)
+    # uvicorn's default. On a replica it must stay above the 4 s for which the gateway reuses an idle connection.
+    keep_alive_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
+    # Past this, a request gets 503. Each connection holds a file descriptor (and, at the gateway, often one to a
+    # replica): keep it under the process's descriptor limit (`ulimit -n`, often 1024 by default).
+    max_connections: int | None = Field(default=1000, ge=1, le=1 << 20, strict=True)
+
+
 class GatewayConfig(_Frozen):
     """Where the gateway listens and where it finds its secrets (names of environment variables, never values)."""
 
@@ -65,12 +112,18 @@ class GatewayConfig(_Frozen):
     admin_token_env: EnvName = "MULTISERVE_ADMIN_TOKEN"
     api_keys_env: EnvName | None = None  # None: the OpenAI endpoints need no key
     # A 128k-token prompt is ~0.5 MB of text; 4 MiB leaves room for JSON escaping and batched embedding inputs.
-    max_body_bytes: int = Field(default=4 * MIB, ge=1024)
+    max_body_bytes: int = Field(default=4 * MIB, ge=1024, le=MAX_BODY_BYTES)
     traffic: TrafficLogConfig = Field(default_factory=TrafficLogConfig)
+    http: HttpLimits = Field(default_factory=HttpLimits)  # slow and abusive clients: read deadlines, caps
+    # Directories every `{path}` source must lie in, by real path (`..` and symlinks resolved: no escaping). A
+    # relative root is relative to the registry file's directory; the default is that directory itself, so
+    # models outside it need an entry here (e.g. [/srv/models]). `[]` allows no `{path}` sources at all.
+    model_roots: list[Annotated[str, Field(min_length=1)]] = ["."]
 
 
 class ModelSource(_Frozen):
-    """Where the weights come from: exactly one of `{package, file}`, `{path}` or `{url}` (launcher `url` only)."""
+    """Where the weights come from: exactly one of `{package, file}`, `{path}` or `{url}` (launcher `url` only).
+    What `package`/`file` and `path` may name is `model_pool.sources`'s rules (`path` is checked by `Registry`)."""
 
     package: str | None = Field(default=None, min_length=1)
     file: str | None = Field(default=None, min_length=1)
@@ -88,32 +141,46 @@ class ModelSource(_Frozen):
             raise FieldProblems([Problem("", f"give exactly one of package (with file), path or url; got {given}")])
         if (self.package is None) != (self.file is None):
             raise FieldProblems([Problem("file", "package and file go together")])
+        if self.package is not None and self.file is not None:
+            self._check_package_file(self.package, self.file)
         return self
+
+    @staticmethod
+    def _check_package_file(package: str, file: str) -> None:
+        try:
+            sources.check_package_name(package)
+        except sources.SourceError as err:
+            raise FieldProblems([Problem("package", str(err))]) from None
+        try:  # a package not installed here gets the lexical checks only; the loader says it is missing
+            sources.package_file(package, file)
+        except sources.SourceError as err:
+            raise FieldProblems([Problem("file", str(err))]) from None
 
 
 class Placement(_Frozen):
     """How this model's replicas share a device; the partitioner turns it into a plan."""
 
     isolation: Isolation = "timeslice"
-    memory_gib: float | None = Field(default=None, gt=0)
-    sm_percent: int | None = Field(default=None, ge=1, le=100)
-    weight: float = Field(default=1.0, gt=0)  # share of time-slices relative to co-located models
+    memory_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
+    sm_percent: int | None = Field(default=None, ge=1, le=100, strict=True)
+    weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)  # share of time-slices relative to co-located models
 
 
 class EngineSpec(_Frozen):
     """Per-replica engine limits; `ModelSpec.engine_kwargs()` maps them onto `runtimes.llm.config.EngineConfig`."""
 
-    block_size: int = 16
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_model_len: int | None = Field(default=None, ge=1)  # None: the model's own context length
-    max_num_batched_tokens: int = Field(default=512, ge=1)
-    kv_cache_gib: float | None = Field(default=None, gt=0)  # None: the engine sizes the KV cache itself
+    block_size: int = Field(default=16, ge=1, le=MAX_BLOCK_SIZE, strict=True)
+    max_num_seqs: int = Field(default=64, ge=1, le=MAX_NUM_SEQS, strict=True)
+    # None: the model's own context length
+    max_model_len: int | None = Field(default=None, ge=1, le=MAX_MODEL_LEN, strict=True)
+    max_num_batched_tokens: int = Field(default=512, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)
+    kv_cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)  # None: the engine sizes the KV cache itself
     enable_prefix_caching: bool = True
 
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, value: int) -> int:
-        if value < 1 or value & (value - 1):
+        if value & (value - 1):  # the range is the field's
             raise ValueError(f"must be a power of two, got {value}")
         return value
 
@@ -128,15 +195,18 @@ class PolicySpec(_Frozen):
     # policies.classify.LaneThresholds fields: the prompt/max_tokens lengths that make a request interactive
     # or background when it does not say its priority
     lanes: dict[str, int] = {}
-    max_queue_len: int | None = Field(default=None, ge=1)  # waiting requests per replica, then 429
-    max_queue_wait_s: float | None = Field(default=None, gt=0)  # not started after this long: 429
-    request_timeout_s: float | None = Field(default=None, gt=0)  # whole request, at the gateway: 504
+    max_queue_len: int | None = Field(default=None, ge=1, le=MAX_QUEUE_LEN, strict=True)  # per replica, then 429
+    max_queue_wait_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)  # not started after this long: 429
+    # the whole request at the gateway (queueing, retries, a stream to its end): 504. Finite by default, as OpenAI's
+    # own client waits 600 s; null: no deadline (a stalled replica then holds its client until the read timeout)
+    request_timeout_s: float | None = Field(default=600.0, gt=0, le=MAX_WAIT_S)
     routing: Routing = "least_outstanding"
     session_header: str = Field(default="x-session-id", pattern=r"^[A-Za-z0-9-]+$")  # routing `session`
-    prefix_chars: int = Field(default=512, ge=16)  # routing `prefix_affinity`: the prompt's head that is hashed
+    # routing `prefix_affinity`: the prompt's head that is hashed
+    prefix_chars: int = Field(default=512, ge=16, le=MAX_PREFIX_CHARS, strict=True)
     # routing `prefix_affinity`/`session`: a replica takes a hashed request only while it has at most
     # load_bound x the group's mean in-flight requests (consistent hashing with bounded loads)
-    load_bound: float = Field(default=1.25, ge=1.0)
+    load_bound: float = Field(default=1.25, ge=1.0, le=MAX_LOAD_BOUND)
 
     @model_validator(mode="after")
     def _consistent(self) -> PolicySpec:
@@ -160,9 +230,10 @@ class ModelSpec(_Frozen):
     aliases: list[Alias] = []
     type: ModelType
     source: ModelSource | None = None  # required unless launcher is `url`
-    replicas: int = Field(default=1, ge=0)  # 0: defined, not running
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, strict=True)  # 0: defined, not running
     launcher: Launcher = "local"
-    urls: list[HttpUrlStr] = []  # launcher `url`: one running OpenAI-compatible server per replica
+    # launcher `url`: one running OpenAI-compatible server per replica
+    urls: list[HttpUrlStr] = Field(default=[], max_length=MAX_REPLICAS)
     device: Device = "auto"
     enabled: bool = True
     placement: Placement = Field(default_factory=Placement)
@@ -262,11 +333,25 @@ class Registry(_Frozen):
     models: list[ModelSpec]
 
     @model_validator(mode="after")
-    def _consistent(self) -> Registry:
+    def _consistent(self, info: ValidationInfo) -> Registry:
         problems = self._name_problems() + self._fallback_problems()
+        registry_dir = (info.context or {}).get(_REGISTRY_DIR)
+        if registry_dir is not None:
+            problems += self._path_problems(Path(registry_dir))
         if problems:
             raise FieldProblems(problems)
         return self
+
+    def _path_problems(self, registry_dir: Path) -> list[Problem]:
+        roots = sources.resolve_roots(self.gateway.model_roots, registry_dir)
+        problems = []
+        for i, model in enumerate(self.models):
+            if model.source is not None and model.source.path is not None:
+                try:
+                    sources.check_model_path(model.source.path, roots)
+                except sources.SourceError as err:
+                    problems.append(Problem(f"models[{i}].source.path", str(err)))
+        return problems
 
     def _name_problems(self) -> list[Problem]:
         owner: dict[str, str] = {}  # name or alias -> where it was first defined
@@ -335,6 +420,15 @@ class Registry(_Frozen):
     def names_and_aliases(self) -> dict[str, str]:
         """Every name and alias a client may send, mapped to the model's name."""
         return {key: m.name for m in self.models for key in (m.name, *m.aliases)}
+
+
+_REGISTRY_DIR = "registry_dir"  # validation context: the directory relative model roots are resolved against
+
+
+def validate_registry(data: Any, registry_path: str | Path) -> Registry:
+    """Validate registry data read from (or to be written to) `registry_path`: every rule, model roots included.
+    Raises pydantic's `ValidationError` (see `validation_problems`)."""
+    return Registry.model_validate(data, context={_REGISTRY_DIR: Path(registry_path).parent})
 
 
 def _check_options(options_type: Any, options: dict[str, Any], field: str) -> None:

@@ -5,15 +5,16 @@ API (`put_model`, `delete_model`, `scale`). Either way the whole new registry is
 a rejected change keeps the last good registry, is recorded as `last_rejected` and raised as `RegistryError`.
 Beyond the schema, an optional `check` judges the whole registry against the host (the gateway's partitioner:
 a registry whose replicas cannot be placed on the devices is refused, not served half-isolated).
-Admin edits are written back to the file atomically, touching only the lines of the edited model.
+Admin edits are written back to the file atomically, touching only the lines of the edited model, and never over an
+operator's edit: the file's hash is checked and the file replaced together, under the one lock that file reloads
+take too (`registry_file.replace_if_unchanged`); a file changed on disk refuses the admin edit until it is reloaded.
+
+Parsing and validating can take seconds for a large file: callers on an event loop run these methods in a worker
+thread (the admin API and the watcher do).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -21,12 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
-from pydantic import ValidationError
-from ruamel.yaml.error import MarkedYAMLError, YAMLError
-
 from model_pool import yaml_edit
 from model_pool.errors import ModelNotFound, Problem, RegistryError
-from model_pool.schema import Registry, validation_problems
+from model_pool.registry_file import (
+    FileChanged,
+    check_size,
+    content_hash,
+    load_registry,
+    parse_registry,
+    read_text,
+    replace_if_unchanged,
+    validate,
+)
+from model_pool.schema import Registry
 
 __all__ = ["ModelNotFound", "RegistryCheck", "RegistryDiff", "RegistryError", "RegistryStore", "RejectedEdit",
            "content_hash", "diff_registries", "load_registry", "parse_registry"]
@@ -85,45 +93,6 @@ def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
     )
 
 
-def content_hash(data: bytes) -> str:
-    """The registry file's identity: `sha256:<hex>` of its bytes."""
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def parse_registry(text: str, path: str | Path) -> Registry:
-    """Validate registry YAML text; `path` only names the source in errors. Raises `RegistryError`."""
-    try:
-        data = yaml_edit.to_plain(yaml_edit.parse(text))
-    except MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(yaml)"
-        message = " ".join(str(m) for m in (exc.problem, exc.context) if m) or str(exc)
-        raise RegistryError(path, [Problem(where, message)]) from None
-    except YAMLError as exc:
-        raise RegistryError(path, [Problem("(yaml)", str(exc))]) from None
-    if data is None:
-        raise RegistryError(path, [Problem("(top level)", "the file is empty; a registry with no models says "
-                                                          "`models: []`")])
-    try:
-        return Registry.model_validate(data)
-    except ValidationError as exc:
-        raise RegistryError(path, validation_problems(exc)) from None
-
-
-def load_registry(path: str | Path) -> Registry:
-    """Read and validate a registry file. Raises `RegistryError` naming the file and each field at fault."""
-    return parse_registry(_read_text(Path(path)), path)
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise RegistryError(path, [Problem("(file)", f"cannot read: {exc.strerror or exc}")]) from None
-    except UnicodeDecodeError as exc:
-        raise RegistryError(path, [Problem("(file)", f"not UTF-8 text: {exc}")]) from None
-
-
 class RegistryStore:
     """The one owner of a process's registry state. Thread-safe: one lock serializes every change.
 
@@ -136,7 +105,7 @@ class RegistryStore:
         self._clock = clock
         self._check = check
         self._lock = threading.RLock()
-        self._text = _read_text(self._path)
+        self._text = read_text(self._path)
         self._registry = parse_registry(self._text, self._path)
         self._run_check("file", self._registry)
         self._hash = content_hash(self._text.encode("utf-8"))
@@ -183,7 +152,7 @@ class RegistryStore:
         registry stays.
         """
         with self._lock:
-            text = self._guard("file", lambda: _read_text(self._path))
+            text = self._guard("file", lambda: read_text(self._path))
             digest = content_hash(text.encode("utf-8"))
             if digest == self._hash:
                 return None
@@ -220,7 +189,8 @@ class RegistryStore:
             return self._commit(registry, lambda text: yaml_edit.remove_entry(text, index))
 
     def scale(self, name: str, replicas: int) -> RegistryDiff:
-        """Set a model's replica count (0 keeps it defined but stops it). Raises `ModelNotFound`."""
+        """Set a model's replica count (0 keeps it defined but stops it). `replicas` is checked by the schema like
+        any edit (an integer from 0 to `schema.MAX_REPLICAS`). Raises `ModelNotFound`."""
         with self._lock:
             doc = self._current_document()
             index = self._index_of(name)
@@ -239,20 +209,22 @@ class RegistryStore:
         raise ModelNotFound(name, f" ({name!r} is an alias of {owner.name!r})" if owner else "")
 
     def _current_document(self) -> dict[str, Any]:
-        """The applied registry as plain data, refusing to edit a file with changes not yet applied."""
-        text = self._guard("admin", lambda: _read_text(self._path))
+        """The applied registry as plain data, refusing early to edit a file with changes not yet applied (`_commit`
+        checks again as it replaces the file)."""
+        text = self._guard("admin", lambda: read_text(self._path))
         if content_hash(text.encode("utf-8")) != self._hash:
-            self._reject("admin", [Problem("(file)", f"changed on disk since version {self._version} was applied; "
-                                                     "the file must be valid and reloaded before admin edits")])
+            self._reject("admin", [self._changed_on_disk("")])
         doc = yaml_edit.to_plain(yaml_edit.parse(self._text))
         assert isinstance(doc, dict) and isinstance(doc.get("models"), list), f"applied registry is {doc!r}"
         return doc
 
+    def _changed_on_disk(self, detail: str) -> Problem:
+        return Problem("(file)", f"changed on disk since version {self._version} was applied"
+                                 f"{f' ({detail})' if detail else ''}; the file must be valid and reloaded before "
+                                 "admin edits")
+
     def _validated(self, doc: dict[str, Any]) -> Registry:
-        try:
-            registry = Registry.model_validate(doc)
-        except ValidationError as exc:
-            self._reject("admin", validation_problems(exc))
+        registry = self._guard("admin", lambda: validate(doc, self._path))
         self._run_check("admin", registry)
         return registry
 
@@ -267,8 +239,11 @@ class RegistryStore:
             return diff
         text = edit(self._text)
         data = text.encode("utf-8")
+        self._guard("admin", lambda: check_size(self._path, len(data)))  # else it could not be loaded again
         try:
-            _write_atomic(self._path, data)
+            replace_if_unchanged(self._path, data, self._hash)
+        except FileChanged as exc:
+            self._reject("admin", [self._changed_on_disk(str(exc))])
         except OSError as exc:
             self._reject("admin", [Problem("(file)", f"cannot write: {exc.strerror or exc}")])
         self._text, self._hash = text, content_hash(data)
@@ -289,27 +264,3 @@ class RegistryStore:
     def _reject(self, source: Literal["file", "admin"], problems: Iterable[Problem]) -> NoReturn:
         self._last_rejected = RejectedEdit(when=self._clock(), source=source, problems=tuple(problems))
         raise RegistryError(self._path, self._last_rejected.problems)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so a reader sees the old or the new file, never a part (temp file, fsync, rename).
-
-    A symlinked registry keeps its link: the file it points to is replaced.
-    """
-    target = Path(os.path.realpath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)

@@ -2,6 +2,9 @@
 
 Polling, not inotify: it works on every filesystem (bind mounts, NFS, Docker Desktop) and with editors that save by
 writing a new file and renaming it over the old one, because the path is stat()ed afresh on every poll.
+
+`run` does a poll's file work (stat, read, parse, validate) in a worker thread, so a large or slow edit never stalls
+the event loop, and calls `on_change`/`on_reject` back on the loop.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from model_pool.errors import RegistryError
+from model_pool.registry_file import read_head
 from model_pool.store import RegistryDiff, RegistryStore, content_hash
 
 # Filesystem timestamps can be as coarse as 1-2 s: a file modified this recently may change again without its
@@ -19,6 +23,7 @@ from model_pool.store import RegistryDiff, RegistryStore, content_hash
 RACY_WINDOW_S = 2.0
 
 _Signature = tuple[int, int, int]  # (inode, size, mtime_ns)
+_Outcome = RegistryDiff | RegistryError | None  # what one look at the file found: applied, rejected, nothing
 
 
 class RegistryWatcher:
@@ -28,7 +33,8 @@ class RegistryWatcher:
     the store to reload only when the content hash is one it has not handled yet: a `touch`, a rewrite with the same
     bytes or the store's own admin write cause no reload, and a rejected edit is reported once, not every poll.
     `on_change(diff)` gets every applied change, `on_reject(error)` every rejected edit; both are called
-    synchronously from the poll (hand async work to a task or queue). A missing file (mid-rename, deleted) keeps
+    synchronously on the event loop (`run`, `poll`) or the caller's thread (`poll_once`), never from the worker
+    thread (hand async work to a task or queue). A missing file (mid-rename, deleted) keeps
     the last good registry and is looked at again next poll. `clock` must be comparable to file mtimes.
     """
 
@@ -55,7 +61,22 @@ class RegistryWatcher:
         self._handled_hash = store.hash
 
     def poll_once(self) -> RegistryDiff | None:
-        """Look at the file once; returns the applied diff, or None when nothing was applied."""
+        """Look at the file once, all on this thread; returns the applied diff, or None when nothing was applied."""
+        return self._report(self._look())
+
+    async def poll(self) -> RegistryDiff | None:
+        """`poll_once` for the event loop: the file work runs in a worker thread, the callbacks here."""
+        return self._report(await asyncio.to_thread(self._look))
+
+    async def run(self) -> None:
+        """Poll until cancelled. Meant for `asyncio.create_task(watcher.run())`. Cancelled mid-poll, the worker
+        thread still finishes its reload; the store stays consistent, only that poll's callback is not made."""
+        while True:
+            await self.poll()
+            await self._sleep(self.interval_s)
+
+    def _look(self) -> _Outcome:
+        """Stat the file, read it if it may have changed, and reload the store if its content is new to us."""
         now = self._clock()
         try:
             st = os.stat(self.store.path)
@@ -63,7 +84,7 @@ class RegistryWatcher:
             if signature == self._signature and st.st_mtime_ns / 1e9 < self._read_at - RACY_WINDOW_S:
                 return None
             self._signature, self._read_at = signature, now
-            digest = content_hash(self.store.path.read_bytes())
+            digest = content_hash(read_head(self.store.path))  # a file too large is the store's to report
         except FileNotFoundError:
             self._signature = None
             return None
@@ -73,17 +94,15 @@ class RegistryWatcher:
             return None
         self._handled_hash = digest
         try:
-            diff = self.store.reload_from_file()
+            return self.store.reload_from_file()
         except RegistryError as exc:
-            if self._on_reject is not None:
-                self._on_reject(exc)
-            return None
-        if diff is not None and self._on_change is not None:
-            self._on_change(diff)
-        return diff
+            return exc
 
-    async def run(self) -> None:
-        """Poll until cancelled. Meant for `asyncio.create_task(watcher.run())`."""
-        while True:
-            self.poll_once()
-            await self._sleep(self.interval_s)
+    def _report(self, outcome: _Outcome) -> RegistryDiff | None:
+        if isinstance(outcome, RegistryError):
+            if self._on_reject is not None:
+                self._on_reject(outcome)
+            return None
+        if outcome is not None and self._on_change is not None:
+            self._on_change(outcome)
+        return outcome

@@ -6,6 +6,10 @@ every model entry and of every key inside it; only the lines of keys whose value
 ruamel, from the merged round-trip node, so comments and flow/block style inside survive). Every result is parsed
 again and must equal the intended data; a layout the splice does not handle (flow-style `models`, anchors, ...)
 falls back to a whole-document ruamel dump, checked the same way.
+
+Every parse is bounded: anchors and aliases are counted as expanded on the composed node graph, before anything is
+constructed or walked, so a "billion laughs" document is refused in milliseconds (`YAMLTooLarge`), as is one
+nested deeper than the parser's recursion allows.
 """
 
 from __future__ import annotations
@@ -17,11 +21,55 @@ from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
-from ruamel.yaml.error import CommentMark
+from ruamel.yaml.constructor import RoundTripConstructor
+from ruamel.yaml.error import CommentMark, YAMLError
+from ruamel.yaml.nodes import MappingNode, Node, SequenceNode
 from ruamel.yaml.scalarbool import ScalarBoolean
 from ruamel.yaml.tokens import CommentToken
 
 Lines = list[str]
+
+# Nodes a document may have with every alias expanded. A registry of a thousand models is ~20,000; the nine-level
+# "billion laughs" is 10^9, which the walks after parsing (`to_plain`, pydantic) would take hours over.
+MAX_YAML_NODES = 100_000
+
+
+class YAMLTooLarge(YAMLError):
+    """A document whose aliases expand past `MAX_YAML_NODES`, that refers to itself, or that nests too deeply."""
+
+
+class _BoundedConstructor(RoundTripConstructor):
+    """The round-trip constructor, refusing a document whose expansion is too large before constructing it."""
+
+    def construct_document(self, node: Any) -> Any:
+        _expanded_size(node, {}, set())
+        return super().construct_document(node)
+
+
+def _expanded_size(node: Node, sizes: dict[int, int], open_ids: set[int]) -> int:
+    """Nodes under `node` (itself included) with every alias expanded. An alias is the same node object as its
+    anchor, so `sizes` (by id) makes this linear in the composed graph; `open_ids` are the nodes being counted."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_ids:
+        raise YAMLTooLarge(f"an alias refers to a node that contains it (line {node.start_mark.line + 1}): "
+                           "a recursive structure is not a registry")
+    open_ids.add(key)
+    children: list[Node] = []
+    if isinstance(node, MappingNode):
+        children = [part for pair in node.value for part in pair]
+    elif isinstance(node, SequenceNode):
+        children = list(node.value)
+    size = 1
+    for child in children:
+        size += _expanded_size(child, sizes, open_ids)
+        if size > MAX_YAML_NODES:
+            raise YAMLTooLarge(f"with its aliases expanded the document has more than {MAX_YAML_NODES} nodes "
+                               f"(the limit); anchors and aliases may not multiply a registry's size")
+    open_ids.discard(key)
+    sizes[key] = size
+    return size
 
 
 class _NoSplice(Exception):
@@ -31,6 +79,7 @@ class _NoSplice(Exception):
 def make_yaml() -> YAML:
     """The round-trip YAML used for reading and writing registries (the project's 2/4/2 indentation)."""
     yaml = YAML()
+    yaml.Constructor = _BoundedConstructor
     yaml.preserve_quotes = True
     yaml.width = 120
     yaml.indent(mapping=2, sequence=4, offset=2)
@@ -38,8 +87,12 @@ def make_yaml() -> YAML:
 
 
 def parse(text: str) -> Any:
-    """Round-trip parse; raises ruamel's `YAMLError` (with line and column marks) on bad syntax."""
-    return make_yaml().load(text)
+    """Round-trip parse; raises ruamel's `YAMLError` (with line and column marks) on bad syntax, and its subclass
+    `YAMLTooLarge` for a document too large once expanded or nested too deeply."""
+    try:
+        return make_yaml().load(text)
+    except RecursionError:  # ruamel composes recursively: a few hundred levels of `[[[...` exhaust the stack
+        raise YAMLTooLarge("the document nests too deeply (a registry is a few levels deep)") from None
 
 
 def to_plain(node: Any) -> Any:

@@ -7,7 +7,6 @@ our model uses Hugging Face's rotate-halves RoPE, so those permutations are undo
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from model_pool.sources import package_file
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
 from runtimes.llm.tokenizer import Tokenizer
@@ -32,14 +32,15 @@ class LoadedModel:
 
 
 def resolve_model_path(source: str | Path) -> Path:
-    """A path, or `package:FILE` naming a file shipped inside an installed Python package."""
+    """A path, or `package:FILE` naming a file shipped inside an installed Python package. `package:FILE` follows
+    the registry's rules (`model_pool.sources`): a file that leaves its package raises `SourceError`."""
     text = str(source)
     if ":" in text and not Path(text).exists():
         package, _, filename = text.partition(":")
-        spec = importlib.util.find_spec(package.replace("-", "_"))
-        if spec is None or not spec.submodule_search_locations:
+        found = package_file(package, filename)
+        if found is None:
             raise FileNotFoundError(f"model package {package!r} is not installed")
-        path = Path(next(iter(spec.submodule_search_locations))) / filename
+        path = found
     else:
         path = Path(text)
     if not path.exists():

@@ -130,7 +130,8 @@ def check_plan_against_device() -> None:
     before = mig_modes()
     with tempfile.TemporaryDirectory() as tmp:
         registry = Path(tmp) / "reg.yaml"
-        registry.write_text("models:\n"
+        registry.write_text("gateway: {model_roots: [/]}\n"
+                            "models:\n"
                             "  - {name: a, type: chat, source: {path: /m/a.gguf}, replicas: 2,\n"
                             "     placement: {isolation: mig, memory_gib: 8}}\n"
                             "  - {name: b, type: chat, source: {path: /m/b.gguf},\n"

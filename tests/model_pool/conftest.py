@@ -1,4 +1,5 @@
-"""Registry files for the model_pool tests: a commented, hand-formatted sample an operator might write."""
+"""Registry files for the model_pool tests: a commented, hand-formatted sample an operator might write (its
+`model_roots: [/]` lets its `/models/...` paths pass; the roots themselves are tested in test_sources.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from model_pool.store import RegistryStore
 
 SAMPLE = """\
 # Operator notes: keep this comment.
-gateway: {host: 127.0.0.1, port: 8000}   # local only
+gateway: {host: 127.0.0.1, port: 8000, model_roots: [/]}   # local only
 
 models:
   # the chat model

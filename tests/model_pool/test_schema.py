@@ -13,7 +13,7 @@ from model_pool.store import load_registry, parse_registry
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
-CHAT = "{name: %s, type: chat, source: {path: /m.gguf}%s}"
+CHAT = "{name: %s, type: chat, source: {path: m.gguf}%s}"  # relative: inside the default model root
 
 
 def registry_text(*models: str, extra: str = "") -> str:
@@ -173,6 +173,43 @@ def test_invalid_registry_names_the_field(case):
     message = str(info.value)
     assert f"configs/x.yaml: {expected}" in message, message
     assert info.value.path == "configs/x.yaml" and info.value.problems
+
+
+LIMIT = "Input should be less than or equal to"
+OUT_OF_BOUNDS = {
+    "a million replicas": ("replicas: 1000000", f"models[0].replicas: {LIMIT} 64"),
+    "replicas as a bool": ("replicas: true", "models[0].replicas: Input should be a valid integer"),
+    "replicas as a string": ("replicas: '3'", "models[0].replicas: Input should be a valid integer"),
+    "block size": ("engine: {block_size: 512}", f"models[0].engine.block_size: {LIMIT} 256"),
+    "block size zero": ("engine: {block_size: 0}", "models[0].engine.block_size: Input should be greater than or "
+                                                   "equal to 1"),
+    "max_num_seqs": ("engine: {max_num_seqs: 4097}", f"models[0].engine.max_num_seqs: {LIMIT} 4096"),
+    "max_num_batched_tokens": ("engine: {max_num_batched_tokens: 2000000}",
+                               f"models[0].engine.max_num_batched_tokens: {LIMIT} 1048576"),
+    "max_model_len": ("engine: {max_model_len: 3000000}", f"models[0].engine.max_model_len: {LIMIT} 2097152"),
+    "kv_cache_gib": ("engine: {kv_cache_gib: 5000}", f"models[0].engine.kv_cache_gib: {LIMIT} 4096"),
+    "memory_gib": ("placement: {memory_gib: 5000}", f"models[0].placement.memory_gib: {LIMIT} 4096"),
+    "weight": ("placement: {weight: 1e6}", f"models[0].placement.weight: {LIMIT} 1000"),
+    "max_queue_len": ("policy: {max_queue_len: 2000000}", f"models[0].policy.max_queue_len: {LIMIT} 1048576"),
+    "request_timeout_s": ("policy: {request_timeout_s: 1e9}", f"models[0].policy.request_timeout_s: {LIMIT} 86400"),
+    "load_bound": ("policy: {load_bound: 1000}", f"models[0].policy.load_bound: {LIMIT} 100"),
+}
+
+
+@pytest.mark.parametrize("case", OUT_OF_BOUNDS)
+def test_numeric_fields_are_bounded_by_the_schema(case):
+    field, expected = OUT_OF_BOUNDS[case]
+    with pytest.raises(RegistryError) as info:
+        parse_registry(registry_text(chat("a", f", {field}")), "r.yaml")
+    assert [str(p) for p in info.value.problems] == [expected]
+
+
+def test_the_bounds_themselves_are_accepted():
+    text = registry_text(chat("a", ", replicas: 64, engine: {block_size: 256, max_num_seqs: 4096, kv_cache_gib: 4096,"
+                                   " max_model_len: 2097152, max_num_batched_tokens: 1048576},"
+                                   " placement: {memory_gib: 4096}"))
+    spec = parse_registry(text, "r.yaml").models[0]
+    assert (spec.replicas, spec.engine.block_size, spec.engine.max_num_seqs) == (64, 256, 4096)
 
 
 def test_every_problem_is_reported_one_per_line():

@@ -205,7 +205,7 @@ def test_delete_removes_the_entry_and_its_heading(make_store):
 
 
 def test_deleting_the_last_model_leaves_an_empty_list(make_store):
-    store = make_store("models:\n  - {name: a, type: chat, source: {path: /m}}\n")
+    store = make_store("gateway: {model_roots: [/]}\nmodels:\n  - {name: a, type: chat, source: {path: /m}}\n")
     store.delete_model("a")
     assert load_registry(store.path).models == [] and store.registry.models == []
 
@@ -276,7 +276,7 @@ def test_failed_write_is_rejected_and_changes_nothing(make_store, monkeypatch):
     def fail(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "replace", fail)
+    monkeypatch.setattr(os, "fsync", fail)  # writing the new file
     with pytest.raises(RegistryError, match="cannot write: No space left on device"):
         store.scale("chat-b", 3)
     assert store.version == 1 and store.path.read_text() == SAMPLE

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from model_pool import store as store_module
+from model_pool import watch
 from model_pool.errors import RegistryError
 from model_pool.store import RegistryDiff
 from model_pool.watch import RegistryWatcher
@@ -78,9 +83,12 @@ def test_an_old_unchanged_file_is_not_reread(watched, monkeypatch):
     os.utime(store.path, ns=(old_ns, old_ns))
     watcher.poll_once()  # the stat moved: read once
     reads = []
-    real_read = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or real_read(self))
+    real_read = watch.read_head
+    monkeypatch.setattr(watch, "read_head", lambda path: reads.append(path) or real_read(path))
     assert watcher.poll_once() is None and reads == []
+    os.utime(store.path, ns=(old_ns, old_ns + 1))
+    watcher.poll_once()  # the stat moved: read (so this test would see a read)
+    assert reads == [store.path]
 
 
 def test_reports_a_rejected_edit_once_and_keeps_the_last_good_registry(watched):
@@ -133,3 +141,39 @@ def test_interval_must_be_positive(make_store):
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         RegistryWatcher(make_store(), interval_s=0)
 
+
+
+def test_run_reads_and_parses_off_the_event_loop_and_reports_on_it(make_store, monkeypatch):
+    store = make_store()
+    real_parse = store_module.parse_registry
+
+    def slow_parse(text: str, path: object) -> object:  # a large edit: ruamel takes ~1 s per 100 KiB
+        time.sleep(0.4)
+        return real_parse(text, path)
+
+    monkeypatch.setattr(store_module, "parse_registry", slow_parse)
+    seen: list[tuple[RegistryDiff, int]] = []
+
+    async def main() -> float:
+        polled = asyncio.Event()
+
+        async def park(seconds: float) -> None:  # one poll is enough
+            polled.set()
+            await asyncio.Event().wait()
+
+        watcher = RegistryWatcher(store, sleep=park, on_change=lambda d: seen.append((d, threading.get_ident())))
+        store.path.write_text(SAMPLE.replace("replicas: 2", "replicas: 3"))
+        task = asyncio.create_task(watcher.run())
+        longest, last = 0.0, time.monotonic()
+        while not polled.is_set():  # a request being served meanwhile: how long does it wait for the loop?
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            longest, last = max(longest, now - last), now
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return longest
+
+    longest_stall_s = asyncio.run(main())
+    assert longest_stall_s < 0.2, f"the event loop stalled {longest_stall_s:.2f} s during a poll"
+    assert seen == [(RegistryDiff(resized=(("chat-b", 2, 3),)), threading.get_ident())]  # on the loop's thread

@@ -16,6 +16,7 @@ H100 = str(INVENTORIES / "h100-80gb.json")
 no_nvml = pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None, reason="this host has NVML")
 
 REGISTRY = """\
+gateway: {model_roots: [/]}
 models:
   - name: llama
     type: chat

@@ -88,7 +88,7 @@ def test_an_infeasible_plan_launches_replicas_unpartitioned(tmp_path):
 
 
 def test_problems_name_what_does_not_fit_and_serve_refuses_such_a_registry(tmp_path):
-    huge = {"device": "cuda", "placement": {"isolation": "mps", "memory_gib": 100000}}  # fits no host
+    huge = {"device": "cuda", "placement": {"isolation": "mps", "memory_gib": 4096}}  # fits no host
     reg = registry(huge=huge)
     made = ReplicaPlacer(lambda: reg, lambda: gpus("h100-80gb"), tmp_path)
     problems = made.problems(reg)
@@ -97,7 +97,8 @@ def test_problems_name_what_does_not_fit_and_serve_refuses_such_a_registry(tmp_p
     fits = registry(small={"device": "cuda", "placement": {"isolation": "mps", "memory_gib": 1}})
     assert made.problems(fits) == [] and made.plan_for(fits) is not None
     path = tmp_path / "reg.yaml"
-    path.write_text(yaml.safe_dump({"models": [{"name": "huge", "type": "chat", "source": {"path": "/m/huge.gguf"},
+    path.write_text(yaml.safe_dump({"gateway": {"model_roots": ["/"]},
+                                    "models": [{"name": "huge", "type": "chat", "source": {"path": "/m/huge.gguf"},
                                                 **huge}]}))
     # a process of its own: serve configures logging for the whole process
     done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port",
@@ -126,7 +127,7 @@ def test_worker_settings_from_env():
 
 def test_make_state_plans_replicas_and_exports_shares(tmp_path):
     path = tmp_path / "reg.yaml"
-    path.write_text(yaml.safe_dump({"models": [
+    path.write_text(yaml.safe_dump({"gateway": {"model_roots": ["/"]}, "models": [
         {"name": n, "type": "chat", "source": {"path": f"/m/{n}.gguf"}, **f} for n, f in SHARED.items()]}))
     state = make_state(RegistryStore(path), env={"MULTISERVE_RUN_DIR": str(tmp_path / "run")})
     placer = state.pool.env_for
