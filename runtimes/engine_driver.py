@@ -25,6 +25,10 @@ StepResultT = TypeVar("StepResultT")
 IDLE_WAKE_S = 0.25
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop has ended on an error: this replica cannot serve anything until it is restarted."""
+
+
 class StepGate(Protocol):
     """Taken around every engine step when replicas time-share a device (the partitioner's arbiter client).
 
@@ -46,6 +50,9 @@ class EngineDriver(Generic[CommandT]):
         self._commands: queue.Queue[CommandT | None] = queue.Queue()  # None: shut down
         self._step_gate = step_gate
         self.dead_error: BaseException | None = None
+        # When the loop last showed it is not stuck: a step returned, or it waited for commands. Read from other
+        # threads (a float store is atomic under the GIL): a replica whose loop stops beating is not ready.
+        self._beat_s = time.monotonic()
         self._thread: threading.Thread | None = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
@@ -61,16 +68,22 @@ class EngineDriver(Generic[CommandT]):
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def stalled_s(self) -> float:
+        """Seconds since the engine loop last finished a step or waited for commands (0 for a loop that beats)."""
+        return max(time.monotonic() - self._beat_s, 0.0)
+
     def _check_alive(self) -> None:
         if self.dead_error is not None:
-            raise RuntimeError("the engine thread has died") from self.dead_error
+            raise EngineDeadError(f"the engine loop has died: {self.dead_error!r}") from self.dead_error
 
     def _next_command(self, timeout_s: float | None) -> CommandT | None:
         """The next command; waits up to `timeout_s` (None: until one comes). Raises queue.Empty on timeout."""
         if timeout_s is not None and timeout_s <= 0:
+            self._beat_s = time.monotonic()
             return self._commands.get_nowait()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            self._beat_s = time.monotonic()
             wait_s = IDLE_WAKE_S if deadline is None else min(IDLE_WAKE_S, deadline - time.monotonic())
             try:
                 return self._commands.get(timeout=max(wait_s, 0.0))
@@ -83,7 +96,9 @@ class EngineDriver(Generic[CommandT]):
         """`step()` inside the gate; `more()` (asked after the step) tells the gate whether another follows."""
         gate = self._step_gate
         if gate is None:
-            return step()
+            result = step()
+            self._beat_s = time.monotonic()
+            return result
         gate.acquire()
         stepped = False
         try:
@@ -92,6 +107,7 @@ class EngineDriver(Generic[CommandT]):
         finally:
             # After a failed step the loop dies: do not promise the gate another step.
             gate.release(more() if stepped else False)
+        self._beat_s = time.monotonic()
         return result
 
     def _run(self) -> None:

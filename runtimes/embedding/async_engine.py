@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from runtimes.embedding.engine import EmbeddingEngine, EmbeddingOutput
-from runtimes.engine_driver import EngineDriver, StepGate
+from runtimes.engine_driver import EngineDeadError, EngineDriver, StepGate
+from runtimes.llm.sampling_params import InvalidRequestError, request_failed
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +62,7 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
     async def embed(self, request_id: str, token_ids: Sequence[Sequence[int]]) -> EmbeddingOutput:
         """Embed prepared inputs (InputProcessor.prepare); cancelling the call aborts the request.
 
-        An invalid request raises InvalidRequestError.
+        An invalid request raises InvalidRequestError; one the engine failed to encode, RequestFailedError.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
@@ -80,12 +82,13 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
         try:
             while self._take_commands():
                 for out in self._gated(self.engine.step, self._batch_due):
-                    self._deliver(out.request_id, out)
+                    self._deliver(out.request_id, out if out.error_id is None else request_failed(out.error_id))
         except BaseException as exc:  # the thread must not die silently: fail every waiting caller
             self.dead_error = exc
             log.exception("embedding engine thread died")
+            dead = EngineDeadError(f"the engine loop has died: {exc!r}")
             for request_id in list(self._waiting):
-                self._deliver(request_id, exc)
+                self._deliver(request_id, dead)
             raise
 
     def _take_commands(self) -> bool:
@@ -115,7 +118,12 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
             return
         try:
             self.engine.add_request(command.request_id, command.token_ids, command.arrival_time)
-        except Exception as exc:  # invalid request: report to its caller only
+        except Exception as exc:  # refused, or a bug this request ran into: report to its caller only
+            if not isinstance(exc, InvalidRequestError):
+                error_id = f"err-{uuid.uuid4().hex[:16]}"
+                log.error("request failed at submission", request_id=command.request_id, error_id=error_id,
+                          exc_info=exc)
+                exc = request_failed(error_id)
             with contextlib.suppress(RuntimeError):  # that caller's loop is already closed
                 command.loop.call_soon_threadsafe(_settle, command.result, exc)
             return

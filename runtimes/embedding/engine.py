@@ -3,24 +3,33 @@
 `step()` reads like the LLM engine's: schedule (the batcher's plan), run (one forward per length bucket),
 update (file vectors under their requests; finished requests come out). It knows nothing of HTTP; the
 async face (runtimes/embedding/async_engine.py) drives it from one thread.
+
+An input whose forward fails fails its request only (an output with an `error_id`): the rest of its bucket is
+encoded without it (runtimes/fault_isolation.py). The engine then encodes a known-good text; if that fails
+too, the engine itself is broken and `step()` raises EngineFaultError, which ends the engine loop.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import structlog
 import torch
 
-from runtimes.embedding.batching import BatchItem, BatchPlan, Bucket, DynamicBatcher
+from runtimes.embedding.batching import BatchItem, Bucket, DynamicBatcher
 from runtimes.embedding.config import EmbeddingConfig, PoolingConfig
 from runtimes.embedding.inputs import InputProcessor
 from runtimes.embedding.model import BertEncoder, load_encoder, pool
+from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
 from runtimes.llm.loader import resolve_model_path
 from runtimes.llm.sampling_params import InvalidRequestError
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class EmbeddingOutput:
     request_id: str
     embeddings: np.ndarray  # [N, H] float32, one row per input in request order
     num_prompt_tokens: int
+    error_id: str | None = None  # the engine failed while encoding this request (see its log); no embeddings
 
 
 @dataclass
@@ -150,8 +160,36 @@ class EmbeddingEngine:
         plan = self.batcher.schedule(self.clock())
         if plan is None:
             return []
-        results = [self._encode(bucket) for bucket in plan.buckets]
-        return self._update(plan, results)
+        done: list[tuple[Sequence[BatchItem], np.ndarray]] = []
+        faults: dict[str, Exception] = {}
+        for bucket in plan.buckets:
+            outcome = run_isolating(lambda items: self._encode(Bucket(tuple(items), bucket.padded_len)),  # noqa: B023
+                                    bucket.items)
+            done += outcome.parts
+            for item, error in outcome.faults:
+                faults.setdefault(item.request_id, error)
+        outputs = [self._fail(request_id, error) for request_id, error in faults.items()]
+        if faults:
+            self._self_check()
+        return outputs + self._update(done)
+
+    def _fail(self, request_id: str, error: Exception) -> EmbeddingOutput:
+        """Drop a request whose input failed to encode (its other inputs too) and say so under an error id."""
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        log.error("request failed in the engine; it alone is stopped", request_id=request_id, error_id=error_id,
+                  exc_info=error)
+        request = self._requests.get(request_id)
+        self.abort_request(request_id)
+        num_tokens = 0 if request is None else request.num_prompt_tokens
+        return EmbeddingOutput(request_id, np.empty((0, self.hidden_size), dtype=np.float32), num_tokens, error_id)
+
+    def _self_check(self) -> None:
+        """Encode a known-good text; raise EngineFaultError if the engine cannot (it is broken, not a request)."""
+        ids = self.inputs.encode(PROBE_TEXT)
+        try:
+            self._encode(Bucket((BatchItem("self-check", 0, ids, self.clock()),), len(ids)))
+        except Exception as error:
+            raise EngineFaultError(f"the engine failed its self-check after a request fault: {error!r}") from error
 
     @torch.inference_mode()
     def _encode(self, bucket: Bucket) -> np.ndarray:
@@ -171,10 +209,11 @@ class EmbeddingEngine:
         self.stats.num_padded_tokens += bucket.num_padded_tokens
         return vectors.float().cpu().numpy()
 
-    def _update(self, plan: BatchPlan, results: Sequence[np.ndarray]) -> list[EmbeddingOutput]:
+    def _update(self, done: Sequence[tuple[Sequence[BatchItem], np.ndarray]]) -> list[EmbeddingOutput]:
+        """File each encoded input's vector ([n, H] per part) under its request; finished requests come out."""
         touched: dict[str, _Request] = {}
-        for bucket, vectors in zip(plan.buckets, results, strict=True):
-            for item, vector in zip(bucket.items, vectors, strict=True):
+        for items, vectors in done:
+            for item, vector in zip(items, vectors, strict=True):
                 request = self._requests.get(item.request_id)
                 if request is None:  # aborted while its batch ran
                     continue

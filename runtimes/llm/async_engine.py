@@ -13,15 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from runtimes.engine_driver import EngineDriver, StepGate
+from runtimes.engine_driver import EngineDeadError, EngineDriver, StepGate
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.outputs import RequestOutput
-from runtimes.llm.sampling_params import SamplingParams
+from runtimes.llm.sampling_params import InvalidRequestError, OverloadedError, SamplingParams, request_failed
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +59,9 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
         """Submit a request and stream its outputs (all `n` samples interleaved) until every one finishes.
 
         Invalid requests raise InvalidRequestError from the first iteration, and refused ones (queue full, or
-        waited past `max_queue_wait_s` without starting) OverloadedError. Closing the iterator
-        early (a client went away) aborts the request and frees its blocks.
+        waited past `max_queue_wait_s` without starting) OverloadedError. A request the engine failed to serve
+        (a fault it alone caused) raises RequestFailedError, at any point. Closing the iterator early (a client
+        went away) aborts the request and frees its blocks.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
@@ -75,6 +77,9 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 if item.finish_reason == "rejected":  # every sample was let go along with this one
                     remaining = 0
                     raise self.engine.rejection_error(item)
+                if item.error_id is not None:  # likewise: the engine stopped every sample
+                    remaining = 0
+                    raise request_failed(item.error_id)
                 if item.finished:
                     remaining -= 1
                 yield item
@@ -100,9 +105,10 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
         except BaseException as exc:  # the thread must not die silently: fail every waiting stream
             self.dead_error = exc
             log.exception("engine thread died")
+            dead = EngineDeadError(f"the engine loop has died: {exc!r}")
             for sink, loop in self._sinks.values():
                 with contextlib.suppress(RuntimeError):  # that caller's loop is already closed
-                    loop.call_soon_threadsafe(sink.put_nowait, exc)
+                    loop.call_soon_threadsafe(sink.put_nowait, dead)
             raise
 
     def _drain_commands(self, block: bool) -> bool:
@@ -123,8 +129,14 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
                                         arrival_time=command.arrival_time)
-            except Exception as exc:  # invalid request: report to its caller only
+            except (InvalidRequestError, OverloadedError) as exc:  # refused: report to its caller only
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
+                continue
+            except Exception as exc:  # a bug this request ran into: its caller gets a 500 with an id, nobody else
+                error_id = f"err-{uuid.uuid4().hex[:16]}"
+                log.error("request failed at submission", request_id=command.request_id, error_id=error_id,
+                          exc_info=exc)
+                command.loop.call_soon_threadsafe(command.sink.put_nowait, request_failed(error_id))
                 continue
             self._sinks[command.request_id] = (command.sink, command.loop)
 

@@ -1,31 +1,46 @@
 """The synchronous engine core: submit requests, `step()` until done. One thread drives it.
 
 `step()` reads as its job: schedule a plan, run it, apply the results, turn them into outputs.
+
+A fault while serving one request fails that request only (finish_reason "error", with an id in the log): the
+step is retried without it (runtimes/fault_isolation.py). After such a fault the engine runs a self-check,
+a 1-token greedy request of its own; if that fails too, the engine itself is broken and `step()` raises
+EngineFaultError, which ends the engine loop (the replica then reports itself dead and is restarted).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from policies.admission import RateMeter, retry_after_s
+from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
 from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.loader import LoadedModel, load_model
-from runtimes.llm.model_runner import ModelRunner, allocate_kv_caches, num_blocks_for_budget
+from runtimes.llm.model_runner import ModelRunner, StepResult, allocate_kv_caches, num_blocks_for_budget
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
 from runtimes.llm.sampler import Sampler
-from runtimes.llm.sampling_params import ContextLengthError, InvalidRequestError, OverloadedError, SamplingParams
-from runtimes.llm.scheduler import Scheduler
+from runtimes.llm.sampling_params import (
+    ContextLengthError,
+    InvalidRequestError,
+    OverloadedError,
+    SamplingParams,
+    check_token_ids,
+)
+from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -73,7 +88,9 @@ class LLMEngine:
         self._staged: dict[str, list[Request]] = {}  # request id -> samples waiting for sample 0's prompt
         self._limits = config.admission_limits()
         self._finishes = RateMeter()  # finished sequences per second, for Retry-After estimates
+        self._self_check_id: str | None = None  # the self-check in flight after a request fault
         self.num_steps = 0
+        self.num_request_faults = 0
 
     @classmethod
     def from_source(cls, source: str, config: EngineConfig | None = None, **kwargs: object) -> LLMEngine:
@@ -101,11 +118,16 @@ class LLMEngine:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate(prompt_ids, params)
         self._admit(priority)
-        arrival = self.clock() if arrival_time is None else arrival_time
+        self._enqueue(request_id, prompt_ids, params, max_tokens, priority,
+                      self.clock() if arrival_time is None else arrival_time)
+
+    def _enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                 priority: int, arrival: float) -> None:
+        """Queue a validated request: every sample is built before any state changes, so a failure leaves none."""
         namespace = self.model_name if self.config.enable_prefix_caching else None
         if namespace is None and params.n > 1:
             namespace = f"{self.model_name}/group/{request_id}"  # siblings still share the prompt's blocks
-        requests = []
+        sequences = []
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = None if params.seed is None else params.seed + index
@@ -114,21 +136,21 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
             )
-            self._sequences[child_id] = _Sequence(request, request_id, index, detok)
-            requests.append(request)
-        self._children[request_id] = [r.request_id for r in requests]
-        self.scheduler.add_request(requests[0])
-        if len(requests) > 1:
+            sequences.append(_Sequence(request, request_id, index, detok))
+        for seq in sequences:
+            self._sequences[seq.request.request_id] = seq
+        self._children[request_id] = [seq.request.request_id for seq in sequences]
+        self.scheduler.add_request(sequences[0].request)
+        if len(sequences) > 1:
             # The other samples wait until sample 0 has computed the prompt, then reuse its cached blocks.
-            self._staged[request_id] = requests[1:]
+            self._staged[request_id] = [seq.request for seq in sequences[1:]]
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        check_token_ids(prompt_ids, vocab, "prompt")
+        params.check_vocab(vocab)
         limit = self.max_model_len
         num_prompt = len(prompt_ids)
         if num_prompt >= limit:
@@ -140,6 +162,9 @@ class LLMEngine:
             raise ContextLengthError(
                 f"this model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} were "
                 f"requested ({num_prompt} in the prompt, {max_tokens} in max_tokens)", param="max_tokens")
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this "
+                                      "request may generate", param="min_tokens")
         capacity = self.kv.num_blocks * self.kv.block_size
         if num_prompt + max_tokens > capacity:
             raise InvalidRequestError(
@@ -195,14 +220,70 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
-        result = self.runner.execute(plan, self.kv.block_tables)
+        result, faults = self._execute(plan)
+        for item, error in faults:
+            outputs += self._fail(item.request.request_id, error)
         advanced = self.scheduler.update(plan, result.sampled)
         self.num_steps += 1
         now = self.clock()
-        outputs += [self._on_token(self._sequences[r.request_id], result.logprobs, now) for r in advanced]
+        for request in advanced:
+            seq = self._sequences.get(request.request_id)
+            if seq is None:  # a sibling's fault ended it earlier in this loop
+                continue
+            try:
+                outputs.append(self._on_token(seq, result.logprobs, now))
+            except Exception as error:  # detokenizing or stop strings: this request's fault only
+                outputs += self._fail(request.request_id, error)
         self._finishes.record(now, sum(1 for r in advanced if r.status.finished))
         self._release_staged()
+        if self._self_check_id is not None and self.is_finished(self._self_check_id):
+            self._self_check_id = None  # it passed: the faults were the requests' own
         return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[StepResult, list[tuple[ScheduledRequest, Exception]]]:
+        """Run the plan; a request that makes it fail is left out (with its error) and the rest run without it."""
+        saved = _GeneratorStates(plan.scheduled)
+        outcome = run_isolating(
+            lambda part: self.runner.execute(SchedulerOutput(scheduled=list(part)), self.kv.block_tables),
+            plan.scheduled, saved.restore)
+        if len(outcome.parts) == 1:
+            return outcome.parts[0][1], outcome.faults
+        result = StepResult()
+        for _, part_result in outcome.parts:
+            result.sampled.update(part_result.sampled)
+            result.logprobs.update(part_result.logprobs)
+        return result, outcome.faults
+
+    def probe_prompt(self) -> list[int]:
+        """A known-good prompt (the startup probe's and the self-check's)."""
+        return self.tokenizer.encode(PROBE_TEXT) or [0]
+
+    def _fail(self, child_id: str, error: Exception) -> list[RequestOutput]:
+        """End the request that `child_id` belongs to (all its samples) with finish_reason "error", free its
+        blocks, log the traceback under an error id, and start a self-check of the engine."""
+        seq = self._sequences.get(child_id)
+        parent_id = child_id if seq is None else seq.parent_id
+        if parent_id == self._self_check_id:
+            raise EngineFaultError(f"the engine failed its self-check after a request fault: {error!r}") from error
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        self.num_request_faults += 1
+        log.error("request failed in the engine; it alone is stopped", request_id=parent_id, error_id=error_id,
+                  exc_info=error)
+        outputs = self.abort_request(parent_id, RequestStatus.FINISHED_ERROR)
+        if not outputs and seq is not None:  # it had just finished when the fault came: still tell its caller
+            outputs = [self._output(seq, [], "", None)]
+        for out in outputs:
+            out.finished, out.finish_reason, out.error_id = True, RequestStatus.FINISHED_ERROR.value, error_id
+        self._start_self_check()
+        return outputs
+
+    def _start_self_check(self) -> None:
+        """Queue a 1-token greedy request of the engine's own (no caller; outputs go nowhere) unless one runs."""
+        if self._self_check_id is not None:
+            return
+        self._self_check_id = f"self-check-{self.num_request_faults}"
+        self._enqueue(self._self_check_id, self.probe_prompt(), SamplingParams(temperature=0.0, max_tokens=1), 1,
+                      0, self.clock())
 
     def _expire_waiting(self) -> list[RequestOutput]:
         """Refuse (finish_reason "rejected") requests that waited past `max_queue_wait_s` without starting."""
@@ -258,6 +339,21 @@ class LLMEngine:
             if leader is None or leader.request.num_computed_tokens >= leader.request.num_prompt_tokens:
                 for request in self._staged.pop(parent_id):
                     self.scheduler.add_request(request)
+
+
+class _GeneratorStates:
+    """Each seeded request's generator state before a step (~1 µs per seeded request). A rerun after a fault puts
+    them back, so its samples are the ones an undisturbed step would have drawn."""
+
+    def __init__(self, items: Sequence[ScheduledRequest]) -> None:
+        self._states = {item.request.request_id: (generator, generator.get_state()) for item in items
+                        if (generator := item.request.generator) is not None}
+
+    def restore(self, items: Sequence[ScheduledRequest]) -> None:
+        for item in items:
+            saved = self._states.get(item.request.request_id)
+            if saved is not None:
+                saved[0].set_state(saved[1])
 
 
 def _queue_policy(config: EngineConfig, clock: Callable[[], float]) -> QueuePolicy:

@@ -21,7 +21,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str  # text delta, safe to stream
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
@@ -31,3 +31,4 @@ class RequestOutput:
     first_token_time: float | None = None
     time: float = 0.0  # when this update was produced
     metrics: dict[str, float] = field(default_factory=dict)
+    error_id: str | None = None  # finish_reason "error": the engine failed serving this request; see its log

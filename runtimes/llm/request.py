@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_REJECTED = "rejected"  # waited past the queue-wait limit without starting (never ran)
+    FINISHED_ERROR = "error"  # the engine failed while serving it (only it: see runtimes/llm/fault_isolation.py)
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,7 @@
 One call samples one token for every row of a `[B, V]` logits batch, each row with its own
 `SamplingParams`. The pipeline, in order:
 
+0. `logit_bias`: each row's (token id -> bias) is added to its logits (OpenAI semantics);
 1. penalties: repetition (prompt + output tokens, vLLM semantics), then presence / frequency
    (output tokens only, OpenAI semantics);
 2. `min_tokens`: EOS and `stop_token_ids` get logit -inf while the output is shorter than `min_tokens`;
@@ -94,11 +95,14 @@ class Sampler:
         params = [r.params for r in rows]
         suppress = [_suppressed_ids(r) for r in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
-        fast = not want_logprobs and not any(suppress)
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        fast = not want_logprobs and not any(suppress) and not biased
         if fast and all(p.greedy and not _has_penalties(p) for p in params):  # no [B, V] work at all
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
 
         x = logits.to(torch.float32, copy=True)  # [B, V]; a copy, as it is edited in place below
+        if biased:
+            _add_logit_bias(x, biased)
         self._apply_penalties(x, rows)
         if any(suppress):
             x[_flat_index([(i, ids) for i, ids in enumerate(suppress) if ids], x.device)] = _NEG_INF
@@ -178,6 +182,14 @@ class Sampler:
                 noise = torch.empty(shape[1], device=r.generator.device).exponential_(generator=r.generator)
                 q[i] = noise.to(device)
         return q.clamp_min_(_TINY)
+
+
+def _add_logit_bias(x: torch.Tensor, biased: Sequence[tuple[int, tuple[tuple[int, float], ...]]]) -> None:
+    """In place on `x` [B, V]: add each listed row's (token id, bias) pairs. Ids were checked against the
+    vocabulary when the request was accepted (SamplingParams.check_vocab)."""
+    rows, tokens = _flat_index([(i, [t for t, _ in bias]) for i, bias in biased], x.device)
+    values = torch.tensor([b for _, bias in biased for _, b in bias], dtype=x.dtype, device=x.device)
+    x.index_put_((rows, tokens), values, accumulate=True)
 
 
 def _mask_top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
 _MAX_N = 16
+_MAX_STOP = 16  # stop strings per request
+_MAX_STOP_CHARS = 1024  # per stop string: the detokenizer scans its text tail for each one every token
+_MAX_STOP_TOKEN_IDS = 256
+_MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+_LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI: -100 bans a token, +100 all but forces it
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a 64-bit signed seed; torch's generators take these and more
 
 
 class InvalidRequestError(ValueError):
@@ -19,6 +26,24 @@ class InvalidRequestError(ValueError):
 class ContextLengthError(InvalidRequestError):
     """The prompt, or prompt plus max_tokens, does not fit the model's context window (OpenAI's
     `context_length_exceeded`: a gateway may send the request to a model with a longer one)."""
+
+
+class RequestFailedError(Exception):
+    """The engine failed while serving this one request (a fault it alone triggered, or a bug it ran into).
+
+    The request was stopped and its KV blocks freed; every other request continues. `error_id` ties the
+    client's 500 to the traceback in the replica's log.
+    """
+
+    def __init__(self, message: str, error_id: str) -> None:
+        super().__init__(message)
+        self.error_id = error_id
+
+
+def request_failed(error_id: str) -> RequestFailedError:
+    """What the caller of a request the engine failed to serve is told (the traceback is logged under the id)."""
+    return RequestFailedError(f"the engine failed while serving this request (error id {error_id}); other "
+                              "requests were not affected", error_id)
 
 
 class OverloadedError(Exception):
@@ -50,6 +75,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # (token id, bias) pairs added to the logits before penalties and sampling (OpenAI's `logit_bias`)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # number of top alternatives per sampled token; 0 = only the sampled one
     skip_special_tokens: bool = True
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
@@ -60,6 +87,8 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((token, bias) for token, bias in bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -78,14 +107,31 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
              f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
+             f"seed must be a 64-bit signed integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
              f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
-            (len(self.stop) <= 16, "stop", f"at most 16 stop strings, got {len(self.stop)}"),
+            (len(self.stop) <= _MAX_STOP, "stop", f"at most {_MAX_STOP} stop strings, got {len(self.stop)}"),
+            (all(len(s) <= _MAX_STOP_CHARS for s in self.stop), "stop",
+             f"a stop string may have at most {_MAX_STOP_CHARS} characters"),
+            (len(self.stop_token_ids) <= _MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"at most {_MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"),
+            (len(self.logit_bias) <= _MAX_LOGIT_BIAS, "logit_bias",
+             f"at most {_MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}"),
+            (all(-_LOGIT_BIAS_RANGE <= b <= _LOGIT_BIAS_RANGE for _, b in self.logit_bias), "logit_bias",
+             f"logit_bias values must be in [-{_LOGIT_BIAS_RANGE:g}, {_LOGIT_BIAS_RANGE:g}]"),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param=param)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError unless every token id these parameters name is in [0, vocab_size)."""
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        check_token_ids([token for token, _ in self.logit_bias], vocab_size, "logit_bias")
 
     @property
     def greedy(self) -> bool:
@@ -94,3 +140,10 @@ class SamplingParams:
     @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Raise InvalidRequestError naming `param` for the first id outside [0, vocab_size)."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from policies.classify import classify
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.sampling_params import SamplingParams
+from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.errors import APIError
 from runtimes.server.generation import Generation
 from runtimes.server.intake import wrong_endpoint
@@ -33,11 +34,10 @@ from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
 from runtimes.server.replica import run_startup_probe
 from runtimes.server.replica_app import ReplicaEndpoints, assemble_app
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_body, completion_body
-from runtimes.server.streaming import SSEResponse, chat_events, completion_events, sse_stream, until_disconnect
+from runtimes.server.streaming import SSEResponse, chat_events, completion_events, sse_stream
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 log = structlog.get_logger(__name__)
 
 
@@ -56,6 +56,7 @@ class _Server(ReplicaEndpoints):
         self.probe_timeout_s = probe_timeout_s
         self.logprobs = LogprobFormatter(engine.engine.tokenizer)
         self.lane_thresholds = engine.engine.config.lane_thresholds()
+        self.vocab_size = engine.engine.model_config.vocab_size  # token ids in requests are checked against it
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -83,16 +84,19 @@ class _Server(ReplicaEndpoints):
 
     async def completions(self, request: Request) -> Response:
         body = await self.parse_body(request, CompletionRequest)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(self.vocab_size)
         prompt = body.prompt
         if isinstance(prompt, str):
             prompt = await anyio.to_thread.run_sync(self.engine.engine.tokenizer.encode, prompt)
         lane = self._lane(request, body.priority, prompt, params)
-        gen = await self._start(f"cmpl-{uuid.uuid4().hex}", prompt, params, lane)
+        gen = await self._start(request, f"cmpl-{uuid.uuid4().hex}", prompt, params, lane)
+        if gen is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
         logprobs = self.logprobs if params.logprobs is not None else None
         if body.stream:
-            return SSEResponse(sse_stream(completion_events(gen, meta, body.include_usage, logprobs), gen))
+            return SSEResponse(sse_stream(completion_events(gen, meta, body.include_usage, logprobs), gen),
+                               gen.num_prompt_tokens)
         choices = await until_disconnect(request, gen.collect)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -100,15 +104,18 @@ class _Server(ReplicaEndpoints):
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.parse_body(request, ChatCompletionRequest)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(self.vocab_size)
         prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
         lane = self._lane(request, body.priority, prompt, params)
-        gen = await self._start(f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane)
+        gen = await self._start(request, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane)
+        if gen is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
         logprobs = self.logprobs if params.logprobs is not None else None
         num_top = body.top_logprobs or 0
         if body.stream:
-            return SSEResponse(sse_stream(chat_events(gen, meta, body.include_usage, logprobs, num_top), gen))
+            return SSEResponse(sse_stream(chat_events(gen, meta, body.include_usage, logprobs, num_top), gen),
+                               gen.num_prompt_tokens)
         choices = await until_disconnect(request, gen.collect)
         if choices is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -135,12 +142,20 @@ class _Server(ReplicaEndpoints):
         except ValueError as err:
             raise APIError(400, str(err), param="priority") from err
 
-    async def _start(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int) -> Generation:
-        """Submit to the engine and wait for its first output; a refused request raises here (400)."""
+    async def _start(self, request: Request, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     priority: int) -> Generation | None:
+        """Submit to the engine and wait for its first output; a refused request raises here (400). None when the
+        client left while it waited (queued or in prefill): the request is aborted then, not run for nobody."""
         gen = Generation(self.engine, request_id, prompt, params, priority, self.metrics, self.clock)
-        await gen.start()
-        return gen
+
+        async def start() -> Generation:
+            await gen.start()
+            return gen
+
+        started = await until_disconnect(request, start)
+        if started is None:
+            await gen.aclose()
+        return started
 
 
 def build_app(

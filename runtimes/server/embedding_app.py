@@ -22,16 +22,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
-from runtimes.server.app import CLIENT_CLOSED_REQUEST, DEFAULT_MAX_BODY_BYTES
+from runtimes.fault_isolation import PROBE_TEXT
+from runtimes.server.app import DEFAULT_MAX_BODY_BYTES
+from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.embedding_metrics import EmbeddingServerMetrics
 from runtimes.server.embedding_protocol import EmbeddingRequest, embedding_body
 from runtimes.server.errors import APIError
 from runtimes.server.intake import wrong_endpoint
 from runtimes.server.replica import ReplicaState
 from runtimes.server.replica_app import ReplicaEndpoints, assemble_app
-from runtimes.server.streaming import until_disconnect
 
-PROBE_TEXT = "ping"
 log = structlog.get_logger(__name__)
 
 

@@ -23,9 +23,18 @@ class EmbeddingRequest(BaseModel):
     model: str = Field(min_length=1)
     input: list[str] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: -1 = the model's limit
+    dimensions: int | None = Field(None, ge=1, le=1 << 20)
+    user: str | None = Field(None, max_length=512)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=(1 << 31) - 1)  # vLLM: -1 = the model's limit
+    # not an embeddings field: typed loosely so that asking for a stream is refused by name, not ignored
+    stream: Any = None
+
+    @field_validator("stream")
+    @classmethod
+    def _not_streamed(cls, value: Any) -> Any:
+        if value not in (None, False):
+            raise ValueError("embeddings are not streamed; omit stream or set it to false")
+        return value
 
     @field_validator("input", mode="before")
     @classmethod

@@ -2,6 +2,10 @@
 
 Both the per-replica server and the gateway install these handlers, so a client sees one error shape
 whichever hop refused its request. The message always names the field or limit at fault.
+
+A 500 that one request caused (an engine fault isolated to it, or a bug its handling ran into) carries
+`X-Multiserve-Error-Scope: request`: the replica is fine, so the gateway neither retries it elsewhere nor counts
+it against the replica's circuit breaker. A replica that cannot serve at all answers 503 instead.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from runtimes.llm.sampling_params import ContextLengthError, InvalidRequestError, OverloadedError
+from runtimes.engine_driver import EngineDeadError
+from runtimes.llm.sampling_params import ContextLengthError, InvalidRequestError, OverloadedError, RequestFailedError
+from runtimes.server.wire import ERROR_SCOPE_HEADER
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +55,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: float | None = None,
+        request_scoped: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -57,14 +64,16 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after_s = retry_after_s
+        self.request_scoped = request_scoped
 
     def payload(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        headers = {ERROR_SCOPE_HEADER: "request"} if self.request_scoped else {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        return headers
 
 
 def format_loc(loc: Sequence[str | int]) -> str:
@@ -106,7 +115,12 @@ def to_api_error(exc: Exception) -> APIError:
         return APIError(429, str(exc), code="overloaded", retry_after_s=exc.retry_after_s)
     if isinstance(exc, HTTPException):
         return APIError(exc.status_code, str(exc.detail))
-    return APIError(500, "internal server error; see the server log", code="internal_error")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="request_failed", request_scoped=True)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"this replica cannot serve: {exc}", code="engine_dead", retry_after_s=1)
+    # a bug this one request ran into while being handled: the server itself carries on
+    return APIError(500, "internal server error; see the server log", code="internal_error", request_scoped=True)
 
 
 def error_payload(exc: Exception) -> dict[str, Any]:
@@ -134,6 +148,7 @@ def exception_handlers() -> Mapping[Any, Any]:
         json.JSONDecodeError: _handle,
         InvalidRequestError: _handle,
         OverloadedError: _handle,
+        RequestFailedError: _handle,
         HTTPException: _handle,
         Exception: _handle,  # Starlette's ServerErrorMiddleware: logs via error_response, then re-raises
     }

@@ -76,6 +76,7 @@ class Generation:
         the request, at submission or (queue-wait limit) before it started."""
         try:
             self._pending = await anext(self._stream)
+            self.num_prompt_tokens = self._pending.num_prompt_tokens
         except OverloadedError:
             self._metrics.observe_finish("rejected")
             raise

@@ -1,9 +1,10 @@
 """OpenAI-compatible request bodies (pydantic v2), validated strictly at the edge.
 
 Unknown fields are ignored (clients send many); known ones are type-checked strictly (no "1" for 1) and
-range-checked, so the 400 names the field and its limit. `to_sampling_params()` maps a request onto the
-engine's SamplingParams, whose own checks raise InvalidRequestError naming the field; it also refuses
-fields we know but cannot honour (`echo`, `best_of`, `suffix`, tools...) rather than drop them silently.
+range-checked, so the 400 names the field and its limit. `to_sampling_params(vocab_size)` maps a request onto
+the engine's SamplingParams, whose own checks raise InvalidRequestError naming the field, and checks every token id
+against the model's vocabulary, so nothing out of range reaches the engine. It also refuses fields we know but
+cannot honour (`echo`, `best_of`, `suffix`, tools, functions, audio...) rather than drop them silently.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+from runtimes.llm.sampling_params import SEED_MAX, SEED_MIN, InvalidRequestError, SamplingParams, check_token_ids
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -36,18 +37,19 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: str | None = Field(None, max_length=512)
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     logit_bias: dict[str, float] | None = None
     # vLLM extras
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=(1 << 31) - 1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
-    priority: int | None = None  # lane: 0 interactive, 1 normal, 2 background; None: classified
+    # lane: 0 interactive, 1 normal, 2 background; None: classified (policies/classify.py refuses other values)
+    priority: int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1)
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -61,6 +63,15 @@ class SamplingFields(_Strict):
             return value
         raise ValueError("must be a string or a list of strings")
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI sends token ids as the object's keys: each must be a decimal integer."""
+        for key in value or {}:
+            if not key.lstrip("-").isdecimal() or len(key) > 20:
+                raise ValueError(f"keys must be token ids (integers), got {key[:40]!r}")
+        return value
+
     def _refuse_unsupported(self) -> None:
         """Cross-field rules and known fields we cannot honour: refused, never silently dropped."""
         if self.stream_options is not None and not self.stream:
@@ -68,22 +79,24 @@ class SamplingFields(_Strict):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(
                 f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})", param="best_of")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported by this server", param="logit_bias")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(
+        bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
+        params = SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            ignore_eos=self.ignore_eos, logit_bias=bias, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
         )
+        params.check_vocab(vocab_size)
+        return params
 
 
 def _single_prompt(value: Any) -> str | list[int]:
@@ -115,14 +128,17 @@ class CompletionRequest(SamplingFields):
     def _prompt_shape(cls, value: Any) -> str | list[int]:
         return _single_prompt(value)
 
-    def to_sampling_params(self) -> SamplingParams:
-        """The engine's parameters; raises InvalidRequestError (a 400) naming the field."""
+    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
+        """The engine's parameters; raises InvalidRequestError (a 400) naming the field. A prompt of token ids
+        is checked against the vocabulary (`vocab_size`) here too."""
         self._refuse_unsupported()
         if self.echo:
             raise InvalidRequestError("echo is not supported by this server", param="echo")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported by this server", param="suffix")
-        return self._sampling(self.max_tokens, self.logprobs)
+        if isinstance(self.prompt, list):
+            check_token_ids(self.prompt, vocab_size, "prompt")
+        return self._sampling(self.max_tokens, self.logprobs, vocab_size)
 
 
 class ChatMessage(BaseModel):
@@ -158,8 +174,17 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # OpenAI fields this server cannot honour: typed loosely so that any value is refused by name, not by shape
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, vocab_size: int) -> SamplingParams:
         """The engine's parameters; raises InvalidRequestError (a 400) naming the field.
 
         Without max_tokens the completion may use the rest of the context, as in OpenAI's chat API.
@@ -169,13 +194,26 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.tools:
             raise InvalidRequestError("tools are not supported by this server", param="tools")
+        self._refuse_unhonoured()
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise InvalidRequestError(f"response_format type {kind!r} is not supported; only 'text'",
                                       param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs)
+        return self._sampling(max_tokens, logprobs, vocab_size)
+
+    def _refuse_unhonoured(self) -> None:
+        """Tool and multimodal fields: refused by name (`tool_choice: "none"` asks for what we do anyway)."""
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise InvalidRequestError("tool_choice is only allowed with tools, and tools are not supported by this "
+                                      "server", param="tool_choice")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise InvalidRequestError("modalities: this server only produces text (['text'])", param="modalities")
+        for name in ("functions", "function_call", "parallel_tool_calls", "audio", "prediction",
+                     "web_search_options"):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(f"{name} is not supported by this server", param=name)
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template (None values dropped by the tokenizer)."""

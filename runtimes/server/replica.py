@@ -1,7 +1,9 @@
 """Readiness of one replica: the startup probe, the draining flag, and why it is not ready.
 
 A replica is ready once a 1-token generation went end to end through the engine thread at startup,
-and stays ready unless it is draining (a pool stops sending it work) or its engine died.
+and stays ready unless it is draining (a pool stops sending it work), its engine died, or its engine loop is
+stuck: no step finished and no wait for work began for `stall_timeout_s` (a hung kernel, a deadlock). A stuck
+replica also refuses new work (503), so its pool stops routing to it and, after a while, restarts it.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
-PROBE_PROMPT = "ping"
 
 
 class EngineLiveness(Protocol):
     """What readiness reads of an engine's async face (the LLM's or the embedding one's)."""
 
     dead_error: BaseException | None
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine loop last showed progress (a step returned, or it waited for work)."""
 
 
 @dataclass
@@ -33,11 +37,16 @@ class ReplicaState:
     ready: bool = False  # the startup probe passed
     draining: bool = False  # refuse new requests; in-flight ones finish
     failure: str | None = None  # why the startup probe failed
+    stall_timeout_s: float = 60.0  # longer than any sane step (a long prefill on CPU takes seconds)
 
     def unready_reason(self, engine: EngineLiveness) -> str | None:
         """None when ready; otherwise what an operator should read in /ready's 503."""
         if engine.dead_error is not None:
             return f"the engine thread died: {engine.dead_error!r}"
+        stalled_s = engine.stalled_s()
+        if stalled_s > self.stall_timeout_s:
+            return (f"stalled: the engine loop has made no progress for {stalled_s:.0f} s "
+                    f"(limit {self.stall_timeout_s:g} s)")
         if self.failure is not None:
             return self.failure
         if self.draining:
@@ -58,7 +67,7 @@ async def run_startup_probe(engine: AsyncLLMEngine, state: ReplicaState, timeout
     Any failure (bad weights, a dead engine thread, a timeout) must show up in /ready instead of
     killing the server, so it is recorded and logged here rather than raised.
     """
-    prompt = engine.engine.tokenizer.encode(PROBE_PROMPT) or [0]
+    prompt = engine.engine.probe_prompt()
     params = SamplingParams(temperature=0.0, max_tokens=1)
     try:
         with anyio.fail_after(timeout_s):

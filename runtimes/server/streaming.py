@@ -2,28 +2,27 @@
 
 Whatever way a client goes away, the request's engine iterator is closed, which aborts the request and
 frees its KV blocks: a streaming response closes its event generator when the send fails or Starlette
-cancels it on `http.disconnect`; a non-streaming one races its work against `http.disconnect`.
+cancels it on `http.disconnect`; a non-streaming one, and a stream before its first token, race their work
+against `http.disconnect` (runtimes/server/disconnect.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 import structlog
-from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtimes.server.errors import error_payload
 from runtimes.server.generation import Generation
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
+from runtimes.server.wire import PROMPT_TOKENS_HEADER
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
 
@@ -36,8 +35,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncGenerator[str, None], num_prompt_tokens: int | None = None) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if num_prompt_tokens is not None:  # so a gateway can count a stream's tokens without a usage chunk
+            headers[PROMPT_TOKENS_HEADER] = str(num_prompt_tokens)
+        super().__init__(events, headers=headers)
         self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -98,24 +100,3 @@ async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, 
                              include_usage)
     if include_usage:
         yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens)
-
-
-async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T | None:
-    """Run `work()`; cancel it (None) if the client disconnects first.
-
-    The body has been read, so the next ASGI message is `http.disconnect`, which servers send when the
-    client closes the connection (uvicorn) or once the response is complete (test transports).
-    """
-    result: T | None = None
-    async with anyio.create_task_group() as group:
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            log.info("client disconnected; aborting", path=request.url.path)
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch)
-        result = await work()
-        group.cancel_scope.cancel()
-    return result

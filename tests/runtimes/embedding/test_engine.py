@@ -94,3 +94,40 @@ def test_from_source_and_max_model_len_lowers_the_limit():
     assert engine.max_model_len == 64 and engine.hidden_size == 384
     with pytest.raises(InvalidRequestError, match="over this model's limit of 64"):
         engine.inputs.prepare([list(itertools.repeat(7, 65))])
+
+
+def _poison(engine, bad_first_token: int):
+    """Make encoding raise for any batch holding an input that starts with `bad_first_token`."""
+    encode = engine._encode
+
+    def faulty(bucket):
+        if any(item.token_ids[1] == bad_first_token for item in bucket.items):  # [1]: after [CLS]
+            raise RuntimeError("injected fault")
+        return encode(bucket)
+
+    engine._encode = faulty
+
+
+def test_an_input_that_faults_fails_its_request_only(make_engine):
+    engine = make_engine(max_batch_size=64)
+    ids = engine.inputs.prepare(SENTENCES).token_ids
+    expected = engine.embed(ids)
+    bad = engine.inputs.prepare(["zebra crossing"]).token_ids[0]
+    _poison(engine, bad[1])
+    engine.add_request("good", ids, arrival_time=-1.0)
+    engine.add_request("bad", [ids[0], bad], arrival_time=-1.0)
+    outputs = {out.request_id: out for out in engine.step()}
+    assert outputs["bad"].error_id is not None and outputs["bad"].error_id.startswith("err-")
+    assert outputs["good"].error_id is None
+    np.testing.assert_allclose(outputs["good"].embeddings, expected, atol=1e-5, rtol=0)
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_engine_that_fails_everything_fails_its_self_check(make_engine):
+    from runtimes.fault_isolation import EngineFaultError
+
+    engine = make_engine()
+    engine._encode = lambda bucket: (_ for _ in ()).throw(RuntimeError("the device is gone"))
+    engine.add_request("r", engine.inputs.prepare(["hello"]).token_ids, arrival_time=-1.0)
+    with pytest.raises(EngineFaultError, match="self-check"):
+        engine.step()

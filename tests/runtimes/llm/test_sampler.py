@@ -283,3 +283,20 @@ def test_mixed_batch_in_one_call() -> None:
     # The seeded row reproduces its token alone.
     alone = Sampler()(logits[1:2], [row(seed=3)]).token_ids[0]
     assert out.token_ids[1] == alone
+
+
+# --- logit_bias -------------------------------------------------------------------------------------
+
+
+def test_logit_bias_bans_and_forces_tokens_per_row() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0]] * 3)  # [3, V]: token 0 is the argmax of every row
+    out = Sampler()(logits, [row(temperature=0.0), row(temperature=0.0, logit_bias={0: -100.0}),
+                             row(temperature=0.0, logit_bias={3: 100.0, 2: 0.5})])
+    assert out.token_ids == [0, 1, 3]
+
+
+def test_logit_bias_shifts_the_distribution_and_the_reported_logprobs() -> None:
+    logits = probs_logits([0.25, 0.25, 0.25, 0.25])
+    out = Sampler()(logits, [row(temperature=1.0, seed=3, logprobs=4, logit_bias={1: math.log(3.0)})])
+    top = dict(out.top_logprobs[0] or [])
+    assert top[1] == pytest.approx(math.log(0.5)) and top[0] == pytest.approx(math.log(1 / 6))

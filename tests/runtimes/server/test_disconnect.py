@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable
 
 import pytest
@@ -125,3 +126,24 @@ def test_non_stream_disconnect_aborts_and_frees_blocks(engine, make_app):
     assert sent[0]["status"] == 499  # nobody is there to read it
     wait_until(lambda: all_blocks_free(engine), what="the aborted request's blocks to be freed")
     assert ABORTED_ON_RETURN.pop(app) == 1 == _abort_count(app)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_leaving_before_the_first_token_aborts_at_once(engine, make_app, monkeypatch, stream):
+    """A client that leaves while its request waits for its first token (queued, or in a slow prefill) aborts it
+    then: no response is started for nobody, and the engine does not run it to its first token."""
+    execute = engine.engine.runner.execute
+    steps: list[int] = []
+
+    def slow(plan, block_tables):
+        steps.append(len(plan.scheduled))
+        time.sleep(0.2)
+        return execute(plan, block_tables)
+
+    monkeypatch.setattr(engine.engine.runner, "execute", slow)
+    app = make_app()
+    sent = asyncio.run(_call(app, "/v1/completions", {**LONG, "stream": stream},
+                             lambda sent: engine.engine.has_unfinished_requests()))
+    assert sent[0]["status"] == 499, sent  # nothing was streamed: the disconnect came before the first token
+    wait_until(lambda: all_blocks_free(engine), what="the aborted request's blocks to be freed")
+    assert len(steps) <= 1  # aborted within one engine step

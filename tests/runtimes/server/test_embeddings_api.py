@@ -118,6 +118,17 @@ def test_bad_inputs_are_400_naming_input(api, bad_input, message):
     assert message in error["message"] and error["param"] == "input", error
 
 
+@pytest.mark.parametrize(("fields", "param", "message"), [
+    ({"stream": True}, "stream", "embeddings are not streamed"),
+    ({"dimensions": 2**40}, "dimensions", "less than or equal to"),
+    ({"truncate_prompt_tokens": 2**40}, "truncate_prompt_tokens", "less than or equal to"),
+])
+def test_fields_out_of_range_or_unsupported_are_400_by_name(api, fields, param, message):
+    error = embed(api, "hi", 400, **fields)["error"]
+    assert message in error["message"] and error["param"] == param, error
+    assert embed(api, "hi", stream=False)["data"]
+
+
 def test_other_errors(api):
     assert embed(api, "x", 404, model="gpt-4")["error"]["code"] == "model_not_found"
     assert embed(api, "x", 400, encoding_format="int8")["error"]["param"] == "encoding_format"

@@ -1,0 +1,13 @@
+"""What travels between a gateway and the replicas it launched, besides the OpenAI API itself: the names both
+sides must agree on, in one place."""
+
+# On a replica's error reply: "request" when the error is that request's own (an engine fault it alone caused, or
+# a bug its handling ran into), so the gateway neither retries it elsewhere nor holds it against the replica.
+ERROR_SCOPE_HEADER = "x-multiserve-error-scope"
+
+# On a replica's streamed reply: the prompt's size in tokens, so a gateway can charge a stream that carries no
+# usage chunk (per-key token limits, the traffic log).
+PROMPT_TOKENS_HEADER = "x-multiserve-prompt-tokens"
+
+# In a launched worker's environment: the token every request to it must carry (runtimes/server/replica_auth.py).
+REPLICA_TOKEN_ENV = "MULTISERVE_REPLICA_TOKEN"
