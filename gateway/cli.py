@@ -55,6 +55,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     from partitioner.worker_env import worker_settings
     from runtimes.llm.config import EngineConfig
+    from runtimes.server.wire import REPLICA_TOKEN_ENV
     from runtimes.server.worker import parse_engine_json, run_worker
 
     try:
@@ -74,9 +75,11 @@ def _worker(args: argparse.Namespace) -> int:
         from partitioner.arbiter_client import LeaseClient
 
         gate = LeaseClient(plan.arbiter_socket, plan.arbiter_client or args.name, plan.arbiter_weight)
+    token = os.environ.pop(REPLICA_TOKEN_ENV, None) or None  # not passed on to anything this process starts
     try:
         run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level,
-                   model_type=args.type, step_gate=gate, memory_fraction=plan.memory_fraction)
+                   model_type=args.type, step_gate=gate, memory_fraction=plan.memory_fraction,
+                   replica_token=token, stall_timeout_s=args.stall_timeout_s)
     finally:
         if gate is not None:
             gate.close()
@@ -98,6 +101,8 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
                         help='EngineConfig (or, for --type embedding, EmbeddingConfig) fields as JSON, '
                              'e.g. \'{"block_size": 16, "kv_cache_gib": 1}\'')
     worker.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    worker.add_argument("--stall-timeout-s", type=float, default=60.0,
+                        help="the replica reports itself unready when its engine loop makes no progress this long")
     worker.set_defaults(func=_worker)
 
 

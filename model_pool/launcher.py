@@ -1,5 +1,10 @@
 """Launchers start a replica and hand back a handle: the local one spawns a worker process on loopback
-with the environment the partitioner planned; the URL one adopts a replica started elsewhere."""
+with the environment the partitioner planned; the URL one adopts a replica started elsewhere.
+
+A local worker gets a fresh random token (runtimes/server/replica_auth.py) that every request to it must carry,
+and does not inherit the gateway's own secrets: `LocalLauncher(env_drop=...)` names the variables (the admin
+token's, the API keys') that are taken out of its environment.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,22 @@ import asyncio
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from runtimes.server.wire import REPLICA_TOKEN_ENV
+
 
 class ReplicaHandle(Protocol):
     base_url: str
+    token: str | None  # what requests to it must carry (None: it asks for nothing)
 
     @property
     def pid(self) -> int | None:
@@ -65,6 +74,7 @@ class ProcessHandle:
     base_url: str
     process: subprocess.Popen[bytes]
     log_path: Path | None = None
+    token: str | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -92,10 +102,12 @@ class ProcessHandle:
 class LocalLauncher:
     """Spawns `multiserve worker` processes bound to 127.0.0.1 on free ports."""
 
-    def __init__(self, host: str = "127.0.0.1", log_dir: Path | None = None, python: str = sys.executable) -> None:
+    def __init__(self, host: str = "127.0.0.1", log_dir: Path | None = None, python: str = sys.executable,
+                 env_drop: Callable[[], Iterable[str]] = lambda: ()) -> None:
         self.host = host
         self.log_dir = log_dir
         self.python = python
+        self.env_drop = env_drop  # asked at each launch: the names can change with the registry
 
     def command(self, request: LaunchRequest, port: int) -> list[str]:
         cmd = [self.python, "-m", "gateway.cli", "worker", "--source", request.source, "--name", request.model,
@@ -107,7 +119,10 @@ class LocalLauncher:
 
     async def start(self, request: LaunchRequest) -> ProcessHandle:
         port = free_port(self.host)
-        env = {**os.environ, **request.env, "PYTHONUNBUFFERED": "1"}
+        drop = set(self.env_drop())
+        token = secrets.token_urlsafe(32)
+        env = {**{k: v for k, v in os.environ.items() if k not in drop}, **request.env, "PYTHONUNBUFFERED": "1",
+               REPLICA_TOKEN_ENV: token}
         log_path = None
         stdout: Any = subprocess.DEVNULL
         if self.log_dir is not None:
@@ -121,13 +136,14 @@ class LocalLauncher:
         )
         if stdout is not subprocess.DEVNULL:
             stdout.close()
-        return ProcessHandle(f"http://{self.host}:{port}", process, log_path)
+        return ProcessHandle(f"http://{self.host}:{port}", process, log_path, token)
 
 
 @dataclass
 class RemoteHandle:
     base_url: str
     pid: int | None = None
+    token: str | None = None  # a remote replica's credentials, if any, are in its URL
 
     def exit_code(self) -> int | None:
         return None

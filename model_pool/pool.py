@@ -1,5 +1,9 @@
 """Instance groups and replica lifecycle: launch, probe, supervise (restart with backoff, give up on a
 crash loop), drain and stop. The registry says what should run; `apply()` makes it so.
+
+A replica whose process is alive but whose probes keep failing (hung, or its engine stuck: it reports itself
+unready) is taken out of routing after `unhealthy_after` probes and restarted once it has been unhealthy for
+`restart_unhealthy_after_s`; that counts as a crash, so a replica that keeps hanging ends up failed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class PoolSettings:
     probe_timeout_s: float = 2.0
     ready_timeout_s: float = 180.0  # a replica not ready this long after launch counts as a failed start
     unhealthy_after: int = 2  # consecutive failed probes before a ready replica is taken out
+    restart_unhealthy_after_s: float = 30.0  # alive but unhealthy this long: stopped and restarted
     max_crashes: int = 5  # within crash_window_s: then the replica is marked failed, not restarted
     crash_window_s: float = 300.0
     restart_backoff_s: float = 0.5
@@ -114,7 +119,7 @@ class ModelPool:
         replica.handle = await self.launchers[spec.launcher].start(request)
         replica.set_state(ReplicaState.STARTING, self.clock())
         self._schedule.launched_at[replica.replica_id] = self.clock()
-        log.info("replica_launched", replica=replica.replica_id, url=replica.handle.base_url)
+        log.info("replica_launched", replica=replica.replica_id, url=replica.display_url)
 
     async def _retire(self, group: InstanceGroup, replica: Replica) -> None:
         await self.stop_replica(replica)
@@ -175,11 +180,16 @@ class ModelPool:
             await self._on_crash(replica, exited)
             return
         await self._probe(replica)
+        unhealthy_since = replica.unhealthy_since
+        if unhealthy_since is not None and now - unhealthy_since >= self.settings.restart_unhealthy_after_s:
+            log.warning("replica_hung", replica=replica.replica_id, unhealthy_s=round(now - unhealthy_since, 1))
+            await self._on_crash(replica, None)  # alive but useless: stop it and start afresh
 
     async def _on_crash(self, replica: Replica, exit_code: int | None) -> None:
         now = self.clock()
         if replica.handle is not None and exit_code is None:
             await replica.handle.stop(timeout_s=5.0)  # hung start: make sure it is gone
+        replica.unhealthy_since = None
         replica.crash_times.append(now)
         recent = [t for t in replica.crash_times if now - t <= self.settings.crash_window_s]
         replica.consecutive_failures += 1
@@ -196,13 +206,15 @@ class ModelPool:
     async def _probe(self, replica: Replica) -> None:
         now = self.clock()
         try:
-            response = await self.http.get(f"{replica.base_url}/ready", timeout=self.settings.probe_timeout_s)
+            response = await self.http.get(f"{replica.base_url}/ready", headers=replica.auth_headers(),
+                                           timeout=self.settings.probe_timeout_s)
             ok = response.status_code == 200
         except httpx.HTTPError:
             ok = False
         replica.last_probe_at, replica.last_probe_ok = time.time(), ok
         if ok:
             replica.consecutive_failures = 0
+            replica.unhealthy_since = None
             replica.breaker.record_success()
             if replica.state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY) and not replica.manually_drained:
                 replica.set_state(ReplicaState.READY, now)
@@ -212,6 +224,7 @@ class ModelPool:
             replica.breaker.record_failure()
             if replica.consecutive_failures >= self.settings.unhealthy_after:
                 replica.set_state(ReplicaState.UNHEALTHY, now)
+                replica.unhealthy_since = now
 
     # ------------------------------------------------------------------------------------ routing support
 

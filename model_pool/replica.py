@@ -7,9 +7,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from model_pool.health import CircuitBreaker
 from model_pool.launcher import ReplicaHandle
+from runtimes.server.replica_auth import bearer
 
 
 class ReplicaState(enum.Enum):
@@ -37,12 +39,22 @@ class Replica:
     crash_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     transitions: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))
     manually_drained: bool = False
+    unhealthy_since: float | None = None  # the pool's clock when probes took it out of routing; None otherwise
 
     @property
     def base_url(self) -> str:
         if self.handle is None:
             raise RuntimeError(f"replica {self.replica_id} has not been launched")
         return self.handle.base_url
+
+    @property
+    def display_url(self) -> str | None:
+        """The URL with any credentials blanked: for logs, /health/models and metrics."""
+        return None if self.handle is None else redact_url(self.handle.base_url)
+
+    def auth_headers(self) -> dict[str, str]:
+        """What every request to this replica carries: its launch token, if it has one."""
+        return {} if self.handle is None else bearer(self.handle.token)
 
     def routable(self) -> bool:
         return self.state == ReplicaState.READY and self.breaker.allows_request()
@@ -57,7 +69,7 @@ class Replica:
         """What GET /health/models shows for this replica."""
         return {
             "id": self.replica_id,
-            "url": None if self.handle is None else self.handle.base_url,
+            "url": self.display_url,
             "pid": None if self.handle is None else self.handle.pid,
             "state": self.state.value,
             "last_probe_at": self.last_probe_at,
@@ -68,3 +80,11 @@ class Replica:
             "restarts": self.restarts,
             "transitions": [{"at": t, "state": s} for t, s in self.transitions],
         }
+
+
+def redact_url(url: str) -> str:
+    """`http://user:secret@host:8000/x` -> `http://***@host:8000/x`; a URL without credentials is unchanged."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))

@@ -25,6 +25,8 @@ from starlette.applications import Starlette
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.engine_driver import StepGate
 from runtimes.llm.config import EngineConfig
+from runtimes.server.http_guard import guarded_config
+from runtimes.server.replica_auth import ReplicaTokenMiddleware
 
 _GIB = 1 << 30
 MODEL_TYPES = ("chat", "completion", "embedding")
@@ -180,11 +182,15 @@ def run_worker(
     model_type: str = "chat",
     step_gate: StepGate | None = None,
     memory_fraction: float | None = None,
+    replica_token: str | None = None,
+    stall_timeout_s: float = 60.0,
 ) -> None:
     """Load `source` as a `model_type` model, serve it as `name` (and `aliases`) on host:port until SIGTERM/SIGINT.
 
     `step_gate`: taken around every engine step (the device's time-slice arbiter, when it is shared);
-    `memory_fraction`: of the CUDA device, for this process (the partitioner's plan).
+    `memory_fraction`: of the CUDA device, for this process (the partitioner's plan); `replica_token`: the
+    secret every request but /health and /ready must carry (runtimes/server/replica_auth.py); `stall_timeout_s`:
+    an engine loop without progress this long makes the replica unready (runtimes/server/replica.py).
     """
     import uvicorn
 
@@ -198,7 +204,10 @@ def run_worker(
     # The engine loop runs on this (main) thread, where PyTorch's CPU thread pool stays warm; HTTP is served
     # from another thread (see runtimes/llm/async_engine.py for the measurement).
     engine, app = _load(model_type, source, name, aliases, config, step_gate, memory_fraction)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+    app.state.replica.stall_timeout_s = stall_timeout_s
+    served: Any = app if replica_token is None else ReplicaTokenMiddleware(app, replica_token)
+    # The gateway is a replica's one client, but anything on the host can connect: the same read deadlines apply.
+    server = uvicorn.Server(guarded_config(served, host=host, port=port, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=graceful_timeout_s))
 
     def serve_http() -> None:

@@ -29,3 +29,32 @@ def test_pool_launches_each_model_with_its_type():
         assert h.launcher.latest("emb/0").request.model_type == "embedding"
 
     run(scenario)
+
+
+def test_a_local_worker_gets_a_fresh_token_and_none_of_the_gateways_secrets(monkeypatch, tmp_path):
+    import asyncio
+    import subprocess
+
+    from runtimes.server.wire import REPLICA_TOKEN_ENV
+
+    started: list[dict[str, str]] = []
+
+    class Recorded:
+        pid = 1
+
+        def __init__(self, cmd, env, **kwargs):
+            started.append(env)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.setenv("MULTISERVE_ADMIN_TOKEN", "admin-secret")
+    monkeypatch.setenv("MY_KEYS", '{"k": "*"}')
+    monkeypatch.setenv("UNRELATED", "kept")
+    launcher = LocalLauncher(python="python", env_drop=lambda: {"MULTISERVE_ADMIN_TOKEN", "MY_KEYS"})
+    request = LaunchRequest(model="m", index=0, source="x.gguf", env={"CUDA_VISIBLE_DEVICES": "0"})
+    handles = [asyncio.run(launcher.start(request)) for _ in range(2)]
+    for env, handle in zip(started, handles, strict=True):
+        assert "MULTISERVE_ADMIN_TOKEN" not in env and "MY_KEYS" not in env
+        assert env["UNRELATED"] == "kept" and env["CUDA_VISIBLE_DEVICES"] == "0"
+        assert env[REPLICA_TOKEN_ENV] == handle.token and len(handle.token) >= 32
+    assert handles[0].token != handles[1].token
+    assert handles[0].token not in repr(handles[0])  # kept out of logs and reprs

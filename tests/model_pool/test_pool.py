@@ -352,6 +352,41 @@ def test_failed_probes_mark_a_replica_unhealthy_and_a_good_probe_recovers_it(beh
     run(scenario, settings=PoolSettings(unhealthy_after=2))
 
 
+def test_a_replica_alive_but_unhealthy_too_long_is_restarted_as_a_crash():
+    """A hung replica (its process alive, its probes failing) is taken out of routing, then restarted."""
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        first = h.launcher.latest("alpha/0")
+        h.replicas.set("alpha/0", "hang")
+        await h.ticks(2, every_s=2.0)
+        replica = h.replica("alpha/0")
+        assert replica.state == UNHEALTHY and not first.stopped
+        h.clock.advance(27.0)
+        await h.pool.tick()
+        assert not first.stopped  # 29 s unhealthy: still given the benefit of the doubt
+        h.clock.advance(1.0)
+        await h.pool.tick()
+        assert first.stopped and len(replica.crash_times) == 1 and replica.restarts == 1
+        h.replicas.set("alpha/0", "ok")
+        h.clock.advance(1.0)
+        await h.ticks(2)
+        assert len(h.launcher.handles_of("alpha/0")) == 2 and replica.state == READY
+        assert replica.unhealthy_since is None
+
+    run(scenario, settings=PoolSettings(unhealthy_after=2, restart_unhealthy_after_s=30.0, restart_backoff_s=0.5))
+
+
+def test_probes_carry_each_replicas_launch_token():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        tokens = {h.launcher.latest(f"alpha/{i}").token for i in (0, 1)}
+        assert set(h.replicas.probe_auth) == {f"Bearer {token}" for token in tokens} and len(tokens) == 2
+
+    run(scenario)
+
+
 def test_drain_makes_a_replica_unroutable_until_undrained():
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha", 2)))
