@@ -7,8 +7,8 @@ middleware to them, so tests can build one around a pool of fake or in-process r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -25,11 +25,14 @@ from gateway.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestIdMiddleware,
+    parse_api_keys,
 )
 from gateway.proxy import Forwarder
 from gateway.traffic import TrafficMiddleware, TrafficRecorder
+from model_pool.errors import Problem
 from model_pool.pool import ModelPool
 from model_pool.replica import ReplicaState
+from model_pool.schema import GatewayConfig
 from model_pool.store import RegistryStore
 from policies.classify import LaneThresholds
 from runtimes.server.errors import exception_handlers
@@ -45,6 +48,38 @@ class GatewayState:
     api_keys: dict[str, ApiKey]
     started_at: float
     traffic: TrafficRecorder | None = None  # the traffic profile (gateway.traffic.path); None: off
+    env: Mapping[str, str] = field(default_factory=dict)  # where the secrets' variables are read (a snapshot)
+    max_body_bytes: int = 4 << 20
+
+    def apply_gateway_config(self, config: GatewayConfig) -> None:
+        """Take a registry's `gateway:` section live: secrets from their (possibly renamed) variables, the body
+        limit. `gateway_config_problems` has refused every change that needs a restart before it got here."""
+        self.admin_token = self.env.get(config.admin_token_env) or None
+        self.api_keys = parse_api_keys(self.env.get(config.api_keys_env)) if config.api_keys_env else {}
+        self.max_body_bytes = config.max_body_bytes
+
+
+# `gateway:` fields a running gateway cannot change: its socket, the limits it serves it with, its traffic log.
+RESTART_FIELDS = ("host", "port", "traffic", "http")
+
+
+def gateway_config_problems(running: GatewayConfig, new: GatewayConfig, env: Mapping[str, str]) -> list[Problem]:
+    """Why `new` cannot be applied to a gateway running with `running`: fields that need a restart (reported, never
+    silently ignored), and API keys that do not parse."""
+    problems = [Problem(f"gateway.{name}", f"needs restart: changed from {getattr(running, name)!r} to "
+                                           f"{getattr(new, name)!r}; restart `multiserve serve` to apply it")
+                for name in RESTART_FIELDS if getattr(running, name) != getattr(new, name)]
+    if new.api_keys_env:
+        try:
+            parse_api_keys(env.get(new.api_keys_env))
+        except ValueError as err:
+            problems.append(Problem("gateway.api_keys_env", f"${new.api_keys_env}: {err}"))
+    return problems
+
+
+def secret_env_names(config: GatewayConfig) -> set[str]:
+    """The variables that hold the gateway's own secrets: never passed on to the workers it launches."""
+    return {config.admin_token_env} | ({config.api_keys_env} if config.api_keys_env else set())
 
 
 def _endpoint(name: str) -> Callable[[Request], Any]:
@@ -109,7 +144,11 @@ def _lane_thresholds(state: GatewayState, model: str) -> LaneThresholds | None:
     return LaneThresholds(**spec.policy.lanes) if spec is not None and spec.policy.lanes else None
 
 
-def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int = 4 << 20) -> Starlette:
+def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int | None = None) -> Starlette:
+    """The app over `state`; `max_body_bytes` (default: the state's) is the request body limit until a registry
+    edit changes it."""
+    if max_body_bytes is not None:
+        state.max_body_bytes = max_body_bytes
     routes = [
         Route("/v1/chat/completions", _endpoint("chat"), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions"), methods=["POST"]),
@@ -124,8 +163,8 @@ def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int
     middleware = [
         Middleware(RequestIdMiddleware),
         Middleware(AccessLogMiddleware),
-        Middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes),
-        Middleware(ApiKeyMiddleware, keys=state.api_keys),
+        Middleware(BodySizeLimitMiddleware, max_bytes=lambda: state.max_body_bytes),
+        Middleware(ApiKeyMiddleware, keys=lambda: state.api_keys, admin_token=lambda: state.admin_token),
     ]
     if state.traffic is not None:  # innermost: it sees the model the proxy resolved, and only admitted requests
         middleware.append(Middleware(TrafficMiddleware, recorder=state.traffic,

@@ -6,6 +6,7 @@ themselves are answered in OpenAI's shape through the shared error mapping.
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 import time
@@ -17,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.request_body import parse_json_object
 from gateway.traffic import ReplyTap
 from policies.classify import parse_lane
-from policies.ratelimit import KeyLimits, KeyRateLimiter
+from policies.ratelimit import KeyLimits, KeyRateLimiter, Refusal, TokenEstimate, estimate_tokens
 from runtimes.server.errors import APIError, error_response
 
 log = structlog.get_logger("multiserve.access")
@@ -87,9 +89,10 @@ class AccessLogMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """413 for bodies over `max_bytes`, by Content-Length up front or by counting a chunked body."""
+    """413 for bodies over `max_bytes()` (read per request: a registry edit may change it), by Content-Length up
+    front or by counting a chunked body."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: Callable[[], int]) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
@@ -97,9 +100,10 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.max_bytes()
         length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(self._too_big())(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            await error_response(_too_big(limit))(scope, receive, send)
             return
         seen = 0
 
@@ -108,15 +112,15 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise self._too_big()
+                if seen > limit:
+                    raise _too_big(limit)
             return message
 
         await self.app(scope, counting_receive, send)
 
-    def _too_big(self) -> APIError:  # built only when needed: not on every request's path
-        return APIError(413, f"request body exceeds the gateway limit of {self.max_bytes} bytes",
-                        code="body_too_large")
+
+def _too_big(limit: int) -> APIError:  # built only when needed: not on every request's path
+    return APIError(413, f"request body exceeds the gateway limit of {limit} bytes", code="body_too_large")
 
 
 class ApiKey(BaseModel):
@@ -143,24 +147,34 @@ class ApiKey(BaseModel):
 
 
 class ApiKeyMiddleware:
-    """When keys are configured, `/v1/*` needs `Authorization: Bearer <key>`. The key's allowed models go to
-    `scope["state"]["allowed_models"]`, its default lane and tenant to `key_priority` and `tenant`, for the
-    router; its requests/min and tokens/min limits are enforced here (429 with Retry-After), tokens charged
-    from each reply's usage as it passes."""
+    """When keys are configured, `/v1/*` needs `Authorization: Bearer <key>`, and `OPERATOR_PATHS` (metrics, per
+    replica health) need a key or the admin token. The key's allowed models go to `scope["state"]["allowed_models"]`,
+    its default lane and tenant to `key_priority` and `tenant`, for the router; its requests/min and tokens/min
+    limits are enforced here (429 with Retry-After). A request's tokens are reserved before it runs (its prompt
+    plus max_tokens, estimated from the body) and settled from its reply's usage as it passes.
 
-    def __init__(self, app: ASGIApp, keys: Mapping[str, ApiKey], limiter: KeyRateLimiter | None = None,
+    `keys()` and `admin_token()` are read per request: a registry edit may change them while the gateway runs.
+    """
+
+    def __init__(self, app: ASGIApp, keys: Callable[[], Mapping[str, ApiKey]],
+                 admin_token: Callable[[], str | None] = lambda: None, limiter: KeyRateLimiter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
-        self.keys = dict(keys)
+        self.keys, self.admin_token = keys, admin_token
         self.limiter = limiter or KeyRateLimiter()
         self.clock = clock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or not scope["path"].startswith("/v1/"):
+        keys = self.keys() if scope["type"] == "http" else None
+        path = scope.get("path", "")
+        if not keys or not (path.startswith("/v1/") or path in OPERATOR_PATHS):
             await self.app(scope, receive, send)
             return
         key = bearer_token(Headers(scope=scope).get("authorization", ""))
-        spec = self.keys.get(key)
+        spec = keys.get(key)
+        if path in OPERATOR_PATHS and (spec is not None or self._is_admin(key)):
+            await self.app(scope, receive, send)
+            return
         if spec is None:
             error = APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                              code="invalid_api_key")
@@ -172,25 +186,79 @@ class ApiKeyMiddleware:
         if not limits.any or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        refusal = self.limiter.admit(key, limits, self.clock())
-        if refusal is not None:
-            error = APIError(429, f"rate limit: this API key is over its {refusal.limit}={refusal.value}",
-                             code="rate_limit_exceeded", retry_after_s=refusal.retry_after_s)
-            await error_response(error)(scope, receive, send)
-            return
-        await self._run_charged(key, limits, scope, receive, send)
+        await self._run_limited(key, limits, scope, receive, send)
 
-    async def _run_charged(self, key: str, limits: KeyLimits, scope: Scope, receive: Receive, send: Send) -> None:
-        if limits.tokens_per_minute is None:
+    def _is_admin(self, key: str) -> bool:
+        token = self.admin_token()
+        return token is not None and token != "" and hmac.compare_digest(key.encode(), token.encode())
+
+    async def _run_limited(self, key: str, limits: KeyLimits, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = LIMITED_ENDPOINTS.get(scope["path"])
+        estimate, body = None, b""
+        if limits.tokens_per_minute is not None and endpoint is not None:
+            body, receive = await _buffered(receive)
+            try:
+                estimate = estimate_tokens(endpoint, parse_json_object(body))
+            except APIError as error:  # not JSON: the request fails here exactly as it would further in
+                await error_response(error)(scope, receive, send)
+                return
+        reserved = 0 if estimate is None else estimate.total
+        refusal = self.limiter.admit(key, limits, self.clock(), reserved)
+        if refusal is not None:
+            await error_response(_rate_limited(refusal))(scope, receive, send)
+            return
+        if estimate is None:
             await self.app(scope, receive, send)
             return
         tap = ReplyTap()
-
         try:
             await self.app(scope, receive, tap.wrap(send))
         finally:
-            prompt, output, _ = tap.counts()
-            self.limiter.charge_tokens(key, limits, self.clock(), (prompt or 0) + (output or 0))
+            self.limiter.settle(key, limits, self.clock(), reserved, _tokens_used(tap, estimate))
+
+
+OPERATOR_PATHS = frozenset({"/metrics", "/health/models"})
+LIMITED_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+
+
+def _rate_limited(refusal: Refusal) -> APIError:
+    if refusal.needed is not None:
+        return APIError(429, f"rate limit: this request needs an estimated {refusal.needed} tokens (its prompt and "
+                             f"max_tokens), more than this API key's {refusal.limit}={refusal.value}",
+                        code="rate_limit_exceeded", retry_after_s=refusal.retry_after_s)
+    return APIError(429, f"rate limit: this API key is over its {refusal.limit}={refusal.value}",
+                    code="rate_limit_exceeded", retry_after_s=refusal.retry_after_s)
+
+
+def _tokens_used(tap: ReplyTap, estimate: TokenEstimate) -> int:
+    """What a finished request cost: its reply's usage; for a stream without one, its prompt as the replica
+    counted it (or as estimated) plus its content events; nothing for a refusal."""
+    prompt, output, source = tap.counts()
+    if source == "none":
+        return 0 if tap.status >= 400 or tap.status == 0 else estimate.total
+    return (estimate.prompt if prompt is None else prompt) + (output or 0)
+
+
+async def _buffered(receive: Receive) -> tuple[bytes, Receive]:
+    """The whole request body, and a `receive` that hands it to the app again before any later message."""
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body, replayed = b"".join(parts), False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return body, replay
 
 
 def parse_api_keys(raw: str | None) -> dict[str, ApiKey]:

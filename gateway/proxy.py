@@ -16,11 +16,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway.metrics import GatewayMetrics
+from gateway.request_body import parse_json_object
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Replica
 from model_pool.schema import ModelSpec
+from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.errors import APIError, error_payload
+from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER
 
 log = structlog.get_logger(__name__)
 
@@ -100,22 +103,31 @@ class Forwarder:
 
     async def forward(self, request: Request, endpoint: str) -> Response:
         start = self.clock()
-        payload, body = await _read_json(request)
+        body = await request.body()
+        payload = parse_json_object(body)
         spec = self._target(request, payload, endpoint)
         stream = payload.get("stream") is True
         state = request.scope.setdefault("state", {})
         state.setdefault("log", {})["model"] = spec.name
         status = "error"
         timeout_s = spec.policy.request_timeout_s
-        try:
-            call = self._forward_with_context_fallbacks(request, spec, endpoint, payload, body, stream, start)
+
+        async def call() -> Response:
+            forwarding = self._forward_with_context_fallbacks(request, spec, endpoint, payload, body, stream, start)
             if timeout_s is None:
-                response = await call
-            else:  # the whole request: queueing, retries and (for streams) the first byte
-                try:
-                    response = await asyncio.wait_for(call, timeout_s)
-                except TimeoutError:
-                    raise _timeout(spec.name, timeout_s) from None
+                return await forwarding
+            try:  # the whole request: queueing, retries and (for streams) the first byte
+                return await asyncio.wait_for(forwarding, timeout_s)
+            except TimeoutError:
+                raise _timeout(spec.name, timeout_s) from None
+
+        try:
+            # A client that leaves before the reply (or a stream's first byte) cancels the call: the connection to
+            # the replica closes and the replica aborts the request. A started stream is watched by Starlette.
+            response = await until_disconnect(request, call)
+            if response is None:
+                status = str(CLIENT_CLOSED_REQUEST)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
             status = str(response.status_code)
             return response
         except APIError as err:
@@ -212,7 +224,7 @@ class Forwarder:
     async def _send(self, request: Request, replica: Replica, endpoint: str, content: bytes, stream: bool,
                     call: _Call) -> Response:
         headers = {"content-type": "application/json",
-                   "x-request-id": request.scope.get("state", {}).get("request_id", "")}
+                   "x-request-id": request.scope.get("state", {}).get("request_id", ""), **replica.auth_headers()}
         # the replica classifies the request's lane (policies/classify.py): the body's priority, else this
         # header, which carries the client's own or else its API key's default
         lane = request.headers.get("x-priority") or request.scope.get("state", {}).get("key_priority")
@@ -236,8 +248,12 @@ class Forwarder:
                 await response.aclose()
                 raise self._fail(replica, f"stream broke before the first byte: {err!r}") from err
             handed_over = True
+            headers = {"cache-control": "no-cache"}
+            prompt_tokens = response.headers.get(PROMPT_TOKENS_HEADER, "")
+            if prompt_tokens.isdigit() and len(prompt_tokens) < 12:  # for the key's token limit and the traffic log
+                headers[PROMPT_TOKENS_HEADER] = prompt_tokens
             return StreamingResponse(self._relay(first, chunks, response, replica, call),
-                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+                                     media_type="text/event-stream", headers=headers)
         finally:
             if not handed_over:
                 replica.outstanding -= 1
@@ -249,7 +265,7 @@ class Forwarder:
             raise self._fail(replica, f"timed out: {err!r}", timeout=True) from err
         except UpstreamError as err:
             raise self._fail(replica, f"connection failed: {err!r}") from err
-        if response.status_code >= 500:
+        if response.status_code >= 500 and response.headers.get(ERROR_SCOPE_HEADER) != "request":
             await response.aclose()
             raise self._fail(replica, f"answered {response.status_code}")
         if response.status_code == 429:
@@ -262,7 +278,7 @@ class Forwarder:
         try:
             return await response.aread()
         except UpstreamError as err:
-            raise self._fail(replica, f"reply broke: {err!r}") from err
+            raise self._fail(replica, f"reply broke: {err!r}", timeout=isinstance(err, UpstreamTimeout)) from err
         finally:
             await response.aclose()
 
@@ -372,14 +388,3 @@ def _timeout(model: str, timeout_s: float) -> APIError:
 
 def _error_event(error: APIError) -> bytes:
     return f"data: {json.dumps(error_payload(error))}\n\ndata: [DONE]\n\n".encode()
-
-
-async def _read_json(request: Request) -> tuple[dict[str, Any], bytes]:
-    body = await request.body()
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
-    if not isinstance(payload, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return payload, body

@@ -17,19 +17,20 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
-from gateway.app import GatewayState, build_gateway
+from gateway.app import GatewayState, build_gateway, gateway_config_problems, secret_env_names
 from gateway.httpclient import KeepAliveClient
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import parse_api_keys
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.traffic import TrafficRecorder
 from gateway.upstream import ByScheme, HttpxUpstream
+from model_pool.errors import Problem
 from model_pool.launcher import LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
-from model_pool.schema import ModelSpec, Registry, TrafficLogConfig
-from model_pool.store import RegistryError, RegistryStore
+from model_pool.schema import GatewayConfig, ModelSpec, Registry, TrafficLogConfig
+from model_pool.store import RegistryDiff, RegistryError, RegistryStore
 from model_pool.watch import RegistryWatcher
 from partitioner.placer import ReplicaPlacer, arbiter_dir
+from runtimes.server.http_guard import guarded_config
 
 log = structlog.get_logger(__name__)
 
@@ -47,8 +48,8 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     # Connections to replicas are kept alive and pooled; no timeout here: each request sets its own.
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=None)
     placer = placer or default_placer(lambda: store.registry, env)
-    pool = ModelPool({"local": LocalLauncher(log_dir=log_dir), "url": UrlLauncher()}, http, pool_settings,
-                     env_for=placer)
+    launcher = LocalLauncher(log_dir=log_dir, env_drop=lambda: secret_env_names(store.registry.gateway))
+    pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, pool_settings, env_for=placer)
     metrics = GatewayMetrics(pool)
     metrics.add_time_shares(placer.shares)
 
@@ -63,10 +64,10 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     # the request hop: plain http:// replicas over the lean keep-alive client, others (https) through httpx
     upstream = ByScheme(KeepAliveClient(), HttpxUpstream(http))
     forwarder = Forwarder(pool, resolve, known, upstream, metrics, proxy_settings)
-    api_keys = parse_api_keys(env.get(gateway_cfg.api_keys_env)) if gateway_cfg.api_keys_env else {}
-    return GatewayState(store=store, pool=pool, forwarder=forwarder, metrics=metrics,
-                        admin_token=env.get(gateway_cfg.admin_token_env) or None, api_keys=api_keys,
-                        started_at=time.time(), traffic=_traffic_recorder(gateway_cfg.traffic))
+    state = GatewayState(store=store, pool=pool, forwarder=forwarder, metrics=metrics, admin_token=None, api_keys={},
+                         started_at=time.time(), traffic=_traffic_recorder(gateway_cfg.traffic), env=env)
+    state.apply_gateway_config(gateway_cfg)
+    return state
 
 
 def _traffic_recorder(cfg: TrafficLogConfig) -> TrafficRecorder | None:
@@ -86,8 +87,10 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
         await state.pool.apply(state.store.registry)
         applying: set[asyncio.Task[None]] = set()
 
-        def on_change(diff: object) -> None:
-            log.info("registry_applied", version=state.store.version, diff=getattr(diff, "as_dict", dict)())
+        def on_change(diff: RegistryDiff) -> None:
+            log.info("registry_applied", version=state.store.version, diff=diff.as_dict())
+            if diff.gateway_changed:
+                state.apply_gateway_config(state.store.registry.gateway)
             task = asyncio.create_task(state.pool.apply(state.store.registry))
             applying.add(task)
             task.add_done_callback(applying.discard)
@@ -121,17 +124,31 @@ def run_serve(config: str | Path, host: str | None = None, port: int | None = No
     # The placer reads the registry from the store, and the store asks the placer whether each registry (the
     # first, and every edit) can be placed on this host: an infeasible one is refused like an invalid one.
     placer = default_placer(lambda: store.registry, env)
+    running: list[GatewayConfig] = []  # the gateway section it started with, once the first registry is read
+
+    def check(registry: Registry) -> list[Problem]:
+        problems = list(placer.problems(registry))
+        if running:  # an edit: some gateway fields cannot change while it runs
+            problems += gateway_config_problems(running[0], registry.gateway, env)
+        return problems
+
     try:
-        store = RegistryStore(config, check=placer.problems)
+        store = RegistryStore(config, check=check)
     except RegistryError as err:
         print(f"error: {err}")
         return 2
     cfg = store.registry.gateway
-    state = make_state(store, log_dir=Path(env.get("MULTISERVE_LOG_DIR", ".multiserve/logs")), env=env,
-                       placer=placer)
+    running.append(cfg)
+    try:
+        state = make_state(store, log_dir=Path(env.get("MULTISERVE_LOG_DIR", ".multiserve/logs")), env=env,
+                           placer=placer)
+    except ValueError as err:  # API keys that do not parse
+        print(f"error: gateway.api_keys_env: {err}")
+        return 2
     app = build_gateway(state, lifespan=lifespan_for(state), max_body_bytes=cfg.max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port,
-                                           log_level="warning", lifespan="on", timeout_graceful_shutdown=30))
+    server = uvicorn.Server(guarded_config(app, host=host or cfg.host, port=cfg.port if port is None else port,
+                                           limits=cfg.http, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=30))
     # uvicorn handles SIGTERM/SIGINT (stop accepting, finish in-flight requests, then our lifespan stops the
     # pool), then re-raises the signal to the handler it found: make that a clean exit with status 0.
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -4,8 +4,9 @@ and `multiserve plan-capacity` read it (bench/profile.py).
 
 Token counts come from the reply itself, as it passes through: `usage` of a whole JSON reply, or of the last chunk
 of a stream that asked for `stream_options.include_usage`; a stream without usage gets its output counted as its
-content events (`usage: "counted"`, no prompt count). The lane is the one the replica would pick
-(policies/classify.py) from the request's priority, X-Priority header and lengths.
+content events (`usage: "counted"`) and its prompt count from the `x-multiserve-prompt-tokens` header our replicas
+send. The lane is the one the replica would pick (policies/classify.py) from the request's priority, X-Priority
+header and lengths.
 
 Off unless the registry's `gateway.traffic.path` is set. The file rotates by size (`path` → `path.1` → … →
 `path.<backups>`, the oldest dropped), so it stays under (backups + 1) × max_bytes.
@@ -25,6 +26,7 @@ import structlog
 
 from policies.classify import LaneThresholds, classify
 from policies.multilevel import LANES
+from runtimes.server.wire import PROMPT_TOKENS_HEADER
 
 log = structlog.get_logger(__name__)
 
@@ -93,12 +95,15 @@ class ReplyTap:
         self.prompt_tokens: int | None = None
         self.output_tokens: int | None = None
         self.num_content_events = 0
+        self.header_prompt_tokens: int | None = None
         self.buffer = b""
 
     def start(self, message: Message) -> None:
         self.status = int(message["status"])
         headers = dict(message.get("headers") or [])
         self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        prompt = headers.get(PROMPT_TOKENS_HEADER.encode(), b"")
+        self.header_prompt_tokens = int(prompt) if prompt.isdigit() and len(prompt) < 12 else None
 
     def wrap(self, send: Send) -> Send:
         """`send`, with every reply message shown to this tap on the way out."""
@@ -137,7 +142,7 @@ class ReplyTap:
         if self.output_tokens is not None:
             return self.prompt_tokens, self.output_tokens, "reported"
         if self.stream:
-            return None, self.num_content_events, "counted"
+            return self.header_prompt_tokens, self.num_content_events, "counted"
         return None, None, "none"
 
 

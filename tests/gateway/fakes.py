@@ -31,14 +31,14 @@ from model_pool.pool import ModelPool, PoolSettings
 from model_pool.store import RegistryStore
 
 BEHAVIOURS = frozenset({"ok", "down", "error500", "error400", "hang", "break_midstream", "break_at_start", "not_ready",
-                        "overloaded", "slow", "stall_midstream", "context"})
+                        "overloaded", "slow", "stall_midstream", "context", "request_fault", "timeout_midbody"})
 SLOW_S = 30.0  # how long a "slow" replica takes (real time: the gateway's deadline must cut it short)
 NUM_STREAM_CHUNKS = 4  # content chunks a streaming reply carries before `data: [DONE]`
 ADMIN_TOKEN = "admin-secret"
 
 REGISTRY = """\
 # Gateway test registry: keep this comment.
-gateway: {host: 127.0.0.1, port: 0, max_body_bytes: 2048}
+gateway: {host: 127.0.0.1, port: 0, model_roots: [/], max_body_bytes: 2048}
 
 models:
   # the main chat model
@@ -140,6 +140,7 @@ class FakeReplicas:
         self.behaviours: dict[str, str] = {}  # host -> behaviour; absent means "ok"
         self.requests: Counter[str] = Counter()  # host -> POSTs received (whatever the behaviour)
         self.probes: Counter[str] = Counter()  # host -> GET /ready received
+        self.probe_auth: list[str | None] = []  # the Authorization header of each probe
         self.received: list[Received] = []
         self.streams: list[ChunkStream] = []
         self.on_request: Callable[[Received], None] | None = None  # called as each POST arrives
@@ -162,6 +163,7 @@ class FakeReplicas:
         behaviour = self.behaviours.get(host, "ok")
         if request.url.path == "/ready":
             self.probes[host] += 1
+            self.probe_auth.append(request.headers.get("authorization"))
             return self._refuse(request, behaviour) or httpx.Response(200, json={"status": "ready"})
         self.requests[host] += 1
         body = json.loads(request.content)
@@ -193,6 +195,13 @@ class FakeReplicas:
                                                        "param": None, "code": None}})
         if behaviour == "not_ready":
             return httpx.Response(503, json={"status": "loading"})
+        if behaviour == "request_fault" and request.url.path != "/ready":  # one request's fault, marked so
+            return httpx.Response(500, headers={"x-multiserve-error-scope": "request"}, json={"error": {
+                "message": "the engine failed while serving this request (error id err-1)",
+                "type": "internal_server_error", "param": None, "code": "request_failed"}})
+        if behaviour == "timeout_midbody" and request.url.path != "/ready":  # the head came, the body stalls
+            return httpx.Response(200, headers={"content-type": "application/json"}, stream=ChunkStream(
+                [b'{"id": "chatcmpl-fake", '], httpx.ReadTimeout(f"{host}: body stalled", request=request)))
         if behaviour == "overloaded" and request.url.path != "/ready":
             return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {
                 "message": "the replica is overloaded", "type": "rate_limit_error", "param": None,
@@ -217,7 +226,8 @@ class FakeReplicas:
             chunks, error = [], httpx.ReadError(f"{host}: connection reset before the first byte")
         stream = ChunkStream(chunks, error, stall_after=2 if behaviour == "stall_midstream" else None)
         self.streams.append(stream)
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+        return httpx.Response(200, headers={"content-type": "text/event-stream", "x-multiserve-prompt-tokens": "3"},
+                              stream=stream)
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -260,6 +270,7 @@ class FakeHandle:
     request: LaunchRequest = field(repr=False)
     pid: int | None = None  # a made-up process id, distinct per start
     exit: int | None = None  # set it to simulate a crash
+    token: str | None = None  # what requests to it carry (FakeLauncher gives each start its own)
     stop_timeouts: list[float] = field(default_factory=list)
 
     @property
@@ -285,7 +296,8 @@ class FakeLauncher:
         self.handles: list[FakeHandle] = []
 
     async def start(self, request: LaunchRequest) -> FakeHandle:
-        handle = FakeHandle(f"http://fake-{request.model}-{request.index}:80", request, pid=40000 + len(self.handles))
+        handle = FakeHandle(f"http://fake-{request.model}-{request.index}:80", request, pid=40000 + len(self.handles),
+                            token=f"token-{len(self.handles)}")
         self.handles.append(handle)
         return handle
 

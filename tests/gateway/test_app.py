@@ -209,11 +209,35 @@ def test_api_keys_guard_the_openai_endpoints(with_gateway):
             assert error_of(response)["code"] == "invalid_api_key"
         assert (await gw.client.get("/v1/models")).status_code == 401
         assert (await gw.client.post("/v1/chat/completions", json=chat(), headers=bearer("k1"))).status_code == 200
-        assert (await gw.client.get("/health")).status_code == 200  # health and metrics need no key
-        assert (await gw.client.get("/metrics")).status_code == 200
+        assert (await gw.client.get("/health")).status_code == 200  # liveness and readiness need no key
+        assert (await gw.client.get("/ready")).status_code == 200
+        for path in ("/metrics", "/health/models"):  # what operators see needs a key or the admin token
+            assert (await gw.client.get(path)).status_code == 401
+            assert (await gw.client.get(path, headers=bearer("wrong"))).status_code == 401
+            assert (await gw.client.get(path, headers=bearer("k2"))).status_code == 200
+            assert (await gw.client.get(path, headers=bearer(ADMIN_TOKEN))).status_code == 200
         assert gw.replicas.count("alpha/0") + gw.replicas.count("alpha/1") == 1
 
     with_gateway(scenario, api_keys=KEYS)
+
+
+def test_url_credentials_never_show_in_health_or_metrics(with_gateway):
+    registry = REGISTRY + """
+  - name: remote
+    type: chat
+    launcher: url
+    urls: [http://svc-user:s3cret-pass@fake-remote-0:80]
+    replicas: 1
+"""
+
+    async def scenario(gw: FakeGateway) -> None:
+        health = (await gw.client.get("/health/models")).text
+        metrics = (await gw.client.get("/metrics")).text
+        assert "fake-remote-0" in health and "s3cret" not in health and "svc-user" not in health
+        assert "s3cret" not in metrics
+        assert gw.pool.group("remote").replicas[0].display_url == "http://***@fake-remote-0:80"
+
+    with_gateway(scenario, registry_text=registry)
 
 
 def test_a_key_limited_to_some_models_sees_only_those(with_gateway):

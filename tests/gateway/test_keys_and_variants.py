@@ -3,6 +3,8 @@ tokens/min limits (429 with Retry-After). And the context-window fallback."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.middleware import ApiKey, parse_api_keys
@@ -18,6 +20,7 @@ KEYS = {
     "staff": ApiKey(tenant="internal"),
     "metered": ApiKey(requests_per_minute=2),
     "tokens": ApiKey(tokens_per_minute=6),
+    "tokens10": ApiKey(tokens_per_minute=10),
 }
 VARIANTS = REGISTRY.replace("    fallbacks: [beta]\n", "    fallbacks: [beta]\n    variants: {internal: beta}\n")
 
@@ -60,15 +63,52 @@ def test_requests_per_minute_is_a_429_naming_the_limit(with_gateway):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_tokens_per_minute_is_charged_from_the_replys_usage(with_gateway, stream):
+def test_tokens_per_minute_reserves_before_and_charges_the_replys_usage(with_gateway, stream):
     async def scenario(gw: FakeGateway) -> None:
-        body = chat(stream=stream, stream_options={"include_usage": True}) if stream else chat()
+        # "hi" is 1 token + 4 for the message, plus max_tokens 1: 6 tokens reserved, all of the budget
+        body = chat(max_tokens=1, **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}))
         first = await gw.client.post("/v1/chat/completions", json=body, headers=bearer("tokens"))
-        assert first.status_code == 200  # the budget of 6 was full; this reply used 5 (fake usage) or 4 chunks
-        second = await gw.client.post("/v1/chat/completions", json=body, headers=bearer("tokens"))
-        assert second.status_code == 200  # 1-2 tokens left: still admitted, now in debt
+        assert first.status_code == 200  # the reply used 5 (its usage) or 3 + 4 chunks (prompt + content events)
         refused = await gw.client.post("/v1/chat/completions", json=body, headers=bearer("tokens"))
         assert refused.status_code == 429 and "tokens_per_minute=6" in error_of(refused)["message"]
+        assert len(gw.replicas.received) == 1
+
+    with_gateway(scenario, api_keys=KEYS)
+
+
+def test_concurrent_requests_cannot_all_slip_under_the_token_limit(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set_all(["alpha/0", "alpha/1"], "slow")
+        body = chat(max_tokens=1)  # reserves 6 of the key's 10
+        first = asyncio.create_task(gw.client.post("/v1/chat/completions", json=body, headers=bearer("tokens10")))
+        while not gw.replicas.received:
+            await asyncio.sleep(0.01)
+        second = await gw.client.post("/v1/chat/completions", json=body, headers=bearer("tokens10"))
+        assert second.status_code == 429  # the first one's reservation is still held
+        assert second.headers["retry-after"] == "12"  # 2 more tokens at 10 per minute
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    with_gateway(scenario, api_keys=KEYS)
+
+
+def test_a_stream_without_usage_is_charged_its_prompt_too(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        stream = chat(max_tokens=1, stream=True)  # no include_usage: 3 prompt tokens (header) + 4 content events
+        assert (await gw.client.post("/v1/chat/completions", json=stream, headers=bearer("tokens10"))).status_code \
+            == 200
+        refused = await gw.client.post("/v1/chat/completions", json=chat(max_tokens=1), headers=bearer("tokens10"))
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "18"  # 10 - 7 = 3 left, 6 needed
+
+    with_gateway(scenario, api_keys=KEYS)
+
+
+def test_a_request_larger_than_the_whole_budget_is_refused_outright(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        refused = await gw.client.post("/v1/chat/completions", json=chat(max_tokens=100), headers=bearer("tokens"))
+        assert refused.status_code == 429
+        assert "needs an estimated 105 tokens" in error_of(refused)["message"] and not gw.replicas.received
 
     with_gateway(scenario, api_keys=KEYS)
 

@@ -38,7 +38,7 @@ def test_records_usage_of_replies_and_counts_streams_without_usage(with_gateway,
     assert first["lane"] == "interactive"  # 3 prompt tokens, max_tokens 16: short both ways
     assert first["end_s"] >= first["start_s"] > 0
     assert (stream["stream"], stream["output_tokens"], stream["usage"]) == (True, NUM_STREAM_CHUNKS, "counted")
-    assert stream["prompt_tokens"] is None and stream["lane"] is None
+    assert stream["prompt_tokens"] == 3 and stream["lane"] == "normal"  # prompt size from a header; no max_tokens
     assert completion["lane"] == "background"  # its priority says so
 
 
