@@ -19,7 +19,15 @@ import httpx
 
 
 class UpstreamError(Exception):
-    """The replica could not be reached, or its reply broke off or was not HTTP."""
+    """The replica could not be reached, or its reply broke off or was not HTTP.
+
+    `maybe_sent` says whether the replica may have received the request: False only where it cannot have (no
+    connection was made), so that a caller that must not run a request twice knows when resending is safe.
+    """
+
+    def __init__(self, message: str, *, maybe_sent: bool = True) -> None:
+        super().__init__(message)
+        self.maybe_sent = maybe_sent
 
 
 class UpstreamTimeout(UpstreamError):

@@ -1,10 +1,12 @@
 """The gateway's keep-alive HTTP/1.1 client against a real server on 127.0.0.1 whose replies each test scripts
 byte by byte: whole and streamed replies, connection reuse, aborts the server can see, timeouts, stale idle
-connections and broken replies."""
+connections, requests never sent twice, broken or unframed replies, bytes after a reply, and credentials in
+the URL. Limits on what a replica may send are in test_httpclient_limits.py."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from gateway.httpclient import KeepAliveClient
 from gateway.upstream import Timeouts, UpstreamError, UpstreamTimeout
 
 TIMEOUTS = Timeouts(connect_s=2.0, read_s=5.0)
+QUICK = Timeouts(connect_s=1.0, read_s=1.0)  # for a step that must not be what waits
 JSON_REPLY = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{\"ok\":true}"
 
 # a scripted reply: writes to the connection, returns whether to keep it open for another request
@@ -23,10 +26,12 @@ Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
 
 @dataclass
 class Seen:
-    """What the server saw: connections accepted, requests (path, headers, body), clients that left early."""
+    """What the server saw: connections accepted, requests (path, headers, body) and their heads as sent,
+    clients that left early."""
 
     num_connections: int = 0
     requests: list[tuple[str, dict[str, str], bytes]] = field(default_factory=list)
+    heads: list[str] = field(default_factory=list)
     num_client_closed: int = 0
 
 
@@ -39,15 +44,17 @@ async def serve(scripts: dict[str, Script], seen: Seen | None = None) -> AsyncIt
         try:
             keep = True
             while keep:
-                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+                text = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+                seen.heads.append(text)
+                head = text.split("\r\n")
                 path = head[0].split(" ")[1]
                 headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in head[1:] if line)}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 seen.requests.append((path, headers, body))
                 keep = await scripts[path](reader, writer)
                 await writer.drain()
-        except asyncio.IncompleteReadError:
-            pass  # the client closed an idle connection
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed the connection (with unread bytes, a reset)
         finally:
             writer.close()
 
@@ -72,8 +79,11 @@ def wait_for_client_to_leave(seen: Seen) -> Script:
     """A script that answers nothing more and counts the client closing the connection."""
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        if await reader.read(1) == b"":
-            seen.num_client_closed += 1
+        try:
+            left = await reader.read(1) == b""
+        except ConnectionError:  # it closed with bytes of ours unread
+            left = True
+        seen.num_client_closed += left
         return False
 
     return script
@@ -181,6 +191,7 @@ def test_a_refused_connection_is_an_upstream_error():
         with pytest.raises(UpstreamError, match=r"connecting to 127\.0\.0\.1:\d+ failed") as info:
             await KeepAliveClient().post(url + "/v1/chat", b"{}", {}, TIMEOUTS)
         assert not isinstance(info.value, UpstreamTimeout)
+        assert not info.value.maybe_sent  # no connection, so the request cannot have reached the replica
 
     run(scenario)
 
@@ -239,16 +250,41 @@ def test_a_broken_reply_is_an_upstream_error(sent, says):
     run(scenario)
 
 
-def test_a_body_delimited_by_the_connection_closing_is_read_whole():
+@pytest.mark.parametrize("framing", [b"", b"transfer-encoding: gzip\r\n", b"transfer-encoding: chunked, gzip\r\n"])
+def test_a_reply_that_would_end_only_when_the_connection_closes_is_refused(framing):
     async def old_style(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
-        return False
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n" + framing + b"\r\nall of it")
+        return False  # a cut reply would look just the same
 
     async def scenario() -> None:
         async with serve({"/o": old_style}) as (url, _):
             client = KeepAliveClient()
-            assert await (await client.post(url + "/o", b"{}", {}, TIMEOUTS)).aread() == b"all of it"
+            with pytest.raises(UpstreamError, match="neither content-length nor chunked"):
+                await (await client.post(url + "/o", b"{}", {}, TIMEOUTS)).aread()
             await client.aclose()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("sent", "status", "body"), [
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n" + JSON_REPLY, 200,
+     b'{"ok":true}'),
+    (b"HTTP/1.1 204 No Content\r\n\r\n", 204, b""),
+])
+def test_interim_replies_and_a_reply_without_a_body_are_read_and_keep_the_connection(sent, status, body):
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(sent)
+        return True
+
+    async def scenario() -> None:
+        async with serve({"/a": answer}) as (url, seen):
+            client = KeepAliveClient()
+            for _ in range(2):
+                reply = await client.post(url + "/a", b"{}", {}, TIMEOUTS)
+                assert (reply.status_code, await reply.aread()) == (status, body)
+                assert "link" not in reply.headers  # an interim reply's headers are not the reply's
+            await client.aclose()
+        assert seen.num_connections == 1
 
     run(scenario)
 
@@ -276,5 +312,126 @@ def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent():
     async def scenario() -> None:
         with pytest.raises(ValueError, match="line breaks"):
             await KeepAliveClient().post("http://127.0.0.1:9/v1", b"{}", {"x-priority": "1\r\nx-evil: 1"}, TIMEOUTS)
+
+    run(scenario)
+
+
+def test_a_request_the_server_read_before_dropping_the_connection_is_not_sent_again():
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        return False  # reads the request, answers nothing, closes the kept-alive connection
+
+    async def scenario() -> None:
+        async with serve({"/w": whole, "/drop": drop}) as (url, seen):
+            client = KeepAliveClient()
+            assert await (await client.post(url + "/w", b"{}", {}, TIMEOUTS)).aread() == b'{"ok":true}'
+            with pytest.raises(UpstreamError) as info:
+                await asyncio.wait_for(client.post(url + "/drop", b"{}", {}, TIMEOUTS), 1.0)
+            await asyncio.sleep(0.05)  # room for a resend to arrive, were there one
+            await client.aclose()
+        assert [path for path, _, _ in seen.requests] == ["/w", "/drop"]
+        assert "closed the connection before any byte of its reply" in str(info.value)
+        assert info.value.maybe_sent
+
+    run(scenario)
+
+
+STALE_REPLY = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstale"
+
+
+@pytest.mark.parametrize("after", [STALE_REPLY, b"junk"])
+def test_bytes_after_a_reply_in_the_same_read_close_its_connection(after):
+    async def answer_and_more(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(JSON_REPLY + after)
+        return True
+
+    async def scenario() -> None:
+        async with serve({"/more": answer_and_more, "/w": whole}) as (url, seen):
+            client = KeepAliveClient()
+            assert await (await client.post(url + "/more", b"{}", {}, TIMEOUTS)).aread() == b'{"ok":true}'
+            reply = await asyncio.wait_for(client.post(url + "/w", b"{}", {}, TIMEOUTS), 1.0)
+            assert await reply.aread() == b'{"ok":true}'
+            await client.aclose()
+        assert seen.num_connections == 2
+
+    run(scenario)
+
+
+@pytest.mark.timeout(5)  # the events below are awaited without wait_for, which would add a loop turn
+@pytest.mark.parametrize("meanwhile", ["closes it", "sends a stale reply"])
+def test_an_idle_connection_that_changed_just_before_reuse_is_not_written_to(meanwhile):
+    async def scenario() -> None:
+        has_reply, changed = asyncio.Event(), asyncio.Event()
+
+        async def answer_then_change(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+            writer.write(JSON_REPLY)
+            await has_reply.wait()
+            if meanwhile == "closes it":
+                writer.write_eof()  # with nothing buffered, the FIN leaves now, not a loop turn later
+            else:
+                writer.write(STALE_REPLY)  # a reply to no request, as a desynchronised replica would send
+            changed.set()
+            return meanwhile != "closes it"
+
+        async with serve({"/first": answer_then_change, "/w": whole}) as (url, seen):
+            client = KeepAliveClient()
+            await (await client.post(url + "/first", b"{}", {}, TIMEOUTS)).aread()
+            has_reply.set()
+            await changed.wait()
+            # at once, in this task (wait_for would start another): the loop has not yet read what came, only a
+            # look at the socket can tell
+            reply = await client.post(url + "/w", b"{}", {}, QUICK)
+            assert await reply.aread() == b'{"ok":true}'
+            await client.aclose()
+        assert seen.num_connections == 2
+
+    run(scenario)
+
+
+def test_a_malformed_reply_closes_its_connection_even_when_the_server_keeps_it():
+    async def scenario() -> None:
+        seen = Seen()
+
+        async def bad_chunk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n")
+            return await wait_for_client_to_leave(seen)(reader, writer)
+
+        async with serve({"/bad": bad_chunk}, seen) as (url, _):
+            client = KeepAliveClient()
+            with pytest.raises(UpstreamError, match="not valid HTTP"):
+                await (await client.post(url + "/bad", b"{}", {}, TIMEOUTS)).aread()
+            await asyncio.sleep(0.05)
+            await client.aclose()
+        assert seen.num_client_closed == 1
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("userinfo", "user_pass"), [
+    ("us%40er:p%3Ass%20w@", b"us@er:p:ss w"),
+    ("bot@", b"bot:"),
+])
+def test_credentials_in_the_url_go_in_an_authorization_header_and_not_in_host(userinfo, user_pass):
+    async def scenario() -> None:
+        async with serve({"/a": whole}) as (url, seen):
+            client = KeepAliveClient()
+            address = url.removeprefix("http://")
+            await (await client.post(f"http://{userinfo}{address}/a", b"{}", {}, TIMEOUTS)).aread()
+            await client.aclose()
+        _, headers, _ = seen.requests[0]
+        assert headers["host"] == address
+        assert headers["authorization"] == "Basic " + base64.b64encode(user_pass).decode()
+
+    run(scenario)
+
+
+def test_the_callers_own_authorization_header_is_the_one_sent():
+    async def scenario() -> None:
+        async with serve({"/a": whole}) as (url, seen):
+            client = KeepAliveClient()
+            credentialed = url.replace("http://", "http://user:secret@")
+            await (await client.post(credentialed + "/a", b"{}", {"Authorization": "Bearer mine"}, TIMEOUTS)).aread()
+            await client.aclose()
+        assert seen.heads[0].lower().count("authorization:") == 1
+        assert seen.requests[0][1]["authorization"] == "Bearer mine"
 
     run(scenario)
