@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from model_pool.launcher import free_port
+from runtimes.server.wire import REPLICA_TOKEN_ENV
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 ADMIN_TOKEN = "e2e-admin-token"
@@ -31,6 +32,20 @@ models:
     device: cpu
     engine: {{block_size: 16, kv_cache_gib: 0.02, max_model_len: 512, max_num_seqs: 32}}
 """
+
+
+def replica_token(pid: int) -> str:
+    """The launch token of the worker process `pid`, read as its own user may from /proc (the gateway passed it in
+    the worker's environment; every request to the worker but its probes must carry it)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    prefix = f"{REPLICA_TOKEN_ENV}=".encode()
+    return next(entry[len(prefix):].decode() for entry in environ if entry.startswith(prefix))
+
+
+def replica_get(replica: dict, path: str) -> httpx.Response:
+    """GET `path` from a worker, as its gateway does; `replica` is its entry in the gateway's /health/models."""
+    headers = {"authorization": f"Bearer {replica_token(replica['pid'])}"}
+    return httpx.get(f"{replica['url']}{path}", headers=headers, timeout=10)
 
 
 def children_of(pid: int) -> list[int]:

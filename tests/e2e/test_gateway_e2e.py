@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import ADMIN_TOKEN, Gateway, children_of
+from tests.e2e.conftest import ADMIN_TOKEN, Gateway, children_of, replica_get
 
 pytestmark = pytest.mark.slow
 
@@ -200,7 +200,7 @@ def _gauge_on_replicas(gateway: Gateway, name: str, label: str = "") -> float:
     """Sum of a metric over the replicas of tiny-chat, read from each worker's own /metrics."""
     total = 0.0
     for replica in _replicas(gateway):
-        text = httpx.get(f"{replica['url']}/metrics", timeout=10).text
+        text = replica_get(replica, "/metrics").text
         total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                      if line.startswith(name) and label in line)
     return total

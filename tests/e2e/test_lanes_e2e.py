@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model_pool.launcher import free_port
-from tests.e2e.conftest import Gateway, running_gateway
+from tests.e2e.conftest import Gateway, replica_get, running_gateway
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 MODEL = """\
@@ -90,7 +90,7 @@ async def _scenario(gateway: Gateway, model: str) -> tuple[list[float], list[flo
 
 def _replica_gauges(gateway: Gateway, model: str) -> dict[str, float]:
     replicas = httpx.get(f"{gateway.url}/health/models", timeout=10).json()["models"][model]["replicas"]
-    text = httpx.get(f"{replicas[0]['url']}/metrics", timeout=10).text
+    text = replica_get(replicas[0], "/metrics").text
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
             if s.name in ("multiserve_kv_blocks_used", "multiserve_num_requests_running",
                           "multiserve_num_requests_waiting")}
