@@ -15,7 +15,7 @@ import structlog
 
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
-from runtimes.llm.sampling_params import OverloadedError, SamplingParams
+from runtimes.llm.sampling_params import OverloadedError, RequestFailedError, SamplingParams
 from runtimes.server.metrics import ServerMetrics
 
 log = structlog.get_logger(__name__)
@@ -80,6 +80,9 @@ class Generation:
         except OverloadedError:
             self._metrics.observe_finish("rejected")
             raise
+        except RequestFailedError:
+            self._end_unfinished("error")
+            raise
 
     async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
         """Every output after `start()`, recorded; closing this early aborts the request."""
@@ -92,6 +95,9 @@ class Generation:
             async for out in self._stream:
                 self._record(out)
                 yield out
+        except RequestFailedError:
+            self._end_unfinished("error")
+            raise
         finally:
             await self.aclose()
 
@@ -100,6 +106,13 @@ class Generation:
         async for _ in self.outputs():
             pass
         return self.choices
+
+    def _end_unfinished(self, reason: str) -> None:
+        """Sequences still running end with `reason` ("abort": cut short; "error": the engine failed them)."""
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = reason
+                self._metrics.observe_finish(reason)
 
     def _record(self, out: RequestOutput) -> None:
         now = self._clock()
@@ -127,10 +140,7 @@ class Generation:
             return
         self._closed = True
         await self._stream.aclose()
-        for choice in self.choices:
-            if choice.finish_reason is None:
-                choice.finish_reason = "abort"
-                self._metrics.observe_finish("abort")
+        self._end_unfinished("abort")
         log.info("request done", request_id=self.request_id, prompt_tokens=self.num_prompt_tokens,
                  completion_tokens=self.num_completion_tokens, finish_reasons=[c.finish_reason for c in self.choices],
                  e2e_s=round(self._clock() - self._start_s, 6))

@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 
 from runtimes.server.wire import ERROR_SCOPE_HEADER
 from tests.runtimes.server.conftest import SERVED_NAME, wait_until
-from tests.runtimes.server.test_app import COMPLETIONS, sse_events
+from tests.runtimes.server.test_app import COMPLETIONS, metric_samples, sample, sse_events
 
 POISON = [42, 42, 42, 42]  # a prompt the injected fault picks out
 GOOD = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -38,6 +38,7 @@ def test_a_faulting_request_gets_a_500_of_its_own_and_the_replica_stays_ready(cl
     assert response.status_code == 500 and response.headers[ERROR_SCOPE_HEADER] == "request"
     error = response.json()["error"]
     assert error["code"] == "request_failed" and "error id err-" in error["message"]
+    assert sample(metric_samples(client), "multiserve_request_success_total", finish_reason="error") == 1
     assert client.get("/ready").status_code == 200
     assert client.post(COMPLETIONS, json=GOOD).json()["usage"]["completion_tokens"] == 4
 
