@@ -5,7 +5,7 @@ models (unique names and aliases, fallbacks) on `Registry`. Cross-field validato
 every error names the field at fault: `models[1].fallbacks[0]: unknown model 'nope'`.
 
 The numeric bounds (`MAX_*`) are checked here and nowhere else: the admin API and the store pass values through
-and show this module's message. Sources are checked by `model_pool.sources`; a `{path}` source must lie under
+and show this module's message. Sources are checked by `registry.sources`; a `{path}` source must lie under
 `gateway.model_roots`, which are relative to the registry file, so that rule needs the file's directory and runs
 when the registry is validated with `validate_registry` (the file and admin edits always are); a `Registry` built
 in code with plain `model_validate` has no file to be relative to and skips it.
@@ -29,8 +29,8 @@ from pydantic import (
     model_validator,
 )
 
-from model_pool import sources
-from model_pool.errors import FieldProblems, Problem, join_field
+from registry import sources
+from registry.errors import FieldProblems, Problem, join_field
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
 
@@ -123,7 +123,7 @@ class GatewayConfig(_Frozen):
 
 class ModelSource(_Frozen):
     """Where the weights come from: exactly one of `{package, file}`, `{path}` or `{url}` (launcher `url` only).
-    What `package`/`file` and `path` may name is `model_pool.sources`'s rules (`path` is checked by `Registry`)."""
+    What `package`/`file` and `path` may name is `registry.sources`'s rules (`path` is checked by `Registry`)."""
 
     package: str | None = Field(default=None, min_length=1)
     file: str | None = Field(default=None, min_length=1)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from model_pool.errors import RegistryError
-from model_pool.sources import SourceError, package_file
-from model_pool.store import parse_registry
+from registry.errors import RegistryError
+from registry.sources import SourceError, package_file
+from registry.store import parse_registry
 
 PACKAGE = "msfake_weights"  # written by the `package` fixture; importing it raises
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from pydantic import ValidationError
 from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
-from model_pool import yaml_edit
-from model_pool.errors import Problem, RegistryError
-from model_pool.schema import MIB, Registry, validate_registry, validation_problems
+from registry import yaml_edit
+from registry.errors import Problem, RegistryError
+from registry.schema import MIB, Registry, validate_registry, validation_problems
 
 # A registry of a thousand models is ~200 KiB; ruamel parses ~100 KiB/s, so this also bounds a parse to seconds.
 MAX_REGISTRY_BYTES = 1 * MIB

@@ -13,10 +13,10 @@ import pytest
 
 from model_pool import store as store_module
 from model_pool import watch
-from model_pool.errors import RegistryError
-from model_pool.store import RegistryDiff
-from model_pool.watch import RegistryWatcher
-from tests.model_pool.conftest import SAMPLE
+from registry.errors import RegistryError
+from registry.store import RegistryDiff
+from registry.watch import RegistryWatcher
+from tests.registry.conftest import SAMPLE
 
 
 class Recorder:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from model_pool import registry_file, yaml_edit
-from model_pool.errors import RegistryError
-from model_pool.store import RegistryStore, parse_registry
-from tests.model_pool.conftest import SAMPLE
+from registry.errors import RegistryError
+from registry.store import RegistryStore, parse_registry
+from tests.registry.conftest import SAMPLE
 
 OPERATOR_EDIT = SAMPLE.replace("replicas: 2", "replicas: 5")
 

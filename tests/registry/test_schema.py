@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from model_pool.errors import RegistryError
-from model_pool.schema import GIB, ModelSpec, Registry
-from model_pool.store import load_registry, parse_registry
+from registry.errors import RegistryError
+from registry.schema import GIB, ModelSpec, Registry
+from registry.store import load_registry, parse_registry
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 

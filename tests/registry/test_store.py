@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_pool.errors import ModelNotFound, Problem, RegistryError
-from model_pool.schema import Registry
-from model_pool.store import RegistryDiff, RegistryStore, content_hash, diff_registries, load_registry
-from tests.model_pool.conftest import SAMPLE
-from tests.model_pool.test_schema import DEFAULT_CONFIG
+from registry.errors import ModelNotFound, Problem, RegistryError
+from registry.schema import Registry
+from registry.store import RegistryDiff, RegistryStore, content_hash, diff_registries, load_registry
+from tests.registry.conftest import SAMPLE
+from tests.registry.test_schema import DEFAULT_CONFIG
 
 
 def changed_lines(old: str, new: str) -> tuple[list[str], list[str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model_pool.store import RegistryStore
+from registry.store import RegistryStore
 
 SAMPLE = """\
 # Operator notes: keep this comment.

@@ -1,5 +1,6 @@
 """The `multiserve` command line: `serve` (the gateway), `worker` (one replica), `generate` (a smoke test),
-`partition`, `bench`, `profile` and `plan-capacity`."""
+`partition`, `bench`, `profile` and `plan-capacity`. It only parses and dispatches: each command's work lives in
+its package (the worker's process assembly in multiserve/worker.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 
 def resolve_model_source(model: str, config_path: Path = DEFAULT_CONFIG) -> str:
     """A model name or alias from the registry YAML, else a path or `package:file` as given."""
-    from model_pool.store import load_registry
+    from registry.store import load_registry
 
     spec = load_registry(config_path).resolve(model) if config_path.exists() else None
     return model if spec is None else spec.source_ref()
@@ -50,40 +51,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import dataclasses
-    import os
+    from multiserve.worker import run_worker_command
 
-    from partitioner.worker_env import worker_settings
-    from runtimes.llm.config import EngineConfig
-    from runtimes.server.wire import REPLICA_TOKEN_ENV
-    from runtimes.server.worker import parse_engine_json, run_worker
-
-    try:
-        config = parse_engine_json(args.engine_json, args.device, args.type)
-    except ValueError as err:  # json.JSONDecodeError included
-        print(f"error: --engine-json: {err}", file=sys.stderr)
-        return 2
-    try:
-        plan = worker_settings(os.environ)  # the partitioner's plan entry, from the pool
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if plan.kv_cache_bytes is not None and isinstance(config, EngineConfig) and config.kv_cache_bytes is None:
-        config = dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes)
-    gate = None
-    if plan.arbiter_socket:  # the device is time-shared: every engine step takes the arbiter's lease
-        from partitioner.arbiter_client import LeaseClient
-
-        gate = LeaseClient(plan.arbiter_socket, plan.arbiter_client or args.name, plan.arbiter_weight)
-    token = os.environ.pop(REPLICA_TOKEN_ENV, None) or None  # not passed on to anything this process starts
-    try:
-        run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level,
-                   model_type=args.type, step_gate=gate, memory_fraction=plan.memory_fraction,
-                   replica_token=token, stall_timeout_s=args.stall_timeout_s)
-    finally:
-        if gate is not None:
-            gate.close()
-    return 0
+    return run_worker_command(args)
 
 
 def _add_worker_parser(sub: argparse._SubParsersAction) -> None:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
-from model_pool import yaml_edit
-from model_pool.errors import ModelNotFound, Problem, RegistryError
-from model_pool.registry_file import (
+from registry import yaml_edit
+from registry.errors import ModelNotFound, Problem, RegistryError
+from registry.registry_file import (
     FileChanged,
     check_size,
     content_hash,
@@ -34,7 +34,7 @@ from model_pool.registry_file import (
     replace_if_unchanged,
     validate,
 )
-from model_pool.schema import Registry
+from registry.schema import Registry
 
 __all__ = ["ModelNotFound", "RegistryCheck", "RegistryDiff", "RegistryError", "RegistryStore", "RejectedEdit",
            "content_hash", "diff_registries", "load_registry", "parse_registry"]

@@ -14,9 +14,9 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from model_pool.errors import RegistryError
-from model_pool.registry_file import read_head
-from model_pool.store import RegistryDiff, RegistryStore, content_hash
+from registry.errors import RegistryError
+from registry.registry_file import read_head
+from registry.store import RegistryDiff, RegistryStore, content_hash
 
 # Filesystem timestamps can be as coarse as 1-2 s: a file modified this recently may change again without its
 # (mtime, size) changing, so it is re-read until it is older than this (git's "racily clean" rule).

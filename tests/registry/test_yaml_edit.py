@@ -7,8 +7,8 @@ import difflib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model_pool import yaml_edit
-from tests.model_pool.conftest import SAMPLE
+from registry import yaml_edit
+from tests.registry.conftest import SAMPLE
 
 
 def plain_models(text: str) -> list[dict]:
