@@ -21,14 +21,14 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: install
-	$(BIN)/multiserve serve --config configs/default.yaml --host 127.0.0.1 --port 8000
+	$(BIN)/multiserve serve --config multiserve/configs/default.yaml --host 127.0.0.1 --port 8000
 
 test: install lint
 	$(BIN)/python -m pytest --hypothesis-profile=ci
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy gateway policies model_pool partitioner bench
+	$(BIN)/mypy multiserve gateway policies registry model_pool partitioner bench
 
 bench: install
 	$(BIN)/python -m bench.llm_throughput

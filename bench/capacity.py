@@ -7,7 +7,7 @@ The arithmetic, all at the profile's peak request rate R (mean prompt P and outp
 - co-located replicas = ceil((f_p + f_d) × (1 + headroom)); disaggregated: ceil(f_p × (1 + h)) prefill and
   ceil(f_d × (1 + h)) decode replicas, a prefill:decode split of f_p : f_d;
 - KV per replica = peak concurrent tokens / replicas, rounded up to whole blocks, × 2 × layers × kv_heads ×
-  head_dim × dtype bytes (`partitioner.demand.ModelShape.kv_bytes_per_token`) × (1 + headroom).
+  head_dim × dtype bytes (`partitioner.planning.demand.ModelShape.kv_bytes_per_token`) × (1 + headroom).
 
 Rates come from bench history records of the model: prefill from `prefill_tok_per_s` (prompt tokens per second of
 TTFT; the best, i.e. least queued, run), decode from `output_tok_per_s` of the best run whose TPOT p90 met the SLO.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.profile import GIB, TrafficProfile
-from partitioner.demand import ModelShape
+from partitioner.planning.demand import ModelShape
 
 
 @dataclass(frozen=True)

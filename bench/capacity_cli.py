@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 from bench import history
+from partitioner.planning.demand import SHIPPED_SHAPES
 
-DEFAULT_SHAPES = Path(__file__).resolve().parent.parent / "configs" / "model_shapes.json"
+DEFAULT_SHAPES = SHIPPED_SHAPES
 
 
 def add_capacity_parsers(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +41,7 @@ def _add_shape_options(p: argparse.ArgumentParser) -> None:
 
 
 def _shape(args: argparse.Namespace, required: bool):  # -> ModelShape | None
-    from partitioner.demand import load_shapes
+    from partitioner.planning.demand import load_shapes
 
     if args.model is None:
         return None

@@ -267,7 +267,7 @@ def start_servers(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.
     prof = ["-m", "cProfile", "-o", str(Path(args.profile_gateway).resolve())] if args.profile_gateway else []
     if args.profile_gateway:
         Path(args.profile_gateway).parent.mkdir(parents=True, exist_ok=True)
-    procs.append(spawn([sys.executable, *prof, "-m", "gateway.cli", "serve", "--config", str(tmp / "registry.yaml"),
+    procs.append(spawn([sys.executable, *prof, "-m", "multiserve", "serve", "--config", str(tmp / "registry.yaml"),
                         "--port", str(gateway_port)], tmp / "gateway.log"))
     wait_ready(f"http://127.0.0.1:{gateway_port}/ready", procs[1], tmp / "gateway.log")
     return procs, {mode: f"http://127.0.0.1:{port}/v1/chat/completions"

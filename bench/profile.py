@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from bench.stats import percentiles
-from partitioner.demand import ModelShape
+from partitioner.planning.demand import ModelShape
 
 GIB = 1 << 30
 OUTPUT_BUCKETS = (16, 64, 256, 1024, 4096)  # upper bounds of the output-length histogram

@@ -62,7 +62,7 @@ def serving_registry(models_yaml: str, workdir: Path, ready_timeout_s: float = 6
     log_path = workdir / "gateway.log"
     env = {**os.environ, "MULTISERVE_LOG_DIR": str(workdir / "logs")}
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(registry)],
+        process = subprocess.Popen([sys.executable, "-m", "multiserve", "serve", "--config", str(registry)],
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -21,8 +21,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.middleware import bearer_token
-from model_pool.errors import ModelNotFound
-from model_pool.store import RegistryDiff, RegistryError
+from registry.errors import ModelNotFound
+from registry.store import RegistryDiff, RegistryError
 from runtimes.server.errors import APIError
 
 

@@ -29,12 +29,12 @@ from gateway.middleware import (
 )
 from gateway.proxy import Forwarder
 from gateway.traffic import TrafficMiddleware, TrafficRecorder
-from model_pool.errors import Problem
 from model_pool.pool import ModelPool
 from model_pool.replica import ReplicaState
-from model_pool.schema import GatewayConfig
-from model_pool.store import RegistryStore
 from policies.classify import LaneThresholds
+from registry.errors import Problem
+from registry.schema import GatewayConfig
+from registry.store import RegistryStore
 from runtimes.server.errors import exception_handlers
 
 

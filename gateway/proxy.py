@@ -20,7 +20,7 @@ from gateway.request_body import parse_json_object
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Replica
-from model_pool.schema import ModelSpec
+from registry.schema import ModelSpec
 from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.errors import APIError, error_payload
 from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER

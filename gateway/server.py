@@ -23,13 +23,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.traffic import TrafficRecorder
 from gateway.upstream import ByScheme, HttpxUpstream
-from model_pool.errors import Problem
 from model_pool.launcher import LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
-from model_pool.schema import GatewayConfig, ModelSpec, Registry, TrafficLogConfig
-from model_pool.store import RegistryDiff, RegistryError, RegistryStore
-from model_pool.watch import RegistryWatcher
-from partitioner.placer import ReplicaPlacer, arbiter_dir
+from partitioner.planning.placer import ReplicaPlacer, arbiter_dir
+from registry.errors import Problem
+from registry.schema import GatewayConfig, ModelSpec, Registry, TrafficLogConfig
+from registry.store import RegistryDiff, RegistryError, RegistryStore
+from registry.watch import RegistryWatcher
 from runtimes.server.http_guard import guarded_config
 
 log = structlog.get_logger(__name__)
@@ -76,7 +76,7 @@ def _traffic_recorder(cfg: TrafficLogConfig) -> TrafficRecorder | None:
 
 def default_placer(registry: Callable[[], Registry], env: dict[str, str]) -> ReplicaPlacer:
     """Plans `registry()` onto this host's inventory (NVML, or the CPU), read on first use."""
-    from partitioner.cli import load_host_inventory
+    from partitioner.devices.read import load_host_inventory
 
     return ReplicaPlacer(registry, lambda: load_host_inventory(None, env), arbiter_dir(env))
 

@@ -110,7 +110,7 @@ class LocalLauncher:
         self.env_drop = env_drop  # asked at each launch: the names can change with the registry
 
     def command(self, request: LaunchRequest, port: int) -> list[str]:
-        cmd = [self.python, "-m", "gateway.cli", "worker", "--source", request.source, "--name", request.model,
+        cmd = [self.python, "-m", "multiserve", "worker", "--source", request.source, "--name", request.model,
                "--type", request.model_type, "--host", self.host, "--port", str(port), "--device", request.device,
                "--engine-json", json.dumps(dict(request.engine))]
         for alias in request.aliases:

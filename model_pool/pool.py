@@ -20,8 +20,8 @@ import structlog
 from model_pool.health import BreakerConfig, CircuitBreaker
 from model_pool.launcher import Launcher, LaunchRequest
 from model_pool.replica import Replica, ReplicaState
-from model_pool.schema import ModelSpec, Registry
 from policies.routing import Candidate, RoutingPolicy, make_policy
+from registry.schema import ModelSpec, Registry
 
 log = structlog.get_logger(__name__)
 EnvFor = Callable[[ModelSpec, int], Mapping[str, str]]

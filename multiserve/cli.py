@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # package data: ships with a wheel
 
 
 def resolve_model_source(model: str, config_path: Path = DEFAULT_CONFIG) -> str:
@@ -106,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_worker_parser(sub)
     _add_serve_parser(sub)
-    from partitioner.cli import add_partition_parser
+    from multiserve.partition_apply import add_apply_parser
+    from multiserve.partition_cli import add_partition_parser
 
-    add_partition_parser(sub)
+    add_apply_parser(add_partition_parser(sub, DEFAULT_CONFIG), DEFAULT_CONFIG)
     from bench.cli import add_bench_parsers
 
     add_bench_parsers(sub)  # bench (run, compare, plot), profile, plan-capacity

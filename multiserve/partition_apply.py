@@ -1,4 +1,4 @@
-"""`multiserve partition apply [--dry-run]`, and what `partition status` adds about applied state and live shares.
+"""`multiserve partition apply [--dry-run]`.
 
 Exit status as for `plan`: 0 done (also when a MIG fallback was applied: a warning says why); 1 the plan is
 infeasible or an action failed (the message says which and what to do); 2 bad input.
@@ -14,22 +14,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from partitioner.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
-from partitioner.apply_plan import DEFAULT_MPS_LOG_ROOT, ApplyError
-from partitioner.backend import DeviceError, MigControl
-from partitioner.cli import add_plan_arguments, load_host_inventory, plan_inputs_or_exit_code, render_plan
-from partitioner.commands import CommandResult, CommandRunner, SubprocessRunner
-from partitioner.inventory import Inventory, MigDevice, read_inventory
-from partitioner.plan import InfeasiblePlan
+from multiserve.partition_cli import add_plan_arguments, plan_inputs_or_exit_code, render_plan
+from partitioner.applying.actions import DEFAULT_MPS_LOG_ROOT, ApplyError
+from partitioner.applying.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
+from partitioner.applying.commands import CommandResult, CommandRunner, SubprocessRunner
+from partitioner.devices.backend import DeviceError, MigControl
+from partitioner.devices.inventory import Inventory, MigDevice
+from partitioner.devices.read import load_host_inventory, read_inventory
+from partitioner.planning.plan import InfeasiblePlan
 
 if TYPE_CHECKING:
-    from partitioner.nvml_backend import NvmlBackend
+    from partitioner.devices.nvml_backend import NvmlBackend
 
 
-def add_apply_parser(actions: argparse._SubParsersAction) -> None:
+def add_apply_parser(actions: argparse._SubParsersAction, default_config: Path) -> None:
     apply = actions.add_parser("apply", help="make the devices match the plan (MIG devices, MPS daemons); "
                                              "--dry-run prints every action and runs none")
-    add_plan_arguments(apply)
+    add_plan_arguments(apply, default_config)
     apply.add_argument("--dry-run", action="store_true", help="print every action; change nothing")
     apply.add_argument("--state-file", default=DEFAULT_STATE_FILE,
                        help="where apply records what it created (only that is ever destroyed or stopped)")
@@ -48,7 +49,7 @@ class _NvmlMig:
     """The NVML backend, opened on the first MIG change only (a plan without MIG never needs NVML's write side)."""
 
     def __init__(self) -> None:
-        from partitioner.nvml_backend import NvmlBackend
+        from partitioner.devices.nvml_backend import NvmlBackend
 
         self.backend: NvmlBackend = NvmlBackend()
         self.opened = False
@@ -74,8 +75,8 @@ def run_apply(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
               env: Mapping[str, str] | None = None, runner: CommandRunner | None = None) -> int:
     """`partition apply`: plan, then reconcile the devices to it (or, with --dry-run, say how)."""
     out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
-    from partitioner.applier import Applier, reconcile
-    from partitioner.demand import replica_demands
+    from partitioner.applying.applier import Applier, reconcile
+    from partitioner.planning.demand import replica_demands
 
     inputs = plan_inputs_or_exit_code(args, env, err)
     if isinstance(inputs, int):
@@ -113,49 +114,10 @@ def _targets(args: argparse.Namespace, inventory: Inventory, env: Mapping[str, s
     first = [inventory]  # the inventory plan_inputs already read serves the first plan
 
     if args.inventory is not None:
-        from partitioner.fake_backend import FakeBackend
+        from partitioner.devices.fake_backend import FakeBackend
 
         fake = FakeBackend.from_file(args.inventory)
         return (fake, lambda: first.pop() if first else read_inventory(fake), runner or _PrintOnlyRunner(),
                 scratch / "state.json")
     return (_NvmlMig(), lambda: first.pop() if first else load_host_inventory(None, env),
             runner or SubprocessRunner(env), Path(args.state_file))
-
-
-def applied_and_live(state_file: str, env: Mapping[str, str]) -> dict[str, Any]:
-    """For `partition status`: what apply recorded, and each running arbiter's shares (or why it did not answer)."""
-    from partitioner.arbiter_service import read_stats
-    from partitioner.placer import arbiter_dir
-
-    try:
-        applied: dict[str, Any] = AppliedStateFile(state_file).load().to_dict()
-    except ValueError as exc:
-        applied = {"error": str(exc)}
-    live = []
-    for sock in sorted(arbiter_dir(env).glob("*.sock")):
-        try:
-            live.append(read_stats(sock))
-        except OSError as exc:  # a socket left by a gateway that died: nobody answers
-            live.append({"device": sock.stem, "error": f"{sock}: {exc}"})
-    return {"applied": applied, "time_shares": live}
-
-
-def render_applied_and_live(data: dict[str, Any]) -> str:
-    applied = data["applied"]
-    lines = ["", "applied by multiserve:"]
-    if "error" in applied:
-        lines.append(f"  {applied['error']}")
-    else:
-        lines += [f"  MIG device {uuid} on GPU {gpu}" for uuid, gpu in applied["mig_devices"].items()]
-        lines += [f"  MPS daemon for GPU {d['gpu_index']} (pipe {pipe}): {', '.join(d['settings']) or 'defaults'}"
-                  for pipe, d in applied["mps_daemons"].items()]
-        if len(lines) == 2:
-            lines.append("  nothing")
-    lines += ["", "time-slice shares (live):" if data["time_shares"] else "time-slice shares: no arbiter running"]
-    for device in data["time_shares"]:
-        if "error" in device:
-            lines.append(f"  {device['device']}: {device['error']}")
-            continue
-        lines += [f"  {device['device']}: {c['client_id']} weight {c['weight']:g}: {c['recent_share']:.1%} recently, "
-                  f"{c['busy_s']:.1f} s in {c['num_steps']} steps" for c in device["clients"]]
-    return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""`multiserve partition plan|apply|status`: the partitioner from the command line (gateway/cli.py only registers it).
+"""`multiserve partition plan|apply|status`: the partitioner from the command line (multiserve/cli.py registers it).
 
 Exit status: 0 done; 1 the plan is infeasible or a device read failed (the message says what and where);
 2 bad input (registry, inventory or shapes file).
@@ -12,43 +12,42 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from partitioner.applied_state import DEFAULT_STATE_FILE
-from partitioner.backend import DeviceBackend, DeviceError
-from partitioner.inventory import GIB, Inventory, InventoryFileError, inventory_to_dict, read_inventory
-from partitioner.plan import InfeasiblePlan, Plan
+from partitioner.applying.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
+from partitioner.devices.backend import DeviceError
+from partitioner.devices.inventory import GIB, Inventory, InventoryFileError, inventory_to_dict
+from partitioner.devices.read import load_host_inventory
+from partitioner.planning.plan import InfeasiblePlan, Plan
 
 if TYPE_CHECKING:
-    from model_pool.schema import Registry
-    from partitioner.demand import ModelShape
-    from partitioner.planner import PlanOptions
+    from partitioner.planning.demand import ModelShape
+    from partitioner.planning.placement import PlanOptions
+    from registry.schema import Registry
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-INVENTORIES = "configs/inventories"
+INVENTORIES = "partitioner/inventories"  # as a path in the source tree, for the hints printed to operators
 
 
-def add_partition_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `partition plan`, `apply` and `status` on the `multiserve` parser."""
+def add_partition_parser(sub: argparse._SubParsersAction, default_config: Path) -> argparse._SubParsersAction:
+    """Register `partition plan` and `status` on the `multiserve` parser (`--config` defaults to `default_config`);
+    returns the partition subcommands, for `apply` (multiserve/partition_apply.py)."""
     part = sub.add_parser("partition", help="plan and inspect how replicas share GPUs (MIG, MPS, time-slicing)")
     actions = part.add_subparsers(dest="partition_command", required=True)
     plan = actions.add_parser("plan", help="print where every replica of the registry would run, and with what")
-    add_plan_arguments(plan)
+    add_plan_arguments(plan, default_config)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=run_plan)
-    from partitioner.cli_apply import add_apply_parser
-
-    add_apply_parser(actions)
     status = actions.add_parser("status", help="print the device inventory (NVML, or a fake/CPU one)")
     _add_inventory_argument(status)
     status.add_argument("--json", action="store_true", help="print the inventory as JSON")
     status.add_argument("--state-file", default=DEFAULT_STATE_FILE, help="what `partition apply` recorded")
     status.set_defaults(func=run_status)
+    return actions
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+def add_plan_arguments(parser: argparse.ArgumentParser, default_config: Path) -> None:
     """What a plan is made from: the registry, an inventory, and the operator's options."""
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the registry YAML")
+    parser.add_argument("--config", default=str(default_config), help="the registry YAML")
     _add_inventory_argument(parser)
     parser.add_argument("--gpus", default=None, help="GPU indices the plan may use, e.g. 0,1 (default: all)")
     parser.add_argument("--shapes", default=None,
@@ -64,27 +63,12 @@ def _add_inventory_argument(parser: argparse.ArgumentParser) -> None:
                         help=f"plan for the GPUs of this file (e.g. {INVENTORIES}/h100-80gb.json) instead of NVML's")
 
 
-def load_host_inventory(inventory_file: str | None, env: Mapping[str, str]) -> Inventory:
-    """The inventory file's GPUs (a fake backend), else this host's through NVML (a CPU inventory without it)."""
-    backend: DeviceBackend
-    if inventory_file is not None:
-        from partitioner.fake_backend import FakeBackend
-
-        backend = FakeBackend.from_file(inventory_file)
-    else:
-        from partitioner.mps_probe import candidate_pipe_directories, probe_mps
-        from partitioner.nvml_backend import NvmlBackend
-
-        backend = NvmlBackend(mps_probe=lambda: probe_mps(candidate_pipe_directories(env)))
-    return read_inventory(backend)
-
-
 def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
              env: Mapping[str, str] | None = None) -> int:
     """`partition plan`: the registry's replicas planned onto the inventory, as a table or JSON."""
     out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
-    from partitioner.demand import replica_demands
-    from partitioner.planner import plan
+    from partitioner.planning.demand import replica_demands
+    from partitioner.planning.planner import plan
 
     inputs = plan_inputs_or_exit_code(args, env, err)
     if isinstance(inputs, int):
@@ -105,7 +89,7 @@ def plan_inputs_or_exit_code(args: argparse.Namespace, env: Mapping[str, str], e
                              ) -> tuple[Registry, dict[str, ModelShape], Inventory, PlanOptions] | int:
     """`plan_inputs`, or the exit code after saying what is wrong: 2 for bad input, 1 when reading the devices
     failed."""
-    from model_pool.errors import RegistryError
+    from registry.errors import RegistryError
 
     try:
         return plan_inputs(args, env)
@@ -121,9 +105,9 @@ def plan_inputs(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Regis
                                                                           Inventory, PlanOptions]:
     """The registry, shapes, inventory and options the plan arguments name. Raises RegistryError,
     InventoryFileError, ValueError (bad input) or DeviceError (reading the devices)."""
-    from model_pool.store import load_registry
-    from partitioner.demand import load_shapes
-    from partitioner.planner import PlanOptions
+    from partitioner.planning.demand import load_shapes
+    from partitioner.planning.placement import PlanOptions
+    from registry.store import load_registry
 
     registry = load_registry(args.config)
     shapes = load_shapes(args.shapes) if args.shapes else {}
@@ -146,8 +130,6 @@ def run_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     except DeviceError as exc:
         print(f"error: reading the devices: {exc}", file=err)
         return 1
-    from partitioner.cli_apply import applied_and_live, render_applied_and_live
-
     extra = applied_and_live(args.state_file, env)
     if args.json:
         data = {"kind": inventory_kind(inventory), **inventory_to_dict(inventory), **extra}
@@ -230,3 +212,42 @@ def _mig_mode(current: bool | None, pending: bool | None) -> str:
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def applied_and_live(state_file: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """For `partition status`: what apply recorded, and each running arbiter's shares (or why it did not answer)."""
+    from partitioner.planning.placer import arbiter_dir
+    from partitioner.timeslice.service import read_stats
+
+    try:
+        applied: dict[str, Any] = AppliedStateFile(state_file).load().to_dict()
+    except ValueError as exc:
+        applied = {"error": str(exc)}
+    live = []
+    for sock in sorted(arbiter_dir(env).glob("*.sock")):
+        try:
+            live.append(read_stats(sock))
+        except OSError as exc:  # a socket left by a gateway that died: nobody answers
+            live.append({"device": sock.stem, "error": f"{sock}: {exc}"})
+    return {"applied": applied, "time_shares": live}
+
+
+def render_applied_and_live(data: dict[str, Any]) -> str:
+    applied = data["applied"]
+    lines = ["", "applied by multiserve:"]
+    if "error" in applied:
+        lines.append(f"  {applied['error']}")
+    else:
+        lines += [f"  MIG device {uuid} on GPU {gpu}" for uuid, gpu in applied["mig_devices"].items()]
+        lines += [f"  MPS daemon for GPU {d['gpu_index']} (pipe {pipe}): {', '.join(d['settings']) or 'defaults'}"
+                  for pipe, d in applied["mps_daemons"].items()]
+        if len(lines) == 2:
+            lines.append("  nothing")
+    lines += ["", "time-slice shares (live):" if data["time_shares"] else "time-slice shares: no arbiter running"]
+    for device in data["time_shares"]:
+        if "error" in device:
+            lines.append(f"  {device['device']}: {device['error']}")
+            continue
+        lines += [f"  {device['device']}: {c['client_id']} weight {c['weight']:g}: {c['recent_share']:.1%} recently, "
+                  f"{c['busy_s']:.1f} s in {c['num_steps']} steps" for c in device["clients"]]
+    return "\n".join(lines) + "\n"

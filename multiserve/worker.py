@@ -9,7 +9,7 @@ import dataclasses
 import os
 import sys
 
-from partitioner.worker_env import worker_settings
+from partitioner.planning.worker_env import worker_settings
 from runtimes.llm.config import EngineConfig
 from runtimes.server.wire import REPLICA_TOKEN_ENV
 from runtimes.server.worker import parse_engine_json, run_worker
@@ -31,7 +31,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes)
     gate = None
     if plan.arbiter_socket:  # the device is time-shared: every engine step takes the arbiter's lease
-        from partitioner.arbiter_client import LeaseClient
+        from partitioner.timeslice.client import LeaseClient
 
         gate = LeaseClient(plan.arbiter_socket, plan.arbiter_client or args.name, plan.arbiter_weight)
     token = os.environ.pop(REPLICA_TOKEN_ENV, None) or None  # not passed on to anything this process starts

@@ -1,7 +1,7 @@
 """How co-located replicas share a device: inventory, a pure planner, the applier and the time-slice arbiter.
 
 - `inventory.read_inventory(backend)` -> `Inventory` (through `nvml_backend.NvmlBackend`, the only code importing
-  `pynvml`, or `fake_backend.FakeBackend` over a `configs/inventories/*.json` file; no NVML -> a CPU inventory).
+  `pynvml`, or `fake_backend.FakeBackend` over a `partitioner/inventories/*.json` file; no NVML -> a CPU inventory).
 - `demand.replica_demands(registry, shapes)` -> `ReplicaDemand`s (memory = weights + KV budget + overhead).
 - `planner.plan(inventory, demands, PlanOptions(...))` -> `plan.Plan`, or raises `plan.InfeasiblePlan`.
 - `apply_plan.decide(plan, inventory, applied_state)` -> actions; `applier.reconcile(...)` executes them (MIG via

@@ -29,10 +29,10 @@ from pydantic import (
     model_validator,
 )
 
-from registry import sources
-from registry.errors import FieldProblems, Problem, join_field
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
+from registry import sources
+from registry.errors import FieldProblems, Problem, join_field
 
 MIB = 1 << 20
 GIB = 1 << 30

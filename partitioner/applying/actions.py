@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from partitioner.applied_state import AppliedState
-from partitioner.inventory import MIB, GpuDevice, Inventory
-from partitioner.mps_probe import MPS_CONTROL
-from partitioner.plan import DevicePlan, Plan
+from partitioner.applying.applied_state import AppliedState
+from partitioner.devices.inventory import MIB, GpuDevice, Inventory
+from partitioner.devices.mps_probe import MPS_CONTROL
+from partitioner.planning.plan import DevicePlan, Plan
 
 ActionKind = Literal["destroy_mig_device", "stop_mps_daemon", "create_mig_device", "start_mps_daemon",
                      "set_mps_default"]

@@ -16,14 +16,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from partitioner.applied_state import AppliedStateFile, MpsDaemonState
-from partitioner.apply_plan import DEFAULT_MPS_LOG_ROOT, Action, ApplyError, MigUnavailable, decide
-from partitioner.backend import DeviceError, MigControl
-from partitioner.commands import CommandRunner
-from partitioner.demand import ReplicaDemand
-from partitioner.inventory import Inventory
-from partitioner.plan import Plan
-from partitioner.planner import PlanOptions, plan
+from partitioner.applying.actions import DEFAULT_MPS_LOG_ROOT, Action, ApplyError, MigUnavailable, decide
+from partitioner.applying.applied_state import AppliedStateFile, MpsDaemonState
+from partitioner.applying.commands import CommandRunner
+from partitioner.devices.backend import DeviceError, MigControl
+from partitioner.devices.inventory import Inventory
+from partitioner.planning.demand import ReplicaDemand
+from partitioner.planning.placement import PlanOptions
+from partitioner.planning.plan import Plan
+from partitioner.planning.planner import plan
 
 _MIG_HINTS = {
     "no_permission": "creating or destroying MIG devices needs root: run `multiserve partition apply` as root, "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from partitioner.inventory import GpuDevice, MigDevice, MpsStatus
+from partitioner.devices.inventory import GpuDevice, MigDevice, MpsStatus
 
 ErrorKind = Literal[
     "no_permission",  # NVML_ERROR_NO_PERMISSION: MIG changes need root

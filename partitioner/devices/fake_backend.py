@@ -11,9 +11,9 @@ import uuid as uuidlib
 from dataclasses import replace
 from pathlib import Path
 
-from partitioner.backend import BackendUnavailable, DeviceError, ErrorKind
-from partitioner.inventory import DeviceProcess, GpuDevice, Inventory, MigDevice, MpsStatus, load_inventory
-from partitioner.mig_fit import Slot, max_compute_slices, placement_conflict
+from partitioner.devices.backend import BackendUnavailable, DeviceError, ErrorKind
+from partitioner.devices.inventory import DeviceProcess, GpuDevice, Inventory, MigDevice, MpsStatus, load_inventory
+from partitioner.devices.mig_fit import Slot, max_compute_slices, placement_conflict
 
 Operation = str  # "read_gpu" | "set_mig_mode" | "create_mig_device" | "destroy_mig_device" | "start_mps" | ...
 

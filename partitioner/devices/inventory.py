@@ -1,4 +1,5 @@
-"""What devices a host has: plain, immutable data the planner reads, read through a `DeviceBackend` or from JSON.
+"""What devices a host has: plain, immutable data the planner reads, and its JSON form (partitioner/devices/read.py
+reads it through a `DeviceBackend`).
 
 Memory is in bytes everywhere (`*_bytes`). MIG placements use NVML's coordinates: a start slot and a size on the
 GPU's memory-slice axis (8 slots on A100/H100/H200), exactly as `nvidia-smi mig -lgipp` prints `{starts}:size`.
@@ -7,13 +8,10 @@ GPU's memory-slice axis (8 slots on A100/H100/H200), exactly as `nvidia-smi mig 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from partitioner.backend import DeviceBackend
+from typing import Any
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -109,43 +107,6 @@ class Inventory:
             if device.index == index:
                 return device
         raise KeyError(f"no GPU with index {index} in the inventory ({self.source})")
-
-
-ProfileLookup = Callable[[GpuDevice], tuple[tuple[MigProfile, ...], str]]
-
-
-def read_inventory(backend: DeviceBackend, known_profiles: ProfileLookup | None = None) -> Inventory:
-    """Read every GPU through `backend`. Without NVML (no driver, no library) the result is a CPU inventory.
-
-    NVML lists MIG profiles only while MIG mode is on; `known_profiles` (default: the tables shipped in
-    `configs/inventories/`) fills them in for a MIG-capable GPU that reports none, so MIG can still be planned.
-    """
-    from partitioner.backend import BackendUnavailable
-
-    try:
-        backend.open()
-    except BackendUnavailable as exc:
-        return Inventory(devices=(), source="cpu", note=f"no NVML: {exc}; everything plans onto the CPU")
-    try:
-        devices = [backend.read_gpu(i) for i in range(backend.gpu_count())]
-        mps = backend.read_mps()
-    finally:
-        backend.close()
-    lookup = known_profiles or _shipped_profiles
-    notes = [] if devices else ["NVML found no GPU; everything plans onto the CPU"]
-    for i, device in enumerate(devices):
-        if device.mig_capable and not device.mig_profiles:
-            profiles, where = lookup(device)
-            if profiles:
-                devices[i] = replace(device, mig_profiles=profiles)
-                notes.append(f"GPU {device.index}: MIG profiles from {where} (NVML lists them only with MIG on)")
-    return Inventory(devices=tuple(devices), source=backend.source, note="; ".join(notes), mps=mps)
-
-
-def _shipped_profiles(device: GpuDevice) -> tuple[tuple[MigProfile, ...], str]:
-    from partitioner.catalog import known_mig_profiles  # catalog reads inventory files: imported late
-
-    return known_mig_profiles(device)
 
 
 # --- JSON -------------------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from partitioner.backend import ErrorKind
-from partitioner.inventory import GpuDevice, MigDevice, MigProfile
+from partitioner.devices.backend import ErrorKind
+from partitioner.devices.inventory import GpuDevice, MigDevice, MigProfile
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from partitioner.inventory import MpsStatus
+from partitioner.devices.inventory import MpsStatus
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where the daemon and its clients meet without CUDA_MPS_PIPE_DIRECTORY

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from partitioner.backend import BackendUnavailable, DeviceError, ErrorKind
-from partitioner.inventory import MIB, DeviceProcess, GpuDevice, MigDevice, MigProfile, MpsStatus
-from partitioner.mps_probe import DEFAULT_PIPE_DIRECTORY, probe_mps
+from partitioner.devices.backend import BackendUnavailable, DeviceError, ErrorKind
+from partitioner.devices.inventory import MIB, DeviceProcess, GpuDevice, MigDevice, MigProfile, MpsStatus
+from partitioner.devices.mps_probe import DEFAULT_PIPE_DIRECTORY, probe_mps
 
 # NVML error class name -> our kind. Names, not codes, so a fake module in tests needs only the classes it raises.
 _KINDS: dict[str, ErrorKind] = {

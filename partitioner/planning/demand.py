@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from model_pool.schema import Device, Isolation, ModelSpec, Registry
-from partitioner.inventory import GIB, MIB
-from partitioner.plan import InfeasiblePlan
+from partitioner.devices.inventory import GIB, MIB
+from partitioner.planning.plan import InfeasiblePlan
+from registry.schema import Device, Isolation, ModelSpec, Registry
 
 # Each process on a GPU pays for its CUDA context, cuBLAS workspaces and activations on top of weights and KV.
 DEFAULT_OVERHEAD_BYTES = 512 * MIB
@@ -126,6 +126,9 @@ def _bytes(gib: float | None) -> int | None:
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
+
+
+SHIPPED_SHAPES = Path(__file__).resolve().parents[1] / "model_shapes.json"  # package data: the known models' shapes
 
 
 def load_shapes(path: str | Path) -> dict[str, ModelShape]:

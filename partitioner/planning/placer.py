@@ -20,21 +20,22 @@ from pathlib import Path
 
 import structlog
 
-from model_pool.errors import Problem
-from model_pool.schema import ModelSpec, Registry
-from partitioner.arbiter import ClientShare
-from partitioner.arbiter_service import ArbiterService
-from partitioner.demand import ModelShape, replica_demands
-from partitioner.inventory import Inventory
-from partitioner.plan import InfeasiblePlan, Plan, ReplicaPlan
-from partitioner.planner import PlanOptions, plan
-from partitioner.worker_env import (
+from partitioner.devices.inventory import Inventory
+from partitioner.planning.demand import ModelShape, replica_demands
+from partitioner.planning.placement import PlanOptions
+from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
+from partitioner.planning.planner import plan
+from partitioner.planning.worker_env import (
     ARBITER_CLIENT_ENV,
     ARBITER_SOCKET_ENV,
     ARBITER_WEIGHT_ENV,
     KV_CACHE_BYTES_ENV,
     MEMORY_FRACTION_ENV,
 )
+from partitioner.timeslice.arbiter import ClientShare
+from partitioner.timeslice.service import ArbiterService
+from registry.errors import Problem
+from registry.schema import ModelSpec, Registry
 
 log = structlog.get_logger(__name__)
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from partitioner.inventory import MIB, Inventory
-from partitioner.mig_fit import Slot, fit_placements, max_compute_slices
-from partitioner.plan import DevicePlan, Plan, PlannedMigDevice, ReplicaPlan
-
-if TYPE_CHECKING:
-    from partitioner.planner import GpuState, Placed, PlanOptions
+from partitioner.devices.inventory import MIB, Inventory
+from partitioner.devices.mig_fit import Slot, fit_placements, max_compute_slices
+from partitioner.planning.placement import GpuState, Placed, PlanOptions
+from partitioner.planning.plan import DevicePlan, Plan, PlannedMigDevice, ReplicaPlan
 
 
 def build_plan(inventory: Inventory, gpus: list[GpuState], cpu: list[Placed], options: PlanOptions) -> Plan:

@@ -15,63 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
-from partitioner.demand import ReplicaDemand
-from partitioner.inventory import GIB, GpuDevice, Inventory, MigDevice, MigProfile
-from partitioner.mig_fit import Slot, fit_placements, max_compute_slices, plannable_profiles
-from partitioner.mps_probe import MULTISERVE_PIPE_ROOT
-from partitioner.plan import DeviceMode, InfeasiblePlan, Plan
-from partitioner.plan_build import build_plan
+from partitioner.devices.inventory import GIB, GpuDevice, Inventory, MigDevice, MigProfile
+from partitioner.devices.mig_fit import Slot, fit_placements, max_compute_slices, plannable_profiles
+from partitioner.planning.demand import ReplicaDemand
+from partitioner.planning.placement import GpuState, Placed, PlanOptions
+from partitioner.planning.plan import InfeasiblePlan, Plan
+from partitioner.planning.plan_build import build_plan
 
 _ORDER = {"exclusive": 0, "mig": 1, "mps": 2, "timeslice": 3}
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """What the operator decides beyond the registry."""
-
-    gpus: tuple[int, ...] | None = None  # GPU indices the config lets us use; None: every GPU of the inventory
-    own_pids: frozenset[int] = frozenset()  # our replicas' processes: their memory is ours to re-plan, not foreign
-    max_memory_fraction: float = 0.95  # of a GPU's (or MIG device's) memory, for our replicas together
-    mig_fallback: Literal["mps", "timeslice"] | None = None  # for mig demands when no named GPU can do MIG
-    mps_pipe_root: str = MULTISERVE_PIPE_ROOT  # one pipe directory per GPU below it
-    max_mps_clients: int = 48  # MPS's per-device client limit
-
-    def __post_init__(self) -> None:
-        if not 0 < self.max_memory_fraction <= 1:
-            raise ValueError(f"max_memory_fraction must be in (0, 1], got {self.max_memory_fraction}")
-
-
-@dataclass(frozen=True)
-class Placed:
-    """A demand with the isolation it gets and where it goes."""
-
-    demand: ReplicaDemand
-    isolation: str  # what it gets: mig | mps | timeslice | exclusive, or "cpu" (time-sliced on the CPU)
-    note: str = ""
-    profile: MigProfile | None = None  # a MIG device to create
-    reused: MigDevice | None = None  # an existing MIG device
-
-
-@dataclass
-class GpuState:
-    """One GPU while planning (the only mutable state, local to one `plan` call)."""
-
-    dev: GpuDevice
-    managed: bool
-    foreign_bytes: int
-    capacity_bytes: int
-    mode: DeviceMode = "none"
-    placed: list[Placed] = field(default_factory=list)
-
-    @property
-    def planned_bytes(self) -> int:
-        return sum(p.demand.memory_bytes or 0 for p in self.placed)
-
-    def label(self) -> str:
-        return f"GPU {self.dev.index} ({self.dev.name})"
 
 
 def plan(inventory: Inventory, demands: Sequence[ReplicaDemand], options: PlanOptions | None = None) -> Plan:

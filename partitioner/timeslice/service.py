@@ -30,7 +30,7 @@ from pathlib import Path
 
 import structlog
 
-from partitioner.arbiter import ClientShare, TimeSliceArbiter
+from partitioner.timeslice.arbiter import ClientShare, TimeSliceArbiter
 
 log = structlog.get_logger(__name__)
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model_pool.sources import package_file
+from registry.sources import package_file
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
 from runtimes.llm.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ class LoadedModel:
 
 def resolve_model_path(source: str | Path) -> Path:
     """A path, or `package:FILE` naming a file shipped inside an installed Python package. `package:FILE` follows
-    the registry's rules (`model_pool.sources`): a file that leaves its package raises `SourceError`."""
+    the registry's rules (`registry.sources`): a file that leaves its package raises `SourceError`."""
     text = str(source)
     if ":" in text and not Path(text).exists():
         package, _, filename = text.partition(":")

@@ -41,7 +41,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from model_pool.schema import HttpLimits
+from registry.schema import HttpLimits
 from runtimes.server.errors import APIError, error_response
 
 

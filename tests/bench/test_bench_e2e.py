@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
 from model_pool.launcher import free_port
+from multiserve.cli import main
 from tests.e2e.conftest import running_gateway
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 

@@ -7,7 +7,7 @@ import pytest
 
 from bench.capacity import ReplicaRates, plan_capacity, rates_from_history
 from bench.profile import build_profile, concurrent_demand, load_traffic, rate_buckets
-from partitioner.demand import ModelShape
+from partitioner.planning.demand import ModelShape
 
 SHAPE = ModelShape(num_layers=30, num_kv_heads=3, head_dim=64, weights_bytes=0, kv_dtype_bytes=2)  # 23040 B/token
 

@@ -109,7 +109,7 @@ def running_gateway(root: Path, registry_text: str, port: int, model_path: Path,
     env = {**os.environ, "MULTISERVE_ADMIN_TOKEN": ADMIN_TOKEN, "MULTISERVE_LOG_DIR": str(root / "logs"),
            **(extra_env or {})}
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(registry)],
+        process = subprocess.Popen([sys.executable, "-m", "multiserve", "serve", "--config", str(registry)],
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
     gw = Gateway(f"http://127.0.0.1:{port}", process, registry, model_path, log_path)
     try:

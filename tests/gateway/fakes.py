@@ -28,7 +28,7 @@ from gateway.server import make_state
 from gateway.upstream import HttpxUpstream
 from model_pool.launcher import LaunchRequest, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
-from model_pool.store import RegistryStore
+from registry.store import RegistryStore
 
 BEHAVIOURS = frozenset({"ok", "down", "error500", "error400", "hang", "break_midstream", "break_at_start", "not_ready",
                         "overloaded", "slow", "stall_midstream", "context", "request_fault", "timeout_midbody"})

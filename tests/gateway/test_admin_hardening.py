@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from model_pool import yaml_edit
-from model_pool.schema import Registry
+from registry import yaml_edit
+from registry.schema import Registry
 from tests.gateway.fakes import ADMIN_TOKEN, FakeGateway, error_of
 
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}

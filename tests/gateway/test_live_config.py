@@ -4,7 +4,7 @@ the traffic log need a restart and an edit of them is refused saying so, never r
 from __future__ import annotations
 
 from gateway.app import gateway_config_problems
-from model_pool.schema import GatewayConfig
+from registry.schema import GatewayConfig
 from tests.gateway.fakes import FakeGateway, chat
 
 ENV = {"MULTISERVE_ADMIN_TOKEN": "old-admin", "ROTATED_ADMIN": "new-admin", "KEYS": '{"k1": "*"}', "BAD": "[1]"}

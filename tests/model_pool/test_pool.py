@@ -16,7 +16,7 @@ from model_pool.health import BreakerConfig
 from model_pool.launcher import RemoteHandle, UrlLauncher
 from model_pool.pool import InstanceGroup, ModelPool, PoolSettings
 from model_pool.replica import Replica, ReplicaState
-from model_pool.schema import ModelSpec, Registry
+from registry.schema import ModelSpec, Registry
 from tests.gateway.fakes import FakeClock, FakeLauncher, FakeReplicas, FakeSleep
 
 READY, STARTING, UNHEALTHY = ReplicaState.READY, ReplicaState.STARTING, ReplicaState.UNHEALTHY

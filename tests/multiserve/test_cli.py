@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gateway.cli import DEFAULT_CONFIG, resolve_model_source
+from multiserve.cli import DEFAULT_CONFIG, resolve_model_source
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 
@@ -20,7 +20,7 @@ def test_registry_names_and_aliases_resolve_to_sources(tmp_path):
 def test_generate_prints_a_completion(tmp_path):
     path = write_gguf(hf_model(TinySpec(), seed=1), tmp_path / "tiny.gguf")
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "generate", "--model", str(path), "--prompt", "hello",
+        [sys.executable, "-m", "multiserve", "generate", "--model", str(path), "--prompt", "hello",
          "--max-tokens", "6", "--device", "cpu"],
         capture_output=True, text=True, timeout=120, check=False,
     )
@@ -32,7 +32,7 @@ def test_generate_prints_a_completion(tmp_path):
 def test_generate_reports_a_refused_request(tmp_path):
     path = write_gguf(hf_model(TinySpec(max_position_embeddings=16), seed=1), tmp_path / "tiny.gguf")
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "generate", "--model", str(path), "--prompt", "hello",
+        [sys.executable, "-m", "multiserve", "generate", "--model", str(path), "--prompt", "hello",
          "--max-tokens", "100", "--device", "cpu"],
         capture_output=True, text=True, timeout=120, check=False,
     )

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from partitioner.arbiter_client import LeaseClient
-from partitioner.arbiter_service import ArbiterService
-from tests.partitioner.test_cli import H100, REGISTRY, SHAPES, no_nvml, run
+from partitioner.timeslice.client import LeaseClient
+from partitioner.timeslice.service import ArbiterService
+from tests.multiserve.test_partition_cli import H100, REGISTRY, SHAPES, no_nvml, run
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gateway.cli import main
+from multiserve.cli import main
 from tests.partitioner.conftest import INVENTORIES
 
 H100 = str(INVENTORIES / "h100-80gb.json")
@@ -51,7 +51,7 @@ def test_status_says_plainly_that_there_is_no_nvml(capsys):
     code, out, _ = run(capsys, "status")
     assert code == 0
     assert "inventory: cpu" in out and "CPU inventory" in out and "no NVML" in out
-    assert "--inventory configs/inventories/<gpu>.json" in out and "MPS control daemon: not running" in out
+    assert "--inventory partitioner/inventories/<gpu>.json" in out and "MPS control daemon: not running" in out
 
 
 def test_status_of_a_fake_inventory(capsys):
@@ -107,7 +107,7 @@ def test_default_registry_plans_onto_the_cpu(capsys):
 
 
 def test_the_real_command_exits_1_when_infeasible_and_0_when_not(files):
-    base = [sys.executable, "-m", "gateway.cli", "partition", "plan", "--config", str(files / "reg.yaml"),
+    base = [sys.executable, "-m", "multiserve", "partition", "plan", "--config", str(files / "reg.yaml"),
             "--inventory", H100, "--shapes", str(files / "shapes.json")]
     proc = subprocess.run([*base, "--max-memory-fraction", "0.3"], capture_output=True, text=True, timeout=120,
                           check=False)

@@ -7,7 +7,7 @@ import ctypes
 from types import SimpleNamespace
 from typing import Any
 
-from partitioner.inventory import MIB, GpuDevice
+from partitioner.devices.inventory import MIB, GpuDevice
 
 NVML_DEVICE_MIG_ENABLE = 1
 NVML_GPU_INSTANCE_PROFILE_COUNT = 0x12
@@ -189,7 +189,7 @@ class FakeNvmlMig(FakeNvml):
                 setattr(self, name, value)
 
     def _do(self, name: str, operation: Any, *args: Any) -> Any:
-        from partitioner.backend import DeviceError
+        from partitioner.devices.backend import DeviceError
 
         self.calls.append((name, args))
         try:

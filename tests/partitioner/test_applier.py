@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.applied_state import AppliedStateFile
-from partitioner.applier import Applier, reconcile
-from partitioner.apply_plan import Action, ApplyError, MigUnavailable
-from partitioner.commands import CommandResult
-from partitioner.fake_backend import FakeBackend
-from partitioner.inventory import GIB, read_inventory
-from partitioner.planner import PlanOptions
+from partitioner.applying.actions import Action, ApplyError, MigUnavailable
+from partitioner.applying.applied_state import AppliedStateFile
+from partitioner.applying.applier import Applier, reconcile
+from partitioner.applying.commands import CommandResult
+from partitioner.devices.fake_backend import FakeBackend
+from partitioner.devices.inventory import GIB
+from partitioner.devices.read import read_inventory
+from partitioner.planning.placement import PlanOptions
 from tests.partitioner.conftest import demand, gpus
 
 MPS = "nvidia-cuda-mps-control"

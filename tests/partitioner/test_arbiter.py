@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.arbiter import TimeSliceArbiter
+from partitioner.timeslice.arbiter import TimeSliceArbiter
 
 
 class FakeClock:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from partitioner.arbiter_client import ArbiterError, LeaseClient
-from partitioner.arbiter_service import ArbiterService, read_stats
+from partitioner.timeslice.client import ArbiterError, LeaseClient
+from partitioner.timeslice.service import ArbiterService, read_stats
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from model_pool.schema import Registry
-from partitioner.demand import ModelShape, load_shapes, replica_demands
-from partitioner.inventory import GIB, MIB
-from partitioner.plan import InfeasiblePlan
+from partitioner.devices.inventory import GIB, MIB
+from partitioner.planning.demand import ModelShape, load_shapes, replica_demands
+from partitioner.planning.plan import InfeasiblePlan
+from registry.schema import Registry
 
 # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 weights (8.03 B parameters)
 LLAMA3_8B = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, weights_bytes=16_060_000_000, context_len=8192)

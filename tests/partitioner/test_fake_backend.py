@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.backend import BackendUnavailable, DeviceError
-from partitioner.fake_backend import FakeBackend
-from partitioner.inventory import GIB, read_inventory
-from partitioner.mig_fit import max_compute_slices
+from partitioner.devices.backend import BackendUnavailable, DeviceError
+from partitioner.devices.fake_backend import FakeBackend
+from partitioner.devices.inventory import GIB
+from partitioner.devices.mig_fit import max_compute_slices
+from partitioner.devices.read import read_inventory
 from tests.partitioner.conftest import GPU_FILES, INVENTORIES, gpus
 
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from partitioner.fake_backend import FakeBackend
-from partitioner.inventory import GIB, InventoryFileError, MpsStatus, load_inventory, save_inventory
-from partitioner.mps_probe import candidate_pipe_directories, probe_mps
+from partitioner.devices.fake_backend import FakeBackend
+from partitioner.devices.inventory import GIB, InventoryFileError, MpsStatus, load_inventory, save_inventory
+from partitioner.devices.mps_probe import candidate_pipe_directories, probe_mps
 from tests.partitioner.conftest import INVENTORIES, gpus
 
 

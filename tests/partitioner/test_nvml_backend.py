@@ -9,10 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from partitioner.backend import BackendUnavailable, DeviceError
-from partitioner.fake_backend import FakeBackend
-from partitioner.inventory import GIB, DeviceProcess, read_inventory
-from partitioner.nvml_backend import NvmlBackend
+from partitioner.devices.backend import BackendUnavailable, DeviceError
+from partitioner.devices.fake_backend import FakeBackend
+from partitioner.devices.inventory import GIB, DeviceProcess
+from partitioner.devices.nvml_backend import NvmlBackend
+from partitioner.devices.read import read_inventory
 from tests.partitioner import fake_nvml
 from tests.partitioner.conftest import gpus
 
@@ -79,7 +80,7 @@ def test_mig_off_gpu_gets_the_shipped_profile_table():
     read = inventory.devices[0]
     assert read.mig_mode is False and read.processes == gpu.processes
     assert {p.name for p in read.mig_profiles} >= {"1g.10gb", "7g.80gb"}
-    assert "configs/inventories/h100-80gb.json" in inventory.note
+    assert "partitioner/inventories/h100-80gb.json" in inventory.note
 
 
 def test_unknown_product_gets_no_profiles_and_a_non_mig_gpu_no_mig_mode():

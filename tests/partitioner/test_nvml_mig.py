@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from partitioner.backend import DeviceError
-from partitioner.fake_backend import FakeBackend
-from partitioner.nvml_backend import NvmlBackend
+from partitioner.devices.backend import DeviceError
+from partitioner.devices.fake_backend import FakeBackend
+from partitioner.devices.nvml_backend import NvmlBackend
 from tests.partitioner.conftest import gpus
 from tests.partitioner.fake_nvml import FakeNvmlMig
 

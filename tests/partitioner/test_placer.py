@@ -13,13 +13,13 @@ import yaml
 
 from gateway.server import make_state
 from model_pool.launcher import free_port
-from model_pool.schema import Registry
-from model_pool.store import RegistryStore
-from partitioner.arbiter_service import ArbiterService
-from partitioner.demand import ModelShape
-from partitioner.inventory import Inventory
-from partitioner.placer import ReplicaPlacer, needs_arbiter
-from partitioner.worker_env import WorkerSettings, worker_settings
+from partitioner.devices.inventory import Inventory
+from partitioner.planning.demand import ModelShape
+from partitioner.planning.placer import ReplicaPlacer, needs_arbiter
+from partitioner.planning.worker_env import WorkerSettings, worker_settings
+from partitioner.timeslice.service import ArbiterService
+from registry.schema import Registry
+from registry.store import RegistryStore
 from tests.partitioner.conftest import gpus
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 from tests.runtimes.server.test_worker import REPO_ROOT, worker_process
@@ -101,7 +101,7 @@ def test_problems_name_what_does_not_fit_and_serve_refuses_such_a_registry(tmp_p
                                     "models": [{"name": "huge", "type": "chat", "source": {"path": "/m/huge.gguf"},
                                                 **huge}]}))
     # a process of its own: serve configures logging for the whole process
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config", str(path), "--port",
+    done = subprocess.run([sys.executable, "-m", "multiserve", "serve", "--config", str(path), "--port",
                            str(free_port())], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert done.returncode == 2, done.stdout + done.stderr  # before any replica or port is touched
     assert done.stdout.startswith(f"error: {path}") and "(partition plan): huge/0" in done.stdout
@@ -135,7 +135,7 @@ def test_make_state_plans_replicas_and_exports_shares(tmp_path):
     try:
         env = placer(state.store.registry.resolve("chat"), 0)
         assert env["MULTISERVE_ARBITER_SOCKET"] == str(tmp_path / "run" / "arbiter" / "cpu.sock")
-        from partitioner.arbiter_client import LeaseClient
+        from partitioner.timeslice.client import LeaseClient
 
         client = LeaseClient(env["MULTISERVE_ARBITER_SOCKET"], "chat/0", 3.0)
         client.acquire()

@@ -8,10 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from partitioner.fake_backend import FakeBackend
-from partitioner.inventory import GIB, MIB, DeviceProcess, Inventory, MpsStatus
-from partitioner.plan import InfeasiblePlan, PlanAction
-from partitioner.planner import PlanOptions, plan
+from partitioner.devices.fake_backend import FakeBackend
+from partitioner.devices.inventory import GIB, MIB, DeviceProcess, Inventory, MpsStatus
+from partitioner.planning.placement import PlanOptions
+from partitioner.planning.plan import InfeasiblePlan, PlanAction
+from partitioner.planning.planner import plan
 from tests.partitioner.conftest import demand, gpus
 
 

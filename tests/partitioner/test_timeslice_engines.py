@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from partitioner.arbiter_client import LeaseClient
-from partitioner.arbiter_service import ArbiterService
+from partitioner.timeslice.client import LeaseClient
+from partitioner.timeslice.service import ArbiterService
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine

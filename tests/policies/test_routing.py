@@ -8,7 +8,6 @@ from typing import get_args
 
 import pytest
 
-from model_pool.schema import Routing
 from policies.routing import (
     POLICY_NAMES,
     Candidate,
@@ -18,6 +17,7 @@ from policies.routing import (
     RoundRobin,
     make_policy,
 )
+from registry.schema import Routing
 
 
 def candidates(*outstanding: int) -> list[Candidate]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from model_pool import registry_file, yaml_edit
+from registry import registry_file, yaml_edit
 from registry.errors import RegistryError
 from registry.store import RegistryStore, parse_registry
 from tests.registry.conftest import SAMPLE

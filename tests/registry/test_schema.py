@@ -11,7 +11,7 @@ from registry.errors import RegistryError
 from registry.schema import GIB, ModelSpec, Registry
 from registry.store import load_registry, parse_registry
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "multiserve" / "configs" / "default.yaml"
 
 CHAT = "{name: %s, type: chat, source: {path: m.gguf}%s}"  # relative: inside the default model root
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from model_pool import store as store_module
-from model_pool import watch
+from registry import store as store_module
+from registry import watch
 from registry.errors import RegistryError
 from registry.store import RegistryDiff
 from registry.watch import RegistryWatcher

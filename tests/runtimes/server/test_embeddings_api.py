@@ -12,7 +12,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from model_pool.schema import ModelSpec
+from registry.schema import ModelSpec
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.embedding.engine import EmbeddingEngine

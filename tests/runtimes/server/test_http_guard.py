@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from model_pool.schema import HttpLimits
+from registry.schema import HttpLimits
 from runtimes.server.http_guard import GuardedHttpToolsProtocol, guarded_config
 
 WAIT_S = 3.0  # bound on any single wait: far above every limit below

@@ -41,7 +41,7 @@ def test_engine_options_from_registry_json():
 
 def test_bad_engine_json_exits_with_a_message():
     proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "worker", "--source", "x.gguf", "--name", "x",
+        [sys.executable, "-m", "multiserve", "worker", "--source", "x.gguf", "--name", "x",
          "--engine-json", '{"nope": 1}'],
         capture_output=True, text=True, timeout=60, check=False, cwd=REPO_ROOT,
     )
@@ -75,7 +75,7 @@ def worker_process(args: list[str], log_path: Path) -> Iterator[str]:
     port = _free_port()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "worker", *args, "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "multiserve", "worker", *args, "--host", "127.0.0.1", "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     base_url = f"http://127.0.0.1:{port}"
