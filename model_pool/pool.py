@@ -20,6 +20,7 @@ import structlog
 from model_pool.health import BreakerConfig, CircuitBreaker
 from model_pool.launcher import Launcher, LaunchRequest
 from model_pool.replica import Replica, ReplicaState
+from policies.retry import Backoff
 from policies.routing import Candidate, RoutingPolicy, make_policy
 from registry.schema import ModelSpec, Registry
 
@@ -197,7 +198,7 @@ class ModelPool:
             replica.set_state(ReplicaState.FAILED, now)
             log.error("replica_failed", replica=replica.replica_id, crashes=len(recent), exit_code=exit_code)
             return
-        delay = min(self.settings.restart_backoff_max_s, self.settings.restart_backoff_s * 2 ** (len(recent) - 1))
+        delay = Backoff(self.settings.restart_backoff_s, self.settings.restart_backoff_max_s).delay_s(len(recent))
         replica.restarts += 1
         replica.set_state(ReplicaState.UNHEALTHY, now)
         self._schedule.restart_at[replica.replica_id] = now + delay
