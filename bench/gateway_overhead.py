@@ -14,7 +14,7 @@ gateway (the first target alternates per repeat) to cancel drift. Per repeat: p5
 added = gateway - direct; reported: medians over repeats, req/s, and CPU per request (/proc) of the server
 process (backend for direct, gateway for gateway) and of this client. All processes share the cores, so at
 C>1 the gateway's req/s is a floor and 1e6 / its CPU µs per request the ceiling on a free core.
-Goal (the issue): added <= 1 ms at p50 and <= 5 ms at p99, non-streaming at C=1.
+Goal: added <= 1 ms at p50 and <= 5 ms at p99, non-streaming at C=1.
 
 Results: a markdown table on stdout, a JSON line appended to `--out`. `--profile-gateway [PROF]` runs the
 gateway under cProfile and prints its top functions (inflated times, start-up included, and each resumption
