@@ -11,7 +11,6 @@ registry schema alone: an edit it refuses is a 400 carrying the schema's message
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.middleware import bearer_token
+from gateway.auth_keys import bearer_token
+from gateway.request_body import parse_json_object
 from registry.errors import ModelNotFound
 from registry.store import RegistryDiff, RegistryError
 from runtimes.server.errors import APIError
@@ -37,13 +37,12 @@ def _state(request: Request) -> Any:
     return state
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request, param: str | None = None) -> dict[str, Any]:
+    """The body as a JSON object, by the same rules as every body the gateway reads; a 400 names `param`."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}", code="invalid_json") from err
-    except RecursionError as err:
-        raise APIError(400, "the request body nests too deeply", code="invalid_json") from err
+        return parse_json_object(await request.body())
+    except APIError as err:
+        raise APIError(400, err.message, param=param, code=err.code) from None
 
 
 async def _apply(state: Any, edit: Callable[[], RegistryDiff], param: str | None = None) -> JSONResponse:
@@ -56,7 +55,7 @@ async def _apply(state: Any, edit: Callable[[], RegistryDiff], param: str | None
     except RegistryError as err:
         raise APIError(400, f"registry edit rejected, nothing changed: {err}", param=param,
                        code="registry_rejected") from err
-    await state.pool.apply(state.store.registry)
+    await state.apply_change(diff)
     return JSONResponse({"applied": True, "version": state.store.version, "diff": diff.as_dict()})
 
 
@@ -81,9 +80,7 @@ async def get_model(request: Request) -> JSONResponse:
 async def put_model(request: Request) -> JSONResponse:
     state = _state(request)
     name = request.path_params["name"]
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise APIError(400, "the body must be a model object (the YAML entry as JSON)", code="invalid_json")
+    body = await _json_body(request)  # the model's YAML entry as JSON
     if body.setdefault("name", name) != name:
         raise APIError(400, f"name: the body names {body['name']!r} but the URL names {name!r}", param="name")
     return await _apply(state, lambda: state.store.put_model(body))
@@ -100,10 +97,7 @@ async def scale_model(request: Request) -> JSONResponse:
     state = _state(request)
     name = request.path_params["name"]
     _model_or_404(state, name)
-    body = await _json_body(request)
-    if not isinstance(body, dict):
-        raise APIError(400, 'the body must be an object: {"replicas": <count>}', param="replicas", code="invalid_json")
-    replicas = body.get("replicas")  # the schema checks it (an integer in range) and names it when it is not
+    replicas = (await _json_body(request, "replicas")).get("replicas")  # the schema checks its value
     return await _apply(state, lambda: state.store.scale(name, replicas), param="replicas")
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -18,15 +19,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.admin import admin_routes
+from gateway.auth import AuthMiddleware
+from gateway.auth_keys import ApiKey, parse_api_keys
+from gateway.context import request_context
+from gateway.limits import RateLimitMiddleware
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import (
-    AccessLogMiddleware,
-    ApiKey,
-    ApiKeyMiddleware,
-    BodySizeLimitMiddleware,
-    RequestIdMiddleware,
-    parse_api_keys,
-)
+from gateway.middleware import AccessLogMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from gateway.proxy import Forwarder
 from gateway.traffic import TrafficMiddleware, TrafficRecorder
 from model_pool.pool import ModelPool
@@ -34,8 +32,10 @@ from model_pool.replica import ReplicaState
 from policies.classify import LaneThresholds
 from registry.errors import Problem
 from registry.schema import GatewayConfig
-from registry.store import RegistryStore
+from registry.store import RegistryDiff, RegistryStore
 from runtimes.server.errors import exception_handlers
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -50,6 +50,15 @@ class GatewayState:
     traffic: TrafficRecorder | None = None  # the traffic profile (gateway.traffic.path); None: off
     env: Mapping[str, str] = field(default_factory=dict)  # where the secrets' variables are read (a snapshot)
     max_body_bytes: int = 4 << 20
+
+    async def apply_change(self, diff: RegistryDiff) -> None:
+        """Bring the running gateway in line with the store after a change it applied, whichever way it came (the
+        admin API or the file): the gateway's own section, then the pool's replicas."""
+        log.info("registry_applied", version=self.store.version, diff=diff.as_dict())
+        registry = self.store.registry
+        if diff.gateway_changed:
+            self.apply_gateway_config(registry.gateway)
+        await self.pool.apply(registry)
 
     def apply_gateway_config(self, config: GatewayConfig) -> None:
         """Take a registry's `gateway:` section live: secrets from their (possibly renamed) variables, the body
@@ -92,7 +101,7 @@ def _endpoint(name: str) -> Callable[[Request], Any]:
 
 async def list_models(request: Request) -> JSONResponse:
     state: GatewayState = request.app.state.gateway
-    allowed = request.scope.get("state", {}).get("allowed_models")
+    allowed = request_context(request.scope).allowed_models
     data = []
     for spec in state.store.registry.models:
         if not spec.enabled or (allowed is not None and spec.name not in allowed):
@@ -164,7 +173,8 @@ def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int
         Middleware(RequestIdMiddleware),
         Middleware(AccessLogMiddleware),
         Middleware(BodySizeLimitMiddleware, max_bytes=lambda: state.max_body_bytes),
-        Middleware(ApiKeyMiddleware, keys=lambda: state.api_keys, admin_token=lambda: state.admin_token),
+        Middleware(AuthMiddleware, keys=lambda: state.api_keys, admin_token=lambda: state.admin_token),
+        Middleware(RateLimitMiddleware),
     ]
     if state.traffic is not None:  # innermost: it sees the model the proxy resolved, and only admitted requests
         middleware.append(Middleware(TrafficMiddleware, recorder=state.traffic,

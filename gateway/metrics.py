@@ -29,14 +29,14 @@ class _PoolCollector(Collector):
                                      labels=["model", "replica", "state"])
         in_flight = GaugeMetricFamily(f"{PREFIX}_replica_in_flight", "Requests in flight per replica.",
                                       labels=["model", "replica"])
-        for name, group in self.pool.groups.items():
-            for replica in group.replicas:
-                for state in ReplicaState:
-                    states.add_metric([name, replica.replica_id, state.value], float(replica.state == state))
-                current = replica.breaker.state
-                for bstate in BreakerState:
-                    breakers.add_metric([name, replica.replica_id, bstate.value], float(current == bstate))
-                in_flight.add_metric([name, replica.replica_id], float(replica.outstanding))
+        for replica in self.pool.replicas():
+            name = replica.model
+            for state in ReplicaState:
+                states.add_metric([name, replica.replica_id, state.value], float(replica.state == state))
+            current = replica.breaker.state
+            for bstate in BreakerState:
+                breakers.add_metric([name, replica.replica_id, bstate.value], float(current == bstate))
+            in_flight.add_metric([name, replica.replica_id], float(replica.outstanding))
         yield states
         yield breakers
         yield in_flight

@@ -15,11 +15,12 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from gateway.context import request_context
 from gateway.metrics import GatewayMetrics
 from gateway.request_body import parse_json_object
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
-from model_pool.replica import Replica
+from model_pool.replica import Lease, Replica
 from policies.retry import Backoff
 from registry.schema import ModelSpec
 from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
@@ -108,8 +109,7 @@ class Forwarder:
         payload = parse_json_object(body)
         spec = self._target(request, payload, endpoint)
         stream = payload.get("stream") is True
-        state = request.scope.setdefault("state", {})
-        state.setdefault("log", {})["model"] = spec.name
+        request_context(request.scope).model = spec.name
         status = "error"
         timeout_s = spec.policy.request_timeout_s
 
@@ -143,7 +143,8 @@ class Forwarder:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise APIError(400, "model: a model name is required", param="model")
-        allowed = request.scope.get("state", {}).get("allowed_models")
+        context = request_context(request.scope)
+        allowed = context.allowed_models
         spec = self.resolve(model)
         if spec is None or (allowed is not None and spec.name not in allowed):
             names = [n for n in self.known_models() if allowed is None or n in allowed]
@@ -152,7 +153,7 @@ class Forwarder:
         if spec.type not in ENDPOINTS[endpoint][1]:
             raise APIError(400, f"model {spec.name!r} is a {spec.type} model; use {_FITS[spec.type]}",
                            param="model", code="wrong_endpoint")
-        tenant = request.scope.get("state", {}).get("tenant")
+        tenant = context.tenant
         variant = self.resolve(spec.variants[tenant]) if tenant in spec.variants else None
         return variant if variant is not None else spec
 
@@ -208,7 +209,7 @@ class Forwarder:
             if replica is None:
                 raise NoReplica(group.spec.name)
             tried.add(replica.replica_id)
-            request.scope["state"]["log"]["replica"] = replica.replica_id
+            request_context(request.scope).replica = replica.replica_id
             try:
                 return await self._send(request, replica, endpoint, content, stream, call)
             except (ReplicaFailure, ReplicaOverloaded) as err:
@@ -224,22 +225,21 @@ class Forwarder:
 
     async def _send(self, request: Request, replica: Replica, endpoint: str, content: bytes, stream: bool,
                     call: _Call) -> Response:
-        headers = {"content-type": "application/json",
-                   "x-request-id": request.scope.get("state", {}).get("request_id", ""), **replica.auth_headers()}
+        context = request_context(request.scope)
+        headers = {"content-type": "application/json", "x-request-id": context.request_id, **replica.auth_headers()}
         # the replica classifies the request's lane (policies/classify.py): the body's priority, else this
         # header, which carries the client's own or else its API key's default
-        lane = request.headers.get("x-priority") or request.scope.get("state", {}).get("key_priority")
+        lane = request.headers.get("x-priority") or context.key_priority
         if lane is not None:
             headers["x-priority"] = str(lane)
         url = replica.base_url + ENDPOINTS[endpoint][0]
-        replica.outstanding += 1
-        replica.breaker.on_dispatch()
+        lease = self.pool.lease(replica)
         handed_over = False
         try:
-            response = await self._open(url, content, headers, replica)
+            response = await self._open(url, content, headers, lease)
             if not stream or response.status_code != 200:
-                data = await self._read_all(response, replica)
-                replica.breaker.record_success()
+                data = await self._read_all(response, lease)
+                lease.succeeded()
                 return Response(data, status_code=response.status_code,
                                 media_type=response.headers.get("content-type", "application/json"))
             chunks = response.aiter_raw()
@@ -247,48 +247,48 @@ class Forwarder:
                 first = await anext(chunks, b"")
             except UpstreamError as err:
                 await response.aclose()
-                raise self._fail(replica, f"stream broke before the first byte: {err!r}") from err
+                raise self._fail(lease, f"stream broke before the first byte: {err!r}") from err
             handed_over = True
             headers = {"cache-control": "no-cache"}
             prompt_tokens = response.headers.get(PROMPT_TOKENS_HEADER, "")
             if prompt_tokens.isdigit() and len(prompt_tokens) < 12:  # for the key's token limit and the traffic log
                 headers[PROMPT_TOKENS_HEADER] = prompt_tokens
-            return StreamingResponse(self._relay(first, chunks, response, replica, call),
+            return StreamingResponse(self._relay(first, chunks, response, lease, call),
                                      media_type="text/event-stream", headers=headers)
         finally:
             if not handed_over:
-                replica.outstanding -= 1
+                lease.release()
 
-    async def _open(self, url: str, content: bytes, headers: dict[str, str], replica: Replica) -> UpstreamReply:
+    async def _open(self, url: str, content: bytes, headers: dict[str, str], lease: Lease) -> UpstreamReply:
         try:
             response = await self.upstream.post(url, content, headers, self.timeouts)
         except UpstreamTimeout as err:
-            raise self._fail(replica, f"timed out: {err!r}", timeout=True) from err
+            raise self._fail(lease, f"timed out: {err!r}", timeout=True) from err
         except UpstreamError as err:
-            raise self._fail(replica, f"connection failed: {err!r}") from err
+            raise self._fail(lease, f"connection failed: {err!r}") from err
         if response.status_code >= 500 and response.headers.get(ERROR_SCOPE_HEADER) != "request":
             await response.aclose()
-            raise self._fail(replica, f"answered {response.status_code}")
+            raise self._fail(lease, f"answered {response.status_code}")
         if response.status_code == 429:
             await response.aclose()
-            replica.breaker.record_success()  # it answered, and sanely: a full queue is not a fault
-            raise ReplicaOverloaded(replica, _retry_after_s(response))
+            lease.succeeded()  # it answered, and sanely: a full queue is not a fault
+            raise ReplicaOverloaded(lease.replica, _retry_after_s(response))
         return response
 
-    async def _read_all(self, response: UpstreamReply, replica: Replica) -> bytes:
+    async def _read_all(self, response: UpstreamReply, lease: Lease) -> bytes:
         try:
             return await response.aread()
         except UpstreamError as err:
-            raise self._fail(replica, f"reply broke: {err!r}", timeout=isinstance(err, UpstreamTimeout)) from err
+            raise self._fail(lease, f"reply broke: {err!r}", timeout=isinstance(err, UpstreamTimeout)) from err
         finally:
             await response.aclose()
 
-    def _fail(self, replica: Replica, cause: str, timeout: bool = False) -> ReplicaFailure:
-        replica.breaker.record_failure()
-        log.warning("replica_request_failed", replica=replica.replica_id, cause=cause)
-        return ReplicaFailure(replica, cause, timeout)
+    def _fail(self, lease: Lease, cause: str, timeout: bool = False) -> ReplicaFailure:
+        lease.failed()
+        log.warning("replica_request_failed", replica=lease.replica.replica_id, cause=cause)
+        return ReplicaFailure(lease.replica, cause, timeout)
 
-    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], response: UpstreamReply, replica: Replica,
+    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], response: UpstreamReply, lease: Lease,
                      call: _Call) -> AsyncIterator[bytes]:
         """Pass the replica's SSE bytes through as they come; a break midway or the request's deadline ends
         the stream with an error event (closing the upstream connection aborts the request on the replica)."""
@@ -304,9 +304,9 @@ class Forwarder:
                 if chunk is None:
                     break
                 yield chunk
-            replica.breaker.record_success()
+            lease.succeeded()
         except UpstreamError as err:
-            self._fail(replica, f"stream broke midway: {err!r}")
+            self._fail(lease, f"stream broke midway: {err!r}")
             failure = APIError(503, f"model {model!r}: the replica failed while streaming; the reply is incomplete",
                                code="stream_interrupted")
             yield _error_event(failure)
@@ -314,7 +314,7 @@ class Forwarder:
             assert call.deadline is not None
             yield _error_event(_timeout(model, call.deadline - call.start))
         finally:
-            replica.outstanding -= 1
+            lease.release()
             await response.aclose()
             self.metrics.e2e.labels(model).observe(self.clock() - call.start)
 

@@ -88,10 +88,7 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
         applying: set[asyncio.Task[None]] = set()
 
         def on_change(diff: RegistryDiff) -> None:
-            log.info("registry_applied", version=state.store.version, diff=diff.as_dict())
-            if diff.gateway_changed:
-                state.apply_gateway_config(state.store.registry.gateway)
-            task = asyncio.create_task(state.pool.apply(state.store.registry))
+            task = asyncio.create_task(state.apply_change(diff))
             applying.add(task)
             task.add_done_callback(applying.discard)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from gateway.context import request_context
 from policies.classify import LaneThresholds, classify
 from policies.multilevel import LANES
 from runtimes.server.wire import PROMPT_TOKENS_HEADER
@@ -194,9 +195,9 @@ class TrafficMiddleware:
             await self.app(scope, tapped_receive, tap.wrap(send))
         finally:
             prompt, output, source = tap.counts()
-            state = scope.get("state", {})
-            model = state.get("log", {}).get("model")
-            lane = request_lane(b"".join(parts), dict(scope.get("headers") or []), prompt, state.get("key_priority"),
+            context = request_context(scope)
+            model = context.model
+            lane = request_lane(b"".join(parts), dict(scope.get("headers") or []), prompt, context.key_priority,
                                 None if model is None else self.thresholds_for(model))
             self.recorder.record(TrafficRecord(start_s, self.wall_clock(), model, endpoint, lane,
                                                tap.status or 500, tap.stream, prompt, output, source))

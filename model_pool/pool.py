@@ -19,7 +19,7 @@ import structlog
 
 from model_pool.health import BreakerConfig, CircuitBreaker
 from model_pool.launcher import Launcher, LaunchRequest
-from model_pool.replica import Replica, ReplicaState
+from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
 from policies.routing import Candidate, RoutingPolicy, make_policy
 from registry.schema import ModelSpec, Registry
@@ -240,6 +240,14 @@ class ModelPool:
         by_id = {r.replica_id: r for r in live}
         pick = group.routing.choose([Candidate(r.replica_id, r.outstanding) for r in live], key)
         return by_id[pick.replica_id]
+
+    def lease(self, replica: Replica) -> Lease:
+        """A request's hold on `replica` (in flight until released; its outcome feeds the breaker)."""
+        return Lease(replica)
+
+    def replicas(self) -> list[Replica]:
+        """Every replica of every group, in group order (for metrics and health views)."""
+        return [r for g in self.groups.values() for r in g.replicas]
 
     def find_replica(self, replica_id: str) -> Replica | None:
         return next((r for g in self.groups.values() for r in g.replicas if r.replica_id == replica_id), None)

@@ -82,6 +82,37 @@ class Replica:
         }
 
 
+class Lease:
+    """One request's hold on a replica, from dispatch to the end of its reply. Only leases move a replica's
+    in-flight count and feed its circuit breaker: counted while held; `succeeded()` or `failed()` says how it went
+    (a sane refusal, such as a full queue, is a success: the replica answered). A stream's lease is handed to the
+    code that relays it, which releases it at the stream's end; `async with` releases it on leaving."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self._held = True
+        replica.outstanding += 1
+        replica.breaker.on_dispatch()
+
+    def succeeded(self) -> None:
+        self.replica.breaker.record_success()
+
+    def failed(self) -> None:
+        self.replica.breaker.record_failure()
+
+    def release(self) -> None:
+        """No longer in flight (idempotent)."""
+        if self._held:
+            self._held = False
+            self.replica.outstanding -= 1
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+
 def redact_url(url: str) -> str:
     """`http://user:secret@host:8000/x` -> `http://***@host:8000/x`; a URL without credentials is unchanged."""
     parts = urlsplit(url)

@@ -21,8 +21,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GatewayState, build_gateway
+from gateway.auth_keys import ApiKey
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import ApiKey
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.server import make_state
 from gateway.upstream import HttpxUpstream

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.middleware import ApiKey
+from gateway.auth_keys import ApiKey
 from model_pool.replica import ReplicaState
 from tests.gateway.fakes import ADMIN_TOKEN, REGISTRY, FakeGateway, chat, error_of
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.middleware import ApiKey, parse_api_keys
+from gateway.auth_keys import ApiKey, parse_api_keys
 from tests.gateway.fakes import REGISTRY, FakeGateway, chat, error_of
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gateway.middleware import ApiKey
+from gateway.auth_keys import ApiKey
 from gateway.traffic import ReplyTap, TrafficRecord, TrafficRecorder
 from tests.gateway.fakes import NUM_STREAM_CHUNKS, REGISTRY, FakeGateway, chat
 

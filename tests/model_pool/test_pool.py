@@ -545,3 +545,25 @@ def test_a_replica_scaled_away_and_back_does_not_inherit_a_pending_restart():
         assert h.states("alpha") == [READY, READY]
 
     run(scenario, settings=PoolSettings(restart_backoff_s=0.5))
+
+
+def test_a_lease_alone_counts_a_request_in_flight_and_feeds_the_breaker():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        replica = h.replica("alpha/0")
+        async with h.pool.lease(replica) as lease:
+            assert replica.outstanding == 1
+            for _ in range(3):
+                lease.failed()
+            assert not replica.routable()  # the default breaker opens after 3 failures
+            lease.release()
+            lease.release()  # idempotent: a stream's relay and its error path may both release
+            assert replica.outstanding == 0
+        assert replica.outstanding == 0
+        h.clock.advance(60.0)
+        async with h.pool.lease(replica) as trial:  # half-open: one trial, whose success closes it again
+            trial.succeeded()
+        assert replica.routable() and h.pool.replicas() == [replica]
+
+    run(scenario)

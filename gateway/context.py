@@ -1,0 +1,50 @@
+"""What the gateway learns about one request as it passes the middleware and the proxy, in one typed object.
+
+The request id (RequestIdMiddleware), the caller's API key (AuthMiddleware), and the model and replica that served
+it (the proxy) travel here instead of as loose keys in the ASGI scope; the access log and the traffic log read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.auth_keys import ApiKey
+
+_SCOPE_KEY = "multiserve"  # under scope["state"], where Starlette keeps per-request state
+
+
+@dataclass
+class RequestContext:
+    request_id: str = ""
+    key: ApiKey | None = None  # the caller's API key; None when the gateway has no keys configured
+    key_token: str | None = None  # that key's token: its rate-limit buckets (never logged)
+    model: str | None = None  # the model the request was routed to (after aliases and tenant variants)
+    replica: str | None = None  # the replica that served it last
+
+    @property
+    def allowed_models(self) -> frozenset[str] | None:
+        """The models the caller may use; None: all."""
+        return None if self.key is None else self.key.models
+
+    @property
+    def key_priority(self) -> int | str | None:
+        """The caller's default lane (policies/classify.py), unless the request names one."""
+        return None if self.key is None else self.key.priority
+
+    @property
+    def tenant(self) -> str | None:
+        return None if self.key is None else self.key.tenant
+
+    def log_fields(self) -> dict[str, Any]:
+        """What the access log adds about the request's route."""
+        return {name: value for name, value in (("model", self.model), ("replica", self.replica)) if value}
+
+
+def request_context(scope: Any) -> RequestContext:
+    """The request's context, made on first use (`scope` is an ASGI scope)."""
+    state = scope.setdefault("state", {})
+    context = state.get(_SCOPE_KEY)
+    if context is None:
+        context = state[_SCOPE_KEY] = RequestContext()
+    return context
