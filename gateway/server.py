@@ -40,7 +40,7 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
                env: dict[str, str] | None = None, placer: ReplicaPlacer | None = None) -> GatewayState:
     """Everything the gateway needs, wired together (no I/O yet: `lifespan` starts it).
 
-    `placer` gives each replica its plan entry (the pool's `env_for`); by default it plans the registry onto
+    `placer` gives each replica its plan entry (the pool's `placement_for`); by default it plans the registry onto
     this host's inventory (NVML, or the CPU), read when the first replica launches.
     """
     env = dict(os.environ) if env is None else env
@@ -49,7 +49,7 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=None)
     placer = placer or default_placer(lambda: store.registry, env)
     launcher = LocalLauncher(log_dir=log_dir, env_drop=lambda: secret_env_names(store.registry.gateway))
-    pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, pool_settings, env_for=placer)
+    pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, pool_settings, placement_for=placer)
     metrics = GatewayMetrics(pool)
     metrics.add_time_shares(placer.shares)
 
@@ -105,8 +105,8 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
                 task.cancel()
             await asyncio.gather(*tasks, *applying, return_exceptions=True)
             await state.pool.shutdown()
-            if isinstance(state.pool.env_for, ReplicaPlacer):
-                state.pool.env_for.close()  # the replicas are gone: so are the arbiters they shared
+            if isinstance(state.pool.placement_for, ReplicaPlacer):
+                state.pool.placement_for.close()  # the replicas are gone: so are the arbiters they shared
             await state.forwarder.upstream.aclose()  # and with it the pool's httpx client
             log.info("gateway_stopped")
 

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from registry.launch import ReplicaLaunch
 from runtimes.server.wire import REPLICA_TOKEN_ENV
 
 
@@ -40,21 +40,8 @@ class ReplicaHandle(Protocol):
         """Ask it to stop (SIGTERM), then kill it after `timeout_s`."""
 
 
-@dataclass(frozen=True)
-class LaunchRequest:
-    model: str
-    index: int
-    source: str  # path or package:file, as `multiserve worker --source` takes it
-    aliases: tuple[str, ...] = ()
-    model_type: str = "chat"  # the registry's type: chat | completion | embedding (`multiserve worker --type`)
-    device: str = "cpu"
-    engine: Mapping[str, Any] = field(default_factory=dict)  # the registry's engine options (as engine_kwargs)
-    env: Mapping[str, str] = field(default_factory=dict)  # from the partitioner's plan
-    url: str | None = None  # for replicas started elsewhere
-
-
 class Launcher(Protocol):
-    async def start(self, request: LaunchRequest) -> ReplicaHandle: ...
+    async def start(self, launch: ReplicaLaunch) -> ReplicaHandle: ...
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,29 +96,27 @@ class LocalLauncher:
         self.python = python
         self.env_drop = env_drop  # asked at each launch: the names can change with the registry
 
-    def command(self, request: LaunchRequest, port: int) -> list[str]:
-        cmd = [self.python, "-m", "multiserve", "worker", "--source", request.source, "--name", request.model,
-               "--type", request.model_type, "--host", self.host, "--port", str(port), "--device", request.device,
-               "--engine-json", json.dumps(dict(request.engine))]
-        for alias in request.aliases:
-            cmd += ["--alias", alias]
-        return cmd
+    def command(self, launch: ReplicaLaunch, port: int) -> list[str]:
+        """The worker's command line: the launch as one JSON document (it holds no secret: the token is in the
+        environment)."""
+        return [self.python, "-m", "multiserve", "worker", "--launch", launch.model_dump_json(), "--host", self.host,
+                "--port", str(port)]
 
-    async def start(self, request: LaunchRequest) -> ProcessHandle:
+    async def start(self, launch: ReplicaLaunch) -> ProcessHandle:
         port = free_port(self.host)
         drop = set(self.env_drop())
         token = secrets.token_urlsafe(32)
-        env = {**{k: v for k, v in os.environ.items() if k not in drop}, **request.env, "PYTHONUNBUFFERED": "1",
-               REPLICA_TOKEN_ENV: token}
+        env = {**{k: v for k, v in os.environ.items() if k not in drop}, **launch.placement.env,
+               "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
         log_path = None
         stdout: Any = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"{request.model}-{request.index}.log"
+            log_path = self.log_dir / f"{launch.model}-{launch.index}.log"
             stdout = log_path.open("ab")
         preexec = _die_with_parent if sys.platform.startswith("linux") else None
         process = subprocess.Popen(  # our own interpreter and module, no shell
-            self.command(request, port), env=env, stdout=stdout, stderr=subprocess.STDOUT,
+            self.command(launch, port), env=env, stdout=stdout, stderr=subprocess.STDOUT,
             preexec_fn=preexec,
         )
         if stdout is not subprocess.DEVNULL:
@@ -155,7 +140,7 @@ class RemoteHandle:
 class UrlLauncher:
     """Replicas started elsewhere (another host, a Ray cluster): listed by URL in the registry."""
 
-    async def start(self, request: LaunchRequest) -> RemoteHandle:
-        if not request.url:
-            raise ValueError(f"model {request.model!r}: replica {request.index} has no URL")
-        return RemoteHandle(request.url.rstrip("/"))
+    async def start(self, launch: ReplicaLaunch) -> RemoteHandle:
+        if not launch.url:
+            raise ValueError(f"model {launch.model!r}: replica {launch.index} has no URL")
+        return RemoteHandle(launch.url.rstrip("/"))

@@ -18,14 +18,15 @@ import httpx
 import structlog
 
 from model_pool.health import BreakerConfig, CircuitBreaker
-from model_pool.launcher import Launcher, LaunchRequest
+from model_pool.launcher import Launcher
 from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
 from policies.routing import Candidate, RoutingPolicy, make_policy
+from registry.launch import ReplicaPlacement, launch_key, replica_launch
 from registry.schema import ModelSpec, Registry
 
 log = structlog.get_logger(__name__)
-EnvFor = Callable[[ModelSpec, int], Mapping[str, str]]
+PlacementFor = Callable[[ModelSpec, int], ReplicaPlacement]
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,14 @@ class ModelPool:
         launchers: Mapping[str, Launcher],
         http: httpx.AsyncClient,
         settings: PoolSettings | None = None,
-        env_for: EnvFor | None = None,
+        placement_for: PlacementFor | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.launchers = launchers
         self.http = http
         self.settings = settings or PoolSettings()
-        self.env_for = env_for or (lambda spec, index: {})
+        self.placement_for = placement_for or (lambda spec, index: ReplicaPlacement())
         self.clock = clock
         self.sleep = sleep
         self.groups: dict[str, InstanceGroup] = {}
@@ -86,8 +87,8 @@ class ModelPool:
                 await self._stop_group(self.groups.pop(name))
             for name, spec in wanted.items():
                 group = self.groups.get(name)
-                if group is not None and group.spec.launch_view() != spec.launch_view():
-                    await self._stop_group(self.groups.pop(name))  # source/engine/placement changed: replace
+                if group is not None and launch_key(group.spec) != launch_key(spec):
+                    await self._stop_group(self.groups.pop(name))  # what its replicas run with changed: replace
                     group = None
                 if group is None:
                     group = self.groups[name] = InstanceGroup(spec, _routing_policy(spec))
@@ -109,15 +110,8 @@ class ModelPool:
 
     async def _launch(self, group: InstanceGroup, replica: Replica) -> None:
         spec = group.spec
-        urls = spec.urls or []
-        request = LaunchRequest(
-            model=spec.name, index=replica.index, source=spec.source_ref(), aliases=tuple(spec.aliases),
-            model_type=spec.type, device=spec.device,
-            engine={k: v for k, v in spec.engine_kwargs().items() if k != "device"},
-            env=dict(self.env_for(spec, replica.index)),
-            url=urls[replica.index] if replica.index < len(urls) else None,
-        )
-        replica.handle = await self.launchers[spec.launcher].start(request)
+        launch = replica_launch(spec, replica.index, self.placement_for(spec, replica.index))
+        replica.handle = await self.launchers[spec.launcher].start(launch)
         replica.set_state(ReplicaState.STARTING, self.clock())
         self._schedule.launched_at[replica.replica_id] = self.clock()
         log.info("replica_launched", replica=replica.replica_id, url=replica.display_url)

@@ -58,18 +58,20 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
     worker = sub.add_parser("worker", help="serve one model replica over an OpenAI-compatible HTTP API")
-    worker.add_argument("--source", required=True, help="a GGUF/HF path or package:file")
-    worker.add_argument("--name", required=True, help="the model name clients send")
+    worker.add_argument("--launch", default=None,
+                        help="the replica's launch as JSON (what the gateway's pool passes); else the options below")
+    worker.add_argument("--source", default=None, help="a GGUF/HF path or package:file")
+    worker.add_argument("--name", default=None, help="the model name clients send")
     worker.add_argument("--type", default="chat", choices=("chat", "completion", "embedding"),
                         help="the registry's model type: chat and completion models get the LLM engine, "
                              "embedding models the encoder engine and /v1/embeddings (default: chat)")
     worker.add_argument("--alias", action="append", default=[], help="another accepted name (repeatable)")
     worker.add_argument("--host", default="127.0.0.1")
     worker.add_argument("--port", type=int, default=8000)
-    worker.add_argument("--device", default=None, help="auto | cpu | cuda[:N] (default: engine-json or auto)")
+    worker.add_argument("--device", default=None, help="auto | cpu | cuda (default: auto)")
     worker.add_argument("--engine-json", default=None,
-                        help='EngineConfig (or, for --type embedding, EmbeddingConfig) fields as JSON, '
-                             'e.g. \'{"block_size": 16, "kv_cache_gib": 1}\'')
+                        help='the registry\'s engine: options for the model\'s type and the engine\'s side of its '
+                             'policy: as JSON, e.g. \'{"block_size": 16, "kv_cache_gib": 1, "max_queue_len": 64}\'')
     worker.add_argument("--log-level", default="warning", help="uvicorn's log level")
     worker.add_argument("--stall-timeout-s", type=float, default=60.0,
                         help="the replica reports itself unready when its engine loop makes no progress this long")

@@ -1,44 +1,72 @@
-"""`multiserve worker`: one replica's process, assembled from its parts. The engine and its HTTP face come from
-runtimes/, the device share from the partitioner's plan entry (the environment the pool launched it with), the
-time-slice lease from the partitioner's arbiter client, and the launch token from the gateway's launcher."""
+"""`multiserve worker`: one replica's process, assembled from its parts. Its launch (registry/launch.py) comes from
+the pool as one JSON document (`--launch`), or is built from the command line's options for a replica started by
+hand; the engine and its HTTP face come from runtimes/, the time-slice lease from the partitioner's arbiter client,
+and the launch token from the gateway's launcher (its environment)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
 import sys
+from collections.abc import Callable
 
-from partitioner.planning.worker_env import worker_settings
-from runtimes.llm.config import EngineConfig
+from pydantic import ValidationError
+
+from registry.errors import FieldProblems, Problem, pydantic_problems
+from registry.launch import QueueOptions, ReplicaLaunch
 from runtimes.server.wire import REPLICA_TOKEN_ENV
-from runtimes.server.worker import parse_engine_json, run_worker
+from runtimes.server.worker import run_worker
+
+_QUEUE_OPTIONS = frozenset(QueueOptions.model_fields)
+
+
+def launch_from_args(args: argparse.Namespace) -> ReplicaLaunch:
+    """The launch `--launch` gives, or one built from `--source`, `--name`, `--type`, `--alias`, `--device` and
+    `--engine-json` (the registry's `engine:` options of the model's type and the engine's side of `policy:`).
+    Raises ValueError saying which option is wrong and how."""
+    if args.launch is not None:
+        return _validated("--launch", lambda: ReplicaLaunch.model_validate_json(args.launch))
+    if not args.source or not args.name:
+        raise ValueError("give --launch, or --source and --name")
+    options = json.loads(args.engine_json) if args.engine_json else {}
+    if not isinstance(options, dict):
+        raise ValueError(f"--engine-json: must be a JSON object, got {type(options).__name__}")
+    queue = {k: v for k, v in options.items() if k in _QUEUE_OPTIONS}
+    engine = {k: v for k, v in options.items() if k not in _QUEUE_OPTIONS}
+    document = {"model": args.name, "index": 0, "type": args.type, "source": args.source,
+                "aliases": list(args.alias), "device": args.device or "auto", "engine": engine, "queue": queue}
+    return _validated("--engine-json", lambda: ReplicaLaunch.model_validate(document))
+
+
+def _validated(option: str, build: Callable[[], ReplicaLaunch]) -> ReplicaLaunch:
+    try:
+        return build()
+    except ValidationError as exc:
+        problems = pydantic_problems(exc)
+    except FieldProblems as exc:
+        problems = list(exc.problems)
+    raise ValueError(f"{option}: " + "; ".join(str(Problem(p.field, p.message)) for p in problems))
 
 
 def run_worker_command(args: argparse.Namespace) -> int:
-    """Serve one replica until SIGTERM; 2 on bad options or plan entry (the message says which)."""
+    """Serve one replica until SIGTERM; 2 on a bad launch or bad options (the message says which)."""
     try:
-        config = parse_engine_json(args.engine_json, args.device, args.type)
+        launch = launch_from_args(args)
     except ValueError as err:  # json.JSONDecodeError included
-        print(f"error: --engine-json: {err}", file=sys.stderr)
-        return 2
-    try:
-        plan = worker_settings(os.environ)  # the partitioner's plan entry, from the pool
-    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if plan.kv_cache_bytes is not None and isinstance(config, EngineConfig) and config.kv_cache_bytes is None:
-        config = dataclasses.replace(config, kv_cache_bytes=plan.kv_cache_bytes)
+    placement = launch.placement
     gate = None
-    if plan.arbiter_socket:  # the device is time-shared: every engine step takes the arbiter's lease
+    if placement.arbiter_socket:  # the device is time-shared: every engine step takes the arbiter's lease
         from partitioner.timeslice.client import LeaseClient
 
-        gate = LeaseClient(plan.arbiter_socket, plan.arbiter_client or args.name, plan.arbiter_weight)
+        gate = LeaseClient(placement.arbiter_socket, placement.arbiter_client or launch.replica_id,
+                           placement.arbiter_weight)
     token = os.environ.pop(REPLICA_TOKEN_ENV, None) or None  # not passed on to anything this process starts
     try:
-        run_worker(args.source, args.name, args.alias, args.host, args.port, config, args.log_level,
-                   model_type=args.type, step_gate=gate, memory_fraction=plan.memory_fraction,
-                   replica_token=token, stall_timeout_s=args.stall_timeout_s)
+        run_worker(launch, args.host, args.port, args.log_level, step_gate=gate, replica_token=token,
+                   stall_timeout_s=args.stall_timeout_s)
     finally:
         if gate is not None:
             gate.close()

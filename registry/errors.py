@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+from pydantic import ValidationError
 
 
 class Problem(NamedTuple):
@@ -56,3 +59,29 @@ class ModelNotFound(LookupError):
     def __init__(self, name: str, hint: str = "") -> None:
         self.name = name
         super().__init__(f"no model named {name!r}{hint}")
+
+
+def format_loc(loc: tuple[int | str, ...]) -> str:
+    """pydantic's `('models', 1, 'engine')` -> `models[1].engine`."""
+    out = ""
+    for part in loc:
+        out = join_field(out, f"[{part}]" if isinstance(part, int) else str(part))
+    return out
+
+
+def pydantic_problems(exc: ValidationError, known_fields: Sequence[str] = ()) -> list[Problem]:
+    """Every error of a pydantic validation as a `Problem` with the full field path (problems a validator raised as
+    `FieldProblems` under their own paths); an unknown field gets the nearest of `known_fields` as a suggestion."""
+    problems = []
+    for err in exc.errors():
+        where = format_loc(err["loc"])
+        inner = err.get("ctx", {}).get("error")
+        if isinstance(inner, FieldProblems):
+            problems += [Problem(join_field(where, p.field) or "(top level)", p.message) for p in inner.problems]
+            continue
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), list(known_fields), n=1)
+            message = "unknown field" + (f"; did you mean {close[0]!r}?" if close else "")
+        problems.append(Problem(where or "(top level)", message))
+    return problems

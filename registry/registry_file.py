@@ -22,7 +22,8 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from registry import yaml_edit
 from registry.errors import Problem, RegistryError
-from registry.schema import MIB, Registry, validate_registry, validation_problems
+from registry.fields import MIB
+from registry.schema import Registry, validate_registry, validation_problems
 
 # A registry of a thousand models is ~200 KiB; ruamel parses ~100 KiB/s, so this also bounds a parse to seconds.
 MAX_REGISTRY_BYTES = 1 * MIB

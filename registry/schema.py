@@ -14,14 +14,12 @@ in code with plain `model_validate` has no file to be relative to and skips it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -32,40 +30,29 @@ from pydantic import (
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
 from registry import sources
-from registry.errors import FieldProblems, Problem, join_field
-
-MIB = 1 << 20
-GIB = 1 << 30
-
-# Upper bounds of the numeric fields. Each is far above what one host runs and low enough that a typo (an extra
-# zero or six) is refused instead of starting a million processes or sizing a cache beyond any device.
-MAX_REPLICAS = 64  # per model; each replica is a process with its own weights and KV cache
-MAX_BLOCK_SIZE = 256  # tokens per KV-cache block (and a power of two)
-MAX_NUM_SEQS = 4096  # sequences a replica runs at once
-MAX_NUM_BATCHED_TOKENS = 1 << 20  # tokens in one engine step
-MAX_MODEL_LEN = 1 << 21  # tokens of context (2M; the longest-context open models have 1M)
-MAX_GIB = 4096.0  # kv_cache_gib, memory_gib: 4 TiB, more than any single host has
-MAX_QUEUE_LEN = 1 << 20  # waiting requests per replica
-MAX_WAIT_S = 86_400.0  # queue waits and request timeouts: a day
-MAX_WEIGHT = 1000.0  # a time-slice share relative to co-located models
-MAX_LOAD_BOUND = 100.0  # x the mean in-flight requests
-MAX_PREFIX_CHARS = 1 << 20  # characters of a prompt hashed for prefix affinity
-MAX_BODY_BYTES = 1 << 30  # a request body the gateway buffers
-# Bounded integer fields are `strict`: `true` or "3" for `replicas` is a mistake, not 1 or 3.
-
-ModelType = Literal["chat", "completion", "embedding"]
-# A Ray launcher is planned; until a pool can start replicas on Ray, the schema refuses it by name.
-Launcher = Literal["local", "url"]
-Device = Literal["auto", "cpu", "cuda"]
-Isolation = Literal["mig", "mps", "timeslice", "exclusive"]
-Scheduling = Literal["fcfs", "multilevel"]
-Routing = Literal["round_robin", "least_outstanding", "power_of_two", "prefix_affinity", "session"]
-
-# Names are what clients send as `model` and what the admin API puts in URLs: keep them URL- and file-safe.
-ModelName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=128)]
-# Aliases may also carry the upper case and '/' of Hugging Face ids (`HuggingFaceTB/SmolLM2-135M-Instruct`).
-Alias = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", max_length=256)]
-EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
+from registry.errors import FieldProblems, Problem, pydantic_problems
+from registry.fields import (
+    MAX_BODY_BYTES,
+    MAX_GIB,
+    MAX_LOAD_BOUND,
+    MAX_PREFIX_CHARS,
+    MAX_QUEUE_LEN,
+    MAX_REPLICAS,
+    MAX_WAIT_S,
+    MAX_WEIGHT,
+    MIB,
+    Alias,
+    Device,
+    EnvName,
+    Frozen,
+    Isolation,
+    Launcher,
+    ModelName,
+    ModelType,
+    Routing,
+    Scheduling,
+)
 
 
 def _check_http_url(url: str) -> str:
@@ -77,11 +64,7 @@ def _check_http_url(url: str) -> str:
 HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class TrafficLogConfig(_Frozen):
+class TrafficLogConfig(Frozen):
     """The per-request traffic profile (gateway/traffic.py): token counts, lane, model, timestamps, never content.
     Off by default (`path` unset): it is for operators who plan capacity, and a file nobody asked for is a surprise."""
 
@@ -90,7 +73,7 @@ class TrafficLogConfig(_Frozen):
     backups: int = Field(default=3, ge=0, le=100)  # rotated files kept: path.1 ... path.<backups>
 
 
-class HttpLimits(_Frozen):
+class HttpLimits(Frozen):
     """How long a client may take to send a request, how large its head may be, how many connections are served
     (runtimes/server/http_guard.py enforces them, at the gateway and at every replica)."""
 
@@ -104,7 +87,7 @@ class HttpLimits(_Frozen):
     max_connections: int | None = Field(default=1000, ge=1, le=1 << 20, strict=True)
 
 
-class GatewayConfig(_Frozen):
+class GatewayConfig(Frozen):
     """Where the gateway listens and where it finds its secrets (names of environment variables, never values)."""
 
     host: str = "127.0.0.1"
@@ -121,7 +104,7 @@ class GatewayConfig(_Frozen):
     model_roots: list[Annotated[str, Field(min_length=1)]] = ["."]
 
 
-class ModelSource(_Frozen):
+class ModelSource(Frozen):
     """Where the weights come from: exactly one of `{package, file}`, `{path}` or `{url}` (launcher `url` only).
     What `package`/`file` and `path` may name is `registry.sources`'s rules (`path` is checked by `Registry`)."""
 
@@ -157,7 +140,7 @@ class ModelSource(_Frozen):
             raise FieldProblems([Problem("file", str(err))]) from None
 
 
-class Placement(_Frozen):
+class Placement(Frozen):
     """How this model's replicas share a device; the partitioner turns it into a plan."""
 
     isolation: Isolation = "timeslice"
@@ -166,26 +149,7 @@ class Placement(_Frozen):
     weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)  # share of time-slices relative to co-located models
 
 
-class EngineSpec(_Frozen):
-    """Per-replica engine limits; `ModelSpec.engine_kwargs()` maps them onto `runtimes.llm.config.EngineConfig`."""
-
-    block_size: int = Field(default=16, ge=1, le=MAX_BLOCK_SIZE, strict=True)
-    max_num_seqs: int = Field(default=64, ge=1, le=MAX_NUM_SEQS, strict=True)
-    # None: the model's own context length
-    max_model_len: int | None = Field(default=None, ge=1, le=MAX_MODEL_LEN, strict=True)
-    max_num_batched_tokens: int = Field(default=512, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)
-    kv_cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)  # None: the engine sizes the KV cache itself
-    enable_prefix_caching: bool = True
-
-    @field_validator("block_size")
-    @classmethod
-    def _power_of_two(cls, value: int) -> int:
-        if value & (value - 1):  # the range is the field's
-            raise ValueError(f"must be a power of two, got {value}")
-        return value
-
-
-class PolicySpec(_Frozen):
+class PolicySpec(Frozen):
     """Queueing and admission (engine side), replica choice and deadlines (gateway side) for one model."""
 
     scheduling: Scheduling = "fcfs"
@@ -218,12 +182,7 @@ class PolicySpec(_Frozen):
         return self
 
 
-# ModelSpec fields (and policy fields) that only the gateway reads
-_GATEWAY_SIDE = frozenset({"replicas", "aliases", "fallbacks", "context_window_fallbacks", "variants", "enabled"})
-_GATEWAY_SIDE_POLICY = frozenset({"routing", "session_header", "prefix_chars", "load_bound", "request_timeout_s"})
-
-
-class ModelSpec(_Frozen):
+class ModelSpec(Frozen):
     """One model of the registry and how to run it."""
 
     name: ModelName
@@ -237,7 +196,8 @@ class ModelSpec(_Frozen):
     device: Device = "auto"
     enabled: bool = True
     placement: Placement = Field(default_factory=Placement)
-    engine: EngineSpec = Field(default_factory=EngineSpec)
+    # its kind follows `type` (registry/engine.py): the LLM engine's options, or the encoder's for embedding models
+    engine: EngineSpec | EmbeddingEngineSpec = Field(default_factory=dict, validate_default=True)
     policy: PolicySpec = Field(default_factory=PolicySpec)
     fallbacks: list[ModelName] = []  # names (not aliases) of models of the same type, tried in order
     # tried when a replica answers `context_length_exceeded`: models with a longer context window
@@ -245,6 +205,14 @@ class ModelSpec(_Frozen):
     # tenant class (from the API key) -> the model that serves this one's traffic for that class, e.g.
     # {internal: smollm2-int8}: internal callers asking for this model get the int8 variant
     variants: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")], ModelName] = {}
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_of_its_type(cls, value: Any, info: ValidationInfo) -> EngineSpec | EmbeddingEngineSpec:
+        model_type = info.data.get("type")
+        if model_type is None:  # `type` itself is missing or wrong: that is the error to show
+            return EngineSpec()
+        return engine_for_type(model_type, value)
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -293,13 +261,6 @@ class ModelSpec(_Frozen):
         refs += [(f"context_window_fallbacks[{i}]", name) for i, name in enumerate(self.context_window_fallbacks)]
         return refs + [(f"variants.{tenant}", name) for tenant, name in self.variants.items()]
 
-    def launch_view(self) -> dict[str, Any]:
-        """What a replica is started with: a change here replaces the replicas, any other change (count,
-        aliases, fallbacks, gateway-side policy) is applied without restarting them."""
-        data = self.model_dump(exclude=set(_GATEWAY_SIDE))
-        data["policy"] = {k: v for k, v in data["policy"].items() if k not in _GATEWAY_SIDE_POLICY}
-        return data
-
     def source_ref(self) -> str:
         """The source as `multiserve worker --source` takes it: `package:file` or a path ("" for url sources)."""
         source = self.source
@@ -307,26 +268,8 @@ class ModelSpec(_Frozen):
             return ""
         return f"{source.package}:{source.file}" if source.kind == "package" else str(source.path)
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `runtimes.llm.config.EngineConfig` (kept a dict so this module needs no torch)."""
-        gib = self.engine.kv_cache_gib
-        return {
-            "block_size": self.engine.block_size,
-            "max_num_seqs": self.engine.max_num_seqs,
-            "max_model_len": self.engine.max_model_len,
-            "max_num_batched_tokens": self.engine.max_num_batched_tokens,
-            "kv_cache_bytes": None if gib is None else int(gib * GIB),
-            "enable_prefix_caching": self.engine.enable_prefix_caching,
-            "device": self.device,
-            "scheduling": self.policy.scheduling,
-            **({"multilevel": dict(self.policy.multilevel)} if self.policy.multilevel else {}),
-            **({"lanes": dict(self.policy.lanes)} if self.policy.lanes else {}),
-            **({} if self.type == "embedding" else {"max_queue_len": self.policy.max_queue_len,
-                                                     "max_queue_wait_s": self.policy.max_queue_wait_s}),
-        }
 
-
-class Registry(_Frozen):
+class Registry(Frozen):
     """The whole registry file. `models` is required so that an emptied file is an error, not "stop everything"."""
 
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
@@ -447,30 +390,11 @@ def _duplicates(field: str, values: list[str]) -> list[Problem]:
 
 
 _SCHEMA_CLASSES: tuple[type[BaseModel], ...] = (
-    Registry, GatewayConfig, ModelSpec, ModelSource, Placement, EngineSpec, PolicySpec)
+    Registry, GatewayConfig, ModelSpec, ModelSource, Placement, EngineSpec, EmbeddingEngineSpec, PolicySpec)
 _FIELD_NAMES = sorted({name for cls in _SCHEMA_CLASSES for name in cls.model_fields})
 
 
-def format_loc(loc: tuple[int | str, ...]) -> str:
-    """pydantic's `('models', 1, 'engine')` -> `models[1].engine`."""
-    out = ""
-    for part in loc:
-        out = join_field(out, f"[{part}]" if isinstance(part, int) else str(part))
-    return out
-
-
 def validation_problems(exc: ValidationError) -> list[Problem]:
-    """Every error of a schema validation as a `Problem` with the full field path."""
-    problems = []
-    for err in exc.errors():
-        where = format_loc(err["loc"])
-        inner = err.get("ctx", {}).get("error")
-        if isinstance(inner, FieldProblems):
-            problems += [Problem(join_field(where, p.field) or "(top level)", p.message) for p in inner.problems]
-            continue
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(err["loc"][-1]), _FIELD_NAMES, n=1)
-            message = "unknown field" + (f"; did you mean {close[0]!r}?" if close else "")
-        problems.append(Problem(where or "(top level)", message))
-    return problems
+    """Every error of a schema validation as a `Problem` with the full field path; an unknown field gets the
+    nearest field name of the registry as a suggestion."""
+    return pydantic_problems(exc, _FIELD_NAMES)

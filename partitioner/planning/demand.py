@@ -14,7 +14,9 @@ from pathlib import Path
 
 from partitioner.devices.inventory import GIB, MIB
 from partitioner.planning.plan import InfeasiblePlan
-from registry.schema import Device, Isolation, ModelSpec, Registry
+from registry.engine import EngineSpec
+from registry.fields import Device, Isolation
+from registry.schema import ModelSpec, Registry
 
 # Each process on a GPU pays for its CUDA context, cuBLAS workspaces and activations on top of weights and KV.
 DEFAULT_OVERHEAD_BYTES = 512 * MIB
@@ -84,9 +86,10 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
     KV budget: `engine.kv_cache_gib` when set; else what `placement.memory_gib` leaves after weights and overhead;
     else one `max_model_len` sequence (the least that serves a full-length request). Embedding models have none.
     """
-    is_llm = model.type != "embedding"
-    explicit_kv = _bytes(model.engine.kv_cache_gib) if is_llm else None
-    one_seq = _one_sequence_kv(model, shape) if is_llm else None
+    engine = model.engine if isinstance(model.engine, EngineSpec) else None  # an encoder keeps no KV cache
+    is_llm = engine is not None
+    explicit_kv = None if engine is None else _bytes(engine.kv_cache_gib)
+    one_seq = None if engine is None else _one_sequence_kv(engine, shape)
     weights = shape.weights_bytes if shape is not None else None
     total = _bytes(model.placement.memory_gib)
     if total is not None:
@@ -97,26 +100,26 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
         if need > total:
             raise ValueError(f"placement.memory_gib {_gib(total)} cannot hold weights {_gib(weights)} + KV cache "
                              f"{_gib(budget)} + overhead {_gib(overhead_bytes)}: short by {_gib(need - total)}")
-        _check_kv(budget if is_llm else None, one_seq, model)
+        _check_kv(budget if is_llm else None, one_seq, engine)
         return total, budget if is_llm else None
     kv = explicit_kv if explicit_kv is not None else one_seq
-    _check_kv(kv, one_seq, model)
+    _check_kv(kv, one_seq, engine)
     if weights is None:
         return None, kv
     return weights + (kv or 0) + overhead_bytes, kv
 
 
-def _one_sequence_kv(model: ModelSpec, shape: ModelShape | None) -> int | None:
-    tokens = model.engine.max_model_len or (shape.context_len if shape is not None else None)
+def _one_sequence_kv(engine: EngineSpec, shape: ModelShape | None) -> int | None:
+    tokens = engine.max_model_len or (shape.context_len if shape is not None else None)
     if shape is None or tokens is None:
         return None
-    block = model.engine.block_size
+    block = engine.block_size
     return math.ceil(tokens / block) * block * shape.kv_bytes_per_token
 
 
-def _check_kv(kv: int | None, one_seq: int | None, model: ModelSpec) -> None:
-    if kv is not None and one_seq is not None and kv < one_seq:
-        raise ValueError(f"a KV cache of {_gib(kv)} holds less than one {model.engine.max_model_len or 'full'}-token "
+def _check_kv(kv: int | None, one_seq: int | None, engine: EngineSpec | None) -> None:
+    if engine is not None and kv is not None and one_seq is not None and kv < one_seq:
+        raise ValueError(f"a KV cache of {_gib(kv)} holds less than one {engine.max_model_len or 'full'}-token "
                          f"sequence ({_gib(one_seq)}): short by {_gib(one_seq - kv)}")
 
 

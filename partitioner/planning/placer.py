@@ -1,15 +1,15 @@
-"""The pool's side of the plan: each replica's launch environment, and the arbiters of time-shared devices.
+"""The pool's side of the plan: each replica's placement, and the arbiters of time-shared devices.
 
-`ReplicaPlacer` is the `env_for(spec, index)` hook of `model_pool.pool.ModelPool`: it plans the current
-registry onto the host's inventory (re-planning when the registry changes) and gives each replica its plan
-entry as environment: `CUDA_VISIBLE_DEVICES`, the MPS variables, a KV-cache byte budget, a memory fraction, and,
-when it time-shares its device, the socket of that device's arbiter and its weight. The arbiter services
-(`arbiter_service.ArbiterService`) run in the pool's process, one per shared device, started on first use.
+`ReplicaPlacer` is the `placement_for(spec, index)` hook of `model_pool.pool.ModelPool`: it plans the current
+registry onto the host's inventory (re-planning when the registry changes) and gives each replica its plan entry
+as a `registry.launch.ReplicaPlacement`: `CUDA_VISIBLE_DEVICES` and the MPS variables (the environment CUDA reads),
+a KV-cache byte budget, a memory fraction, and, when it time-shares its device, the socket of that device's
+arbiter and its weight. It travels to the worker inside the replica's launch. The arbiter services
+(`timeslice.service.ArbiterService`) run in the pool's process, one per shared device, started on first use.
 
 A device gets an arbiter only when at least two replicas on it are time-sliced and their models set
 `placement:` in the registry; a replica alone on its device, or one whose model says nothing about placement,
-steps without a gate (no per-step cost). `worker_env` is the worker's reading of
-the same variables.
+steps without a gate (no per-step cost).
 """
 
 from __future__ import annotations
@@ -25,16 +25,10 @@ from partitioner.planning.demand import ModelShape, replica_demands
 from partitioner.planning.placement import PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
-from partitioner.planning.worker_env import (
-    ARBITER_CLIENT_ENV,
-    ARBITER_SOCKET_ENV,
-    ARBITER_WEIGHT_ENV,
-    KV_CACHE_BYTES_ENV,
-    MEMORY_FRACTION_ENV,
-)
 from partitioner.timeslice.arbiter import ClientShare
 from partitioner.timeslice.service import ArbiterService
 from registry.errors import Problem
+from registry.launch import ReplicaPlacement
 from registry.schema import ModelSpec, Registry
 
 log = structlog.get_logger(__name__)
@@ -50,7 +44,8 @@ def arbiter_dir(env: Mapping[str, str]) -> Path:
 
 
 class ReplicaPlacer:
-    """`env_for` for the pool. `registry()` is the registry now; `read_inventory()` is called once, on first use."""
+    """`placement_for` for the pool. `registry()` is the registry now; `read_inventory()` is called once, on first
+    use."""
 
     def __init__(self, registry: Callable[[], Registry], read_inventory: Callable[[], Inventory], socket_dir: Path,
                  options: PlanOptions | None = None, shapes: Mapping[str, ModelShape] | None = None) -> None:
@@ -65,25 +60,21 @@ class ReplicaPlacer:
         self._lock = threading.Lock()  # scrapes read the services from other threads
         self._plan_lock = threading.Lock()
 
-    def __call__(self, spec: ModelSpec, index: int) -> dict[str, str]:
+    def __call__(self, spec: ModelSpec, index: int) -> ReplicaPlacement:
         registry = self._registry()
         current = self.plan_for(registry)
         if current is None:
-            return {}
+            return ReplicaPlacement()
         try:
             replica = current.replica(f"{spec.name}/{index}")
         except KeyError:  # not ours to place (a url replica, or a model the plan has not seen)
-            return {}
-        env = dict(replica.env)
-        if replica.kv_cache_bytes is not None and spec.engine.kv_cache_gib is None:
-            env[KV_CACHE_BYTES_ENV] = str(replica.kv_cache_bytes)
-        if replica.memory_fraction is not None and replica.device_key != "cpu":
-            env[MEMORY_FRACTION_ENV] = f"{replica.memory_fraction:.6f}"
-        if needs_arbiter(current, replica, registry):
-            env[ARBITER_SOCKET_ENV] = str(self._service(replica.device_key).socket_path)
-            env[ARBITER_WEIGHT_ENV] = repr(replica.weight)
-            env[ARBITER_CLIENT_ENV] = replica.replica_id
-        return env
+            return ReplicaPlacement()
+        shared = needs_arbiter(current, replica, registry)
+        return ReplicaPlacement(
+            env=dict(replica.env), kv_cache_bytes=replica.kv_cache_bytes,
+            memory_fraction=None if replica.device_key == "cpu" else replica.memory_fraction,
+            arbiter_socket=str(self._service(replica.device_key).socket_path) if shared else None,
+            arbiter_client=replica.replica_id if shared else None, arbiter_weight=replica.weight if shared else 1.0)
 
     def plan_for(self, registry: Registry) -> Plan | None:
         """The plan of `registry` (cached until the registry changes); None, logged, when it is infeasible: the

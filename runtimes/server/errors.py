@@ -11,7 +11,7 @@ it against the replica's circuit breaker. A replica that cannot serve at all ans
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from registry.errors import format_loc
 from runtimes.engine_driver import EngineDeadError
 from runtimes.llm.sampling_params import ContextLengthError, InvalidRequestError, OverloadedError, RequestFailedError
 from runtimes.server.wire import ERROR_SCOPE_HEADER
@@ -74,14 +75,6 @@ class APIError(Exception):
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
         return headers
-
-
-def format_loc(loc: Sequence[str | int]) -> str:
-    """Pydantic's location tuple as a field path: ("messages", 0, "role") -> "messages[0].role"."""
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path
 
 
 def from_validation_error(exc: ValidationError) -> APIError:

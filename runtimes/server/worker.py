@@ -1,93 +1,56 @@
 """`multiserve worker`: load one model, wrap it in the per-replica app, serve it with uvicorn.
 
-The pool launches one such process per replica (model_pool/launcher.py) with `--type` (the registry's model
-type) and `--engine-json` holding the registry's `engine:` section. For chat and completion models those are
-EngineConfig fields, plus `kv_cache_gib` as the registry spells the KV budget; for embedding models,
-EmbeddingConfig fields, with the registry's `max_num_seqs` as the batch cap (`max_batch_size`), its
-paged-KV options dropped (an encoder keeps no KV cache) and `scheduling` only `fcfs`.
+The pool launches one such process per replica (model_pool/launcher.py) with its `registry.launch.ReplicaLaunch`:
+the model's registry entry as validated there (source, type, `engine:` section, the engine's side of its policy)
+and its placement. `engine_config` and `embedding_config` turn it into the runtime config of the engine its type
+runs; nothing is validated a second time here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any, Protocol
 
 import structlog
 from starlette.applications import Starlette
 
+from registry.engine import EmbeddingEngineSpec, EngineSpec
+from registry.launch import ReplicaLaunch
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.engine_driver import StepGate
 from runtimes.llm.config import EngineConfig
 from runtimes.server.http_guard import guarded_config
 from runtimes.server.replica_auth import ReplicaTokenMiddleware
 
-_GIB = 1 << 30
-MODEL_TYPES = ("chat", "completion", "embedding")
 HTTP_SWITCH_INTERVAL_S = 0.0005
-# The registry's engine options that only a paged-KV decoder has; an embedding worker drops them.
-_KV_ONLY_OPTIONS = frozenset({"block_size", "max_num_batched_tokens", "kv_cache_gib", "kv_cache_bytes",
-                              "enable_prefix_caching"})
 
 
-def engine_config(options: Mapping[str, Any], device: str | None = None) -> EngineConfig:
-    """An EngineConfig from registry-style options; unknown keys are refused by name.
-
-    `kv_cache_gib` (GiB, may be fractional) becomes `kv_cache_bytes`; `device`, when given, must agree
-    with any `device` in `options`.
-    """
-    data = dict(options)
-    if "kv_cache_gib" in data:
-        if data.get("kv_cache_bytes") is not None:
-            raise ValueError("give kv_cache_gib or kv_cache_bytes, not both")
-        data["kv_cache_bytes"] = int(float(data.pop("kv_cache_gib")) * _GIB)
-    return _build(EngineConfig, data, device, aliases=("kv_cache_gib",))
-
-
-def embedding_config(options: Mapping[str, Any], device: str | None = None) -> EmbeddingConfig:
-    """An EmbeddingConfig from registry-style options: `max_num_seqs` is the batch cap (`max_batch_size`),
-    paged-KV options are dropped, other unknown keys are refused by name."""
-    data = {key: value for key, value in options.items() if key not in _KV_ONLY_OPTIONS}
-    scheduling = data.pop("scheduling", "fcfs")
-    if scheduling != "fcfs":  # no priority lanes: a batch takes the oldest inputs
-        raise ValueError(f"an embedding engine batches first come, first served: scheduling must be 'fcfs', "
-                         f"got {scheduling!r}")
-    if "max_num_seqs" in data:
-        if "max_batch_size" in data:
-            raise ValueError("give max_num_seqs or max_batch_size, not both")
-        data["max_batch_size"] = data.pop("max_num_seqs")
-    return _build(EmbeddingConfig, data, device, aliases=("max_num_seqs", "scheduling", *sorted(_KV_ONLY_OPTIONS)))
+def engine_config(launch: ReplicaLaunch) -> EngineConfig:
+    """The LLM engine's config of a chat or completion model's launch (its KV budget decided by the launch)."""
+    engine, queue = launch.engine, launch.queue
+    if not isinstance(engine, EngineSpec):
+        raise TypeError(f"a {launch.type} model's launch carries embedding engine options")
+    return EngineConfig(
+        block_size=engine.block_size, max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
+        max_num_batched_tokens=engine.max_num_batched_tokens, kv_cache_bytes=launch.kv_cache_bytes,
+        enable_prefix_caching=engine.enable_prefix_caching, device=launch.device, scheduling=queue.scheduling,
+        multilevel=dict(queue.multilevel), lanes=dict(queue.lanes), max_queue_len=queue.max_queue_len,
+        max_queue_wait_s=queue.max_queue_wait_s)
 
 
-def _build(config_type: Any, data: dict[str, Any], device: str | None, aliases: Sequence[str]) -> Any:
-    """`config_type(**data)` once `device` agrees and every key is a field; errors become ValueError."""
-    if device is not None and data.setdefault("device", device) != device:
-        raise ValueError(f"--device {device!r} disagrees with engine option device={data['device']!r}")
-    known = {f.name for f in dataclasses.fields(config_type)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known | set(aliases))}")
-    try:
-        return config_type(**data)
-    except TypeError as err:  # e.g. "16" for block_size: comparisons in the config's checks fail
-        raise ValueError(f"engine options of the wrong type: {err}") from err
-
-
-def parse_engine_json(text: str | None, device: str | None = None, model_type: str = "chat"
-                      ) -> EngineConfig | EmbeddingConfig:
-    """`--engine-json` (a JSON object, or empty) as the config of a `model_type` engine."""
-    options = json.loads(text) if text else {}
-    if not isinstance(options, dict):
-        raise ValueError(f"--engine-json must be a JSON object, got {type(options).__name__}")
-    if model_type == "embedding":
-        return embedding_config(options, device)
-    return engine_config(options, device)
+def embedding_config(launch: ReplicaLaunch) -> EmbeddingConfig:
+    """The encoder engine's config of an embedding model's launch; options it leaves unset keep the engine's
+    defaults. The registry's `max_num_seqs` is the batch cap."""
+    engine = launch.engine
+    if not isinstance(engine, EmbeddingEngineSpec):
+        raise TypeError("an embedding model's launch carries LLM engine options")
+    options: dict[str, Any] = {"max_batch_size": engine.max_num_seqs, "max_model_len": engine.max_model_len,
+                               "batch_window_s": engine.batch_window_s, "max_batch_tokens": engine.max_batch_tokens}
+    return EmbeddingConfig(device=launch.device, **{k: v for k, v in options.items() if v is not None})
 
 
 def configure_logging(level: int = logging.INFO) -> None:
@@ -112,49 +75,47 @@ class _EngineLoop(Protocol):
     def shutdown(self, timeout_s: float = 5.0) -> None: ...
 
 
-def _load_llm(source: str, name: str, aliases: Sequence[str], config: EngineConfig,
-              step_gate: StepGate | None = None) -> tuple[_EngineLoop, Starlette]:
+def _load_llm(launch: ReplicaLaunch, step_gate: StepGate | None) -> tuple[_EngineLoop, Starlette]:
     from runtimes.llm.async_engine import AsyncLLMEngine
     from runtimes.llm.engine import LLMEngine
     from runtimes.server.app import build_app
 
-    engine = AsyncLLMEngine(LLMEngine.from_source(source, config), start_thread=False, step_gate=step_gate)
+    engine = AsyncLLMEngine(LLMEngine.from_source(launch.source, engine_config(launch)), start_thread=False,
+                            step_gate=step_gate)
     kv = engine.engine.kv
     structlog.get_logger(__name__).info("model loaded", model=engine.engine.model_name,
                                         max_model_len=engine.engine.max_model_len, kv_blocks=kv.num_blocks,
                                         block_size=kv.block_size)
-    return engine, build_app(engine, name, aliases)
+    return engine, build_app(engine, launch.model, launch.aliases)
 
 
-def _load_embedding(source: str, name: str, aliases: Sequence[str], config: EmbeddingConfig,
-                    step_gate: StepGate | None = None) -> tuple[_EngineLoop, Starlette]:
+def _load_embedding(launch: ReplicaLaunch, step_gate: StepGate | None) -> tuple[_EngineLoop, Starlette]:
     from runtimes.embedding.async_engine import AsyncEmbeddingEngine
     from runtimes.embedding.engine import EmbeddingEngine
     from runtimes.server.embedding_app import build_embedding_app
 
-    engine = AsyncEmbeddingEngine(EmbeddingEngine.from_source(source, config), start_thread=False,
+    config = embedding_config(launch)
+    engine = AsyncEmbeddingEngine(EmbeddingEngine.from_source(launch.source, config), start_thread=False,
                                   step_gate=step_gate)
     core = engine.engine
     structlog.get_logger(__name__).info("model loaded", model=core.model_name, max_model_len=core.max_model_len,
                                         dimensions=core.hidden_size, max_batch_size=config.max_batch_size)
-    return engine, build_embedding_app(engine, name, aliases)
+    return engine, build_embedding_app(engine, launch.model, launch.aliases)
 
 
-def _load(model_type: str, source: str, name: str, aliases: Sequence[str],
-          config: EngineConfig | EmbeddingConfig | None, step_gate: StepGate | None = None,
-          memory_fraction: float | None = None) -> tuple[_EngineLoop, Starlette]:
-    """The engine (not yet running) and its app, for a model of `model_type`."""
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"unknown model type {model_type!r}; known: {', '.join(MODEL_TYPES)}")
-    expected = EmbeddingConfig if model_type == "embedding" else EngineConfig
-    config = config if config is not None else expected()
-    if not isinstance(config, expected):
-        raise TypeError(f"a {model_type} worker takes a {expected.__name__}, got a {type(config).__name__}")
-    if memory_fraction is not None:
-        limit_cuda_memory(memory_fraction, config.resolve_device())
-    if isinstance(config, EmbeddingConfig):
-        return _load_embedding(source, name, aliases, config, step_gate)
-    return _load_llm(source, name, aliases, config, step_gate)
+def _load(launch: ReplicaLaunch, step_gate: StepGate | None = None) -> tuple[_EngineLoop, Starlette]:
+    """The engine (not yet running) and its app, for the launch's model type, inside its memory share."""
+    fraction = launch.placement.memory_fraction
+    if fraction is not None:
+        limit_cuda_memory(fraction, _device_of(launch))
+    if launch.type == "embedding":
+        return _load_embedding(launch, step_gate)
+    return _load_llm(launch, step_gate)
+
+
+def _device_of(launch: ReplicaLaunch) -> Any:
+    config = embedding_config(launch) if launch.type == "embedding" else engine_config(launch)
+    return config.resolve_device()
 
 
 def limit_cuda_memory(fraction: float, device: Any) -> bool:
@@ -171,26 +132,21 @@ def limit_cuda_memory(fraction: float, device: Any) -> bool:
 
 
 def run_worker(
-    source: str,
-    name: str,
-    aliases: Sequence[str] = (),
+    launch: ReplicaLaunch,
     host: str = "127.0.0.1",
     port: int = 8000,
-    config: EngineConfig | EmbeddingConfig | None = None,
     log_level: str = "warning",
     graceful_timeout_s: int = 30,
-    model_type: str = "chat",
     step_gate: StepGate | None = None,
-    memory_fraction: float | None = None,
     replica_token: str | None = None,
     stall_timeout_s: float = 60.0,
 ) -> None:
-    """Load `source` as a `model_type` model, serve it as `name` (and `aliases`) on host:port until SIGTERM/SIGINT.
+    """Load the launch's model, serve it as its name (and aliases) on host:port until SIGTERM/SIGINT.
 
     `step_gate`: taken around every engine step (the device's time-slice arbiter, when it is shared);
-    `memory_fraction`: of the CUDA device, for this process (the partitioner's plan); `replica_token`: the
-    secret every request but /health and /ready must carry (runtimes/server/replica_auth.py); `stall_timeout_s`:
-    an engine loop without progress this long makes the replica unready (runtimes/server/replica.py).
+    `replica_token`: the secret every request but /health and /ready must carry (runtimes/server/replica_auth.py);
+    `stall_timeout_s`: an engine loop without progress this long makes the replica unready
+    (runtimes/server/replica.py).
     """
     import uvicorn
 
@@ -200,10 +156,11 @@ def run_worker(
     # the first token) could wait that long; 0.5 ms keeps interactive TTFT near its idle value.
     sys.setswitchinterval(HTTP_SWITCH_INTERVAL_S)
     log = structlog.get_logger(__name__)
-    log.info("loading model", source=source, name=name, aliases=list(aliases), model_type=model_type)
+    log.info("loading model", source=launch.source, name=launch.model, aliases=list(launch.aliases),
+             model_type=launch.type, replica=launch.replica_id)
     # The engine loop runs on this (main) thread, where PyTorch's CPU thread pool stays warm; HTTP is served
     # from another thread (see runtimes/llm/async_engine.py for the measurement).
-    engine, app = _load(model_type, source, name, aliases, config, step_gate, memory_fraction)
+    engine, app = _load(launch, step_gate)
     app.state.replica.stall_timeout_s = stall_timeout_s
     served: Any = app if replica_token is None else ReplicaTokenMiddleware(app, replica_token)
     # The gateway is a replica's one client, but anything on the host can connect: the same read deadlines apply.
@@ -228,4 +185,4 @@ def run_worker(
     finally:
         server.should_exit = True
         http_thread.join(graceful_timeout_s + 5)
-        log.info("worker stopped", name=name)
+        log.info("worker stopped", name=launch.model)

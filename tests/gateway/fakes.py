@@ -26,8 +26,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.server import make_state
 from gateway.upstream import HttpxUpstream
-from model_pool.launcher import LaunchRequest, UrlLauncher
+from model_pool.launcher import UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
+from registry.launch import ReplicaLaunch
 from registry.store import RegistryStore
 
 BEHAVIOURS = frozenset({"ok", "down", "error500", "error400", "hang", "break_midstream", "break_at_start", "not_ready",
@@ -267,7 +268,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 @dataclass(eq=False)  # compared by identity: a restart is a new handle even with the same URL
 class FakeHandle:
     base_url: str
-    request: LaunchRequest = field(repr=False)
+    request: ReplicaLaunch = field(repr=False)
     pid: int | None = None  # a made-up process id, distinct per start
     exit: int | None = None  # set it to simulate a crash
     token: str | None = None  # what requests to it carry (FakeLauncher gives each start its own)
@@ -295,7 +296,7 @@ class FakeLauncher:
     def __init__(self) -> None:
         self.handles: list[FakeHandle] = []
 
-    async def start(self, request: LaunchRequest) -> FakeHandle:
+    async def start(self, request: ReplicaLaunch) -> FakeHandle:
         handle = FakeHandle(f"http://fake-{request.model}-{request.index}:80", request, pid=40000 + len(self.handles),
                             token=f"token-{len(self.handles)}")
         self.handles.append(handle)

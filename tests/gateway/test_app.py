@@ -321,7 +321,7 @@ def test_admin_put_replacing_a_model_restarts_its_group(with_gateway):
         response = await gw.client.put("/admin/models/beta", json=body, headers=ADMIN)
         assert response.status_code == 200 and response.json()["diff"]["changed"] == ["beta"]
         assert old[0].state == ReplicaState.STOPPED and gw.pool.group("beta").replicas[0] is not old[0]
-        assert gw.launcher.latest("beta/0").request.engine["block_size"] == 32
+        assert gw.launcher.latest("beta/0").request.engine.block_size == 32
         assert "block_size: 32" in gw.path.read_text()
 
     with_gateway(scenario)

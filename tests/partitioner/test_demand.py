@@ -59,7 +59,7 @@ def test_memory_gib_without_a_shape_is_taken_as_given_and_unknown_stays_unknown(
 
 
 def test_embedding_models_have_no_kv_cache():
-    reg = registry({"name": "e", "type": "embedding", "engine": {"kv_cache_gib": 1}})
+    reg = registry({"name": "e", "type": "embedding", "engine": {"max_num_seqs": 8}})  # an encoder takes no KV options
     (d,) = replica_demands(reg, {"e": ModelShape(6, 12, 32, weights_bytes=90 * MIB)}, overhead_bytes=OVERHEAD)
     assert d.kv_cache_bytes is None and d.memory_bytes == 90 * MIB + OVERHEAD
 

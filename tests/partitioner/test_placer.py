@@ -16,8 +16,8 @@ from model_pool.launcher import free_port
 from partitioner.devices.inventory import Inventory
 from partitioner.planning.demand import ModelShape
 from partitioner.planning.placer import ReplicaPlacer, needs_arbiter
-from partitioner.planning.worker_env import WorkerSettings, worker_settings
 from partitioner.timeslice.service import ArbiterService
+from registry.launch import ReplicaLaunch, ReplicaPlacement
 from registry.schema import Registry
 from registry.store import RegistryStore
 from tests.partitioner.conftest import gpus
@@ -54,37 +54,37 @@ def spec(placer: ReplicaPlacer, name: str):
 def test_time_shared_cpu_replicas_get_one_arbiter_and_their_weights(placer, tmp_path):
     chat, helper = placer(spec(placer, "chat"), 0), placer(spec(placer, "helper"), 0)
     socket_path = str(tmp_path / "arbiter" / "cpu.sock")
-    assert chat == {"CUDA_VISIBLE_DEVICES": "", "MULTISERVE_ARBITER_SOCKET": socket_path,
-                    "MULTISERVE_ARBITER_WEIGHT": "3.0", "MULTISERVE_ARBITER_CLIENT": "chat/0"}
-    assert helper["MULTISERVE_ARBITER_WEIGHT"] == "1.0" and helper["MULTISERVE_ARBITER_SOCKET"] == socket_path
+    assert chat == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""}, arbiter_socket=socket_path,
+                                    arbiter_weight=3.0, arbiter_client="chat/0")
+    assert helper.arbiter_weight == 1.0 and helper.arbiter_socket == socket_path
     # a model that says nothing about placement steps without a gate, even on the shared CPU
-    assert placer(spec(placer, "plain"), 0) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert placer(spec(placer, "plain"), 0) == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""})
     assert list(placer.shares()) == ["cpu"] and placer.shares()["cpu"] == []
 
 
 def test_one_replica_alone_needs_no_arbiter_and_edits_re_plan(placer):
     placer.current["registry"] = registry(chat=SHARED["chat"])
-    assert placer(spec(placer, "chat"), 0) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert placer(spec(placer, "chat"), 0) == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""})
     placer.current["registry"] = registry(chat={**SHARED["chat"], "replicas": 2})
-    assert placer(spec(placer, "chat"), 1)["MULTISERVE_ARBITER_CLIENT"] == "chat/1"  # two replicas share it now
-    assert placer(spec(placer, "chat"), 5) == {}  # not in the plan
+    assert placer(spec(placer, "chat"), 1).arbiter_client == "chat/1"  # two replicas share it now
+    assert placer(spec(placer, "chat"), 5) == ReplicaPlacement()  # not in the plan
 
 
 def test_gpu_plan_entries_carry_memory_fraction_and_kv_budget(tmp_path):
     reg = registry(big={"device": "cuda", "placement": {"isolation": "timeslice", "memory_gib": 20}})
     shapes = {"big": ModelShape(num_layers=16, num_kv_heads=8, head_dim=64, weights_bytes=4 << 30)}
     made = ReplicaPlacer(lambda: reg, lambda: gpus("h100-80gb"), tmp_path, shapes=shapes)
-    env = made(reg.resolve("big"), 0)
-    assert env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
-    assert float(env["MULTISERVE_MEMORY_FRACTION"]) == pytest.approx(20 / 79.6, rel=0.01)
-    assert int(env["MULTISERVE_KV_CACHE_BYTES"]) == (20 << 30) - (4 << 30) - (512 << 20)
-    assert "MULTISERVE_ARBITER_SOCKET" not in env
+    placement = made(reg.resolve("big"), 0)
+    assert placement.env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
+    assert placement.memory_fraction == pytest.approx(20 / 79.6, rel=0.01)
+    assert placement.kv_cache_bytes == (20 << 30) - (4 << 30) - (512 << 20)
+    assert placement.arbiter_socket is None
 
 
 def test_an_infeasible_plan_launches_replicas_unpartitioned(tmp_path):
     reg = registry(big={"device": "cuda"})  # no GPU here, and the model insists on one
     made = ReplicaPlacer(lambda: reg, lambda: CPU, tmp_path)
-    assert made(reg.resolve("big"), 0) == {} and made.plan_for(reg) is None
+    assert made(reg.resolve("big"), 0) == ReplicaPlacement() and made.plan_for(reg) is None
 
 
 def test_problems_name_what_does_not_fit_and_serve_refuses_such_a_registry(tmp_path):
@@ -115,29 +115,20 @@ def test_needs_arbiter_only_for_time_slicing(tmp_path):
     assert not any(needs_arbiter(current, r, reg) for r in current.replicas)
 
 
-def test_worker_settings_from_env():
-    assert worker_settings({}) == WorkerSettings()
-    got = worker_settings({"MULTISERVE_ARBITER_SOCKET": "/run/cpu.sock", "MULTISERVE_ARBITER_WEIGHT": "3.0",
-                           "MULTISERVE_ARBITER_CLIENT": "chat/0", "MULTISERVE_MEMORY_FRACTION": "0.25",
-                           "MULTISERVE_KV_CACHE_BYTES": "1048576"})
-    assert got == WorkerSettings("/run/cpu.sock", "chat/0", 3.0, 0.25, 1 << 20)
-    with pytest.raises(ValueError, match=r"MULTISERVE_ARBITER_WEIGHT='heavy' is not a valid float"):
-        worker_settings({"MULTISERVE_ARBITER_WEIGHT": "heavy"})
-
-
 def test_make_state_plans_replicas_and_exports_shares(tmp_path):
     path = tmp_path / "reg.yaml"
     path.write_text(yaml.safe_dump({"gateway": {"model_roots": ["/"]}, "models": [
         {"name": n, "type": "chat", "source": {"path": f"/m/{n}.gguf"}, **f} for n, f in SHARED.items()]}))
     state = make_state(RegistryStore(path), env={"MULTISERVE_RUN_DIR": str(tmp_path / "run")})
-    placer = state.pool.env_for
+    placer = state.pool.placement_for
     assert isinstance(placer, ReplicaPlacer)
     try:
-        env = placer(state.store.registry.resolve("chat"), 0)
-        assert env["MULTISERVE_ARBITER_SOCKET"] == str(tmp_path / "run" / "arbiter" / "cpu.sock")
+        placement = placer(state.store.registry.resolve("chat"), 0)
+        assert placement.arbiter_socket == str(tmp_path / "run" / "arbiter" / "cpu.sock")
+        assert (placement.arbiter_client, placement.arbiter_weight) == ("chat/0", 3.0)
         from partitioner.timeslice.client import LeaseClient
 
-        client = LeaseClient(env["MULTISERVE_ARBITER_SOCKET"], "chat/0", 3.0)
+        client = LeaseClient(placement.arbiter_socket, "chat/0", 3.0)
         client.acquire()
         client.release()
         text = state.metrics.render().decode()
@@ -152,11 +143,11 @@ def test_make_state_plans_replicas_and_exports_shares(tmp_path):
 def test_a_worker_process_takes_its_leases_from_the_arbiter(tmp_path, monkeypatch):
     service = ArbiterService(tmp_path / "cpu.sock", "cpu").start()
     model = write_gguf(hf_model(TinySpec(), seed=2), tmp_path / "tiny.gguf")
-    monkeypatch.setenv("MULTISERVE_ARBITER_SOCKET", str(service.socket_path))
-    monkeypatch.setenv("MULTISERVE_ARBITER_WEIGHT", "3.0")
-    monkeypatch.setenv("MULTISERVE_ARBITER_CLIENT", "tiny/0")
-    monkeypatch.setenv("MULTISERVE_KV_CACHE_BYTES", str(1 << 20))
-    args = ["--source", str(model), "--name", "tiny", "--device", "cpu", "--engine-json", '{"block_size": 4}']
+    launch = ReplicaLaunch(model="tiny", index=0, type="chat", source=str(model), device="cpu",
+                           engine={"block_size": 4}, placement=ReplicaPlacement(
+                               kv_cache_bytes=1 << 20, arbiter_socket=str(service.socket_path),
+                               arbiter_client="tiny/0", arbiter_weight=3.0))
+    args = ["--launch", launch.model_dump_json()]
     try:
         with worker_process(args, tmp_path / "worker.log") as base_url:
             response = httpx.post(f"{base_url}/v1/completions", timeout=30, json={

@@ -17,7 +17,7 @@ from policies.routing import (
     RoundRobin,
     make_policy,
 )
-from registry.schema import Routing
+from registry.fields import Routing
 
 
 def candidates(*outstanding: int) -> list[Candidate]:

@@ -8,7 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from registry.errors import RegistryError
-from registry.schema import GIB, ModelSpec, Registry
+from registry.fields import GIB
+from registry.launch import replica_launch
+from registry.schema import ModelSpec, Registry
 from registry.store import load_registry, parse_registry
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "multiserve" / "configs" / "default.yaml"
@@ -38,15 +40,16 @@ def test_default_config_loads_and_resolves():
     assert registry.gateway.port == 8000 and registry.gateway.admin_token_env == "MULTISERVE_ADMIN_TOKEN"
 
 
-def test_engine_kwargs_build_an_engine_config():
-    from runtimes.llm.config import EngineConfig  # torch: imported here only
+def test_a_launch_builds_an_engine_config():
+    from runtimes.server.worker import embedding_config, engine_config  # torch: imported here only
 
-    spec = load_registry(DEFAULT_CONFIG).models[0]
-    config = EngineConfig(**spec.engine_kwargs())
+    chat_model, embedder = load_registry(DEFAULT_CONFIG).models
+    config = engine_config(replica_launch(chat_model, 0))
     assert config.kv_cache_bytes == GIB and config.block_size == 16 and config.max_model_len == 4096
     assert config.device == "cpu"
-    half = spec.model_copy(update={"engine": spec.engine.model_copy(update={"kv_cache_gib": 0.5})})
-    assert half.engine_kwargs()["kv_cache_bytes"] == GIB // 2
+    half = chat_model.model_copy(update={"engine": chat_model.engine.model_copy(update={"kv_cache_gib": 0.5})})
+    assert replica_launch(half, 0).kv_cache_bytes == GIB // 2
+    assert embedding_config(replica_launch(embedder, 0)).device == "cpu"
 
 
 def test_defaults_and_minimal_model():
@@ -56,7 +59,7 @@ def test_defaults_and_minimal_model():
     assert (spec.placement.isolation, spec.placement.weight) == ("timeslice", 1.0)
     assert (spec.engine.block_size, spec.engine.max_num_seqs, spec.engine.enable_prefix_caching) == (16, 64, True)
     assert (spec.policy.scheduling, spec.policy.routing) == ("fcfs", "least_outstanding")
-    assert spec.engine_kwargs()["kv_cache_bytes"] is None
+    assert replica_launch(spec, 0).kv_cache_bytes is None
     assert parse_registry("models: []\n", "x.yaml").models == []
 
 
@@ -228,10 +231,10 @@ def test_policy_options_reach_the_engine():
                                    " max_queue_len: 8, max_queue_wait_s: 2.5, routing: prefix_affinity,"
                                    " lanes: {interactive_max_tokens: 64}}"))
     spec = parse_registry(text, "r.yaml").models[0]
-    kwargs = spec.engine_kwargs()
-    assert kwargs["multilevel"] == {"aging_s": 5, "max_long_running": 2}
-    assert (kwargs["scheduling"], kwargs["max_queue_len"], kwargs["max_queue_wait_s"]) == ("multilevel", 8, 2.5)
-    assert spec.policy.routing == "prefix_affinity" and kwargs["lanes"] == {"interactive_max_tokens": 64}
+    queue = replica_launch(spec, 0).queue
+    assert queue.multilevel == {"aging_s": 5, "max_long_running": 2}
+    assert (queue.scheduling, queue.max_queue_len, queue.max_queue_wait_s) == ("multilevel", 8, 2.5)
+    assert spec.policy.routing == "prefix_affinity" and queue.lanes == {"interactive_max_tokens": 64}
 
 
 def test_registry_validates_from_python_too():

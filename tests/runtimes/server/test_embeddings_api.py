@@ -4,20 +4,22 @@ process driven by the official openai client."""
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Iterator
 
 import numpy as np
 import openai
 import pytest
+from pydantic import ValidationError
 from starlette.testclient import TestClient
 
-from registry.schema import ModelSpec
+from registry.engine import EmbeddingEngineSpec
+from registry.launch import replica_launch
+from registry.schema import ModelSpec, validation_problems
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.embedding.engine import EmbeddingEngine
 from runtimes.server.embedding_app import build_embedding_app
-from runtimes.server.worker import embedding_config, parse_engine_json
+from runtimes.server.worker import embedding_config
 from tests.runtimes.embedding.conftest import MINILM_SOURCE, SENTENCES, long_text
 from tests.runtimes.server.conftest import SERVED_NAME as LLM_NAME
 from tests.runtimes.server.conftest import wait_until
@@ -179,28 +181,28 @@ def test_probes_models_metrics_and_draining(api):
 def test_embedding_options_from_the_registry():
     spec = ModelSpec.model_validate({"name": "e", "type": "embedding", "source": {"path": "/m"}, "device": "cpu",
                                      "engine": {"max_num_seqs": 16, "max_model_len": 128}})
-    options = {k: v for k, v in spec.engine_kwargs().items() if k != "device"}  # as the pool passes them
-    config = parse_engine_json(json.dumps(options), "cpu", "embedding")
-    assert config == EmbeddingConfig(device="cpu", max_batch_size=16, max_model_len=128)
-    assert embedding_config({"batch_window_s": 0.0}).batch_window_s == 0.0
-    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['window'\]"):
-        embedding_config({"window": 1})
-    with pytest.raises(ValueError, match="not both"):
-        embedding_config({"max_num_seqs": 8, "max_batch_size": 8})
-    with pytest.raises(ValueError, match="scheduling must be 'fcfs'"):
-        embedding_config({"scheduling": "multilevel"})
-    with pytest.raises(ValueError, match="batch_window_s must be within"):
-        embedding_config({"batch_window_s": 5})
-
+    assert embedding_config(replica_launch(spec, 0)) == EmbeddingConfig(device="cpu", max_batch_size=16,
+                                                                         max_model_len=128)
+    window = spec.model_copy(update={"engine": EmbeddingEngineSpec(batch_window_s=0.0)})
+    assert embedding_config(replica_launch(window, 0)).batch_window_s == 0.0
+    for engine, message in [({"window": 1}, "engine.window: unknown field"),
+                            ({"block_size": 16}, "engine.block_size: not used by embedding models"),
+                            ({"batch_window_s": 5}, "engine.batch_window_s: Input should be less than or equal to 1")]:
+        with pytest.raises(ValidationError) as info:
+            ModelSpec.model_validate({"name": "e", "type": "embedding", "source": {"path": "/m"}, "engine": engine})
+        assert message in "\n".join(str(p) for p in validation_problems(info.value)), info.value
+    with pytest.raises(ValidationError, match="scheduling"):
+        ModelSpec.model_validate({"name": "e", "type": "embedding", "source": {"path": "/m"},
+                                  "policy": {"scheduling": "multilevel"}})
 
 
 @pytest.fixture(scope="module")
 def embedding_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`multiserve worker --type embedding` serving all-MiniLM-L6-v2 as `minilm`; yields its base URL.
 
-    The engine options are the registry's (paged-KV ones included), as the pool passes them."""
+    The engine options are the registry's for an embedding model."""
     args = ["--type", "embedding", "--source", MINILM_SOURCE, "--name", NAME, "--device", "cpu",
-            "--engine-json", '{"block_size": 16, "max_num_seqs": 32, "kv_cache_bytes": null}']
+            "--engine-json", '{"max_num_seqs": 32}']
     with worker_process(args, tmp_path_factory.mktemp("embedding-worker") / "worker.log") as base_url:
         yield base_url
 

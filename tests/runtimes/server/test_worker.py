@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
@@ -15,28 +16,37 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtimes.server.worker import engine_config, parse_engine_json
+from multiserve.cli import build_parser
+from multiserve.worker import launch_from_args
+from runtimes.server.worker import engine_config
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 READY_TIMEOUT_S = 60.0
 
 
-def test_engine_options_from_registry_json():
-    config = parse_engine_json('{"block_size": 8, "kv_cache_gib": 0.5, "enable_prefix_caching": false}', "cpu")
-    assert (config.block_size, config.kv_cache_bytes, config.device) == (8, 1 << 29, "cpu")
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["worker", *argv])
+
+
+def test_a_launch_from_the_command_line_is_validated_like_the_registry():
+    launch = launch_from_args(_args("--source", "m.gguf", "--name", "m", "--device", "cpu", "--engine-json",
+                                    '{"block_size": 8, "kv_cache_gib": 0.5, "enable_prefix_caching": false, '
+                                    '"max_queue_len": 4}'))
+    config = engine_config(launch)
+    assert (config.block_size, config.kv_cache_bytes, config.device, config.max_queue_len) == (8, 1 << 29, "cpu", 4)
     assert not config.enable_prefix_caching
-    assert parse_engine_json(None).device == "auto"
-    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['blok_size'\]"):
-        engine_config({"blok_size": 8})
-    with pytest.raises(ValueError, match="disagrees"):
-        engine_config({"device": "cuda"}, "cpu")
-    with pytest.raises(ValueError, match="not both"):
-        engine_config({"kv_cache_gib": 1, "kv_cache_bytes": 10})
-    with pytest.raises(ValueError, match="must be a JSON object"):
-        parse_engine_json("[1]")
-    with pytest.raises(ValueError, match="block_size must be a power of two"):
-        engine_config({"block_size": 3})
+    assert engine_config(launch_from_args(_args("--source", "m.gguf", "--name", "m"))).device == "auto"
+    for engine_json, message in [('{"blok_size": 8}', "--engine-json: engine.blok_size: unknown field; did you "
+                                                      "mean 'block_size'?"),
+                                 ('{"kv_cache_bytes": 10}', "engine.kv_cache_bytes: unknown field"),
+                                 ("[1]", "must be a JSON object"),
+                                 ('{"block_size": 3}', "engine.block_size: must be a power of two, got 3")]:
+        with pytest.raises(ValueError) as info:
+            launch_from_args(_args("--source", "m.gguf", "--name", "m", "--engine-json", engine_json))
+        assert message in str(info.value)
+    with pytest.raises(ValueError, match="give --launch, or --source and --name"):
+        launch_from_args(_args("--name", "m"))
 
 
 def test_bad_engine_json_exits_with_a_message():
@@ -45,7 +55,7 @@ def test_bad_engine_json_exits_with_a_message():
          "--engine-json", '{"nope": 1}'],
         capture_output=True, text=True, timeout=60, check=False, cwd=REPO_ROOT,
     )
-    assert proc.returncode == 2 and "unknown engine option(s) ['nope']" in proc.stderr
+    assert proc.returncode == 2 and "engine.nope: unknown field" in proc.stderr
 
 
 def _free_port() -> int:

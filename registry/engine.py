@@ -1,0 +1,68 @@
+"""A model's `engine:` section: what kind of engine its replicas run and within which limits. Two kinds, chosen by the
+model's `type`: chat and completion models run the paged-KV LLM engine (`EngineSpec`), embedding models the encoder
+engine (`EmbeddingEngineSpec`), which keeps no KV cache and so takes none of the KV options. The worker builds its
+runtime config from these as they are (registry/launch.py carries them to it): they are validated here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator
+
+from registry.errors import FieldProblems, Problem, pydantic_problems
+from registry.fields import MAX_BLOCK_SIZE, MAX_GIB, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, Frozen
+
+
+class EngineSpec(Frozen):
+    """The LLM engine's limits (runtimes/llm/config.py's EngineConfig)."""
+
+    block_size: int = Field(default=16, ge=1, le=MAX_BLOCK_SIZE, strict=True)
+    max_num_seqs: int = Field(default=64, ge=1, le=MAX_NUM_SEQS, strict=True)
+    # None: the model's own context length
+    max_model_len: int | None = Field(default=None, ge=1, le=MAX_MODEL_LEN, strict=True)
+    max_num_batched_tokens: int = Field(default=512, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)
+    # None: the partitioner's plan sizes it (a GPU), else the engine (1 GiB on a CPU)
+    kv_cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
+    enable_prefix_caching: bool = True
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):  # the range is the field's
+            raise ValueError(f"must be a power of two, got {value}")
+        return value
+
+
+class EmbeddingEngineSpec(Frozen):
+    """The encoder engine's limits (runtimes/embedding/config.py's EmbeddingConfig); None: the engine's default."""
+
+    max_num_seqs: int | None = Field(default=None, ge=1, le=MAX_NUM_SEQS, strict=True)  # inputs in one batch
+    max_model_len: int | None = Field(default=None, ge=1, le=MAX_MODEL_LEN, strict=True)  # below the model's own
+    batch_window_s: float | None = Field(default=None, ge=0, le=1.0)  # how long a lone input waits for company
+    max_batch_tokens: int | None = Field(default=None, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)  # padded
+
+
+_KV_ONLY = frozenset(EngineSpec.model_fields) - frozenset(EmbeddingEngineSpec.model_fields)
+
+
+def engine_for_type(model_type: str, value: Any) -> EngineSpec | EmbeddingEngineSpec:
+    """The `engine:` section of a model of `model_type`, validated as its kind; raises FieldProblems naming each
+    field at fault (`block_size: not used by embedding models ...`)."""
+    if isinstance(value, (EngineSpec, EmbeddingEngineSpec)):
+        value = value.model_dump(exclude_unset=True)
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise FieldProblems([Problem("", f"must be a mapping of engine options, got {type(value).__name__}")])
+    kind: type[EngineSpec] | type[EmbeddingEngineSpec]
+    kind = EmbeddingEngineSpec if model_type == "embedding" else EngineSpec
+    if kind is EmbeddingEngineSpec:
+        unused = sorted(set(value) & _KV_ONLY)
+        if unused:
+            raise FieldProblems([Problem(name, "not used by embedding models (an encoder keeps no KV cache)")
+                                 for name in unused])
+    try:
+        return kind.model_validate(value)
+    except ValidationError as exc:
+        raise FieldProblems(pydantic_problems(exc, sorted(kind.model_fields))) from None

@@ -1,0 +1,94 @@
+"""What one replica is started with, in one frozen document: the contract between the gateway's pool and a worker.
+
+The pool builds a `ReplicaLaunch` from the model's registry entry and the partitioner's placement of that replica
+(`replica_launch`); the local launcher hands it to `multiserve worker --launch` as JSON, and the worker parses it with
+this same model and derives its engine's runtime config from it, without validating anything a second time. Only
+what CUDA itself reads (CUDA_VISIBLE_DEVICES, the MPS variables) travels in the worker's environment, with the launch
+token. A change to a model that changes its launch (`launch_key`) restarts its replicas; any other change (replica
+count, aliases, fallbacks, URLs, the gateway's side of its policy) does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
+from registry.fields import GIB, MAX_QUEUE_LEN, MAX_WAIT_S, Alias, Device, Frozen, ModelName, ModelType, Scheduling
+from registry.schema import ModelSpec, Placement
+
+
+class QueueOptions(Frozen):
+    """The engine's side of a model's policy: how its waiting queue is ordered and bounded."""
+
+    scheduling: Scheduling = "fcfs"
+    multilevel: dict[str, float | int | None] = {}  # policies.multilevel.MultiLevelConfig fields
+    lanes: dict[str, int] = {}  # policies.classify.LaneThresholds fields
+    max_queue_len: int | None = Field(default=None, ge=1, le=MAX_QUEUE_LEN)
+    max_queue_wait_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)
+
+
+class ReplicaPlacement(Frozen):
+    """Where a replica runs and with what share of its device, as the partitioner planned it (all unset: no plan,
+    or nothing to share)."""
+
+    env: dict[str, str] = {}  # CUDA_VISIBLE_DEVICES and the MPS variables: read by CUDA from the environment
+    kv_cache_bytes: int | None = Field(default=None, gt=0)  # the plan's KV budget (a GPU), when the model sets none
+    memory_fraction: float | None = Field(default=None, gt=0, le=1)  # of the CUDA device, for this process
+    arbiter_socket: str | None = None  # the device is time-shared: each engine step takes this arbiter's lease
+    arbiter_client: str | None = None  # the replica's name at the arbiter
+    arbiter_weight: float = Field(default=1.0, gt=0)
+
+
+class ReplicaLaunch(Frozen):
+    """One replica's launch. `engine` is the model's `engine:` section as the registry validated it."""
+
+    model: ModelName
+    index: int = Field(ge=0)
+    type: ModelType
+    source: str  # a path or `package:file`, as `runtimes.llm.loader.resolve_model_path` takes it
+    aliases: tuple[Alias, ...] = ()
+    device: Device = "auto"
+    engine: EngineSpec | EmbeddingEngineSpec = Field(default_factory=dict, validate_default=True)
+    queue: QueueOptions = Field(default_factory=QueueOptions)
+    placement: ReplicaPlacement = Field(default_factory=ReplicaPlacement)
+    url: str | None = None  # launcher `url`: the replica already runs there
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_of_its_type(cls, value: Any, info: ValidationInfo) -> EngineSpec | EmbeddingEngineSpec:
+        return engine_for_type(info.data.get("type", "chat"), value)  # JSON alone cannot tell the two kinds apart
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.model}/{self.index}"
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """The KV budget, decided here once: the model's `kv_cache_gib`, else the plan's; None leaves it to the
+        engine (1 GiB on a CPU, a fraction of the free memory under the process's cap on a GPU)."""
+        if isinstance(self.engine, EngineSpec) and self.engine.kv_cache_gib is not None:
+            return int(self.engine.kv_cache_gib * GIB)
+        return self.placement.kv_cache_bytes
+
+
+
+def launch_key(spec: ModelSpec) -> tuple[ReplicaLaunch, Placement]:
+    """What decides whether a registry change restarts a model's replicas: their launch, less the replica index, the
+    gateway-side aliases and the resolved placement, plus the model's `placement:` section (its isolation and
+    weights apply at launch). A change that moves only the plan of other models restarts nothing."""
+    launch = replica_launch(spec, 0).model_copy(update={"aliases": (), "url": None})
+    return launch, spec.placement
+
+
+def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | None = None) -> ReplicaLaunch:
+    """The launch of replica `index` of `spec`, placed as the partitioner planned (None: no plan)."""
+    policy = spec.policy
+    queue = QueueOptions() if spec.type == "embedding" else QueueOptions(
+        scheduling=policy.scheduling, multilevel=dict(policy.multilevel), lanes=dict(policy.lanes),
+        max_queue_len=policy.max_queue_len, max_queue_wait_s=policy.max_queue_wait_s)
+    return ReplicaLaunch(
+        model=spec.name, index=index, type=spec.type, source=spec.source_ref(), aliases=tuple(spec.aliases),
+        device=spec.device, engine=spec.engine, queue=queue, placement=placement or ReplicaPlacement(),
+        url=spec.urls[index] if index < len(spec.urls) else None)
