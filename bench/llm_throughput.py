@@ -48,11 +48,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from registry.sources import resolve_model_path
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
-from runtimes.llm.loader import load_model, resolve_model_path
+from runtimes.llm.loader import load_model
 from runtimes.llm.outputs import RequestOutput
 from runtimes.llm.sampling_params import SamplingParams
 

@@ -24,7 +24,7 @@ from gateway.auth_keys import ApiKey, parse_api_keys
 from gateway.context import request_context
 from gateway.limits import RateLimitMiddleware
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import AccessLogMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from gateway.middleware import AccessLogMiddleware, RequestIdMiddleware
 from gateway.proxy import Forwarder
 from gateway.traffic import TrafficMiddleware, TrafficRecorder
 from model_pool.pool import ModelPool
@@ -33,6 +33,7 @@ from policies.classify import LaneThresholds
 from registry.errors import Problem
 from registry.schema import GatewayConfig
 from registry.store import RegistryDiff, RegistryStore
+from runtimes.server.body_limit import BodySizeLimitMiddleware
 from runtimes.server.errors import exception_handlers
 
 log = structlog.get_logger(__name__)

@@ -1,8 +1,9 @@
 """Gateway middleware, one concern each, as plain ASGI callables.
 
-Order (outermost first): RequestId -> AccessLog -> BodySizeLimit -> Auth (gateway/auth.py) -> RateLimit
-(gateway/limits.py) [-> Traffic (gateway/traffic.py)]. Errors they raise themselves are answered in OpenAI's shape
-through the shared error mapping; what they learn about a request goes to its context (gateway/context.py).
+Order (outermost first): RequestId -> AccessLog -> BodySizeLimit (runtimes/server/body_limit.py, shared with
+the replicas) -> Auth (gateway/auth.py) -> RateLimit (gateway/limits.py) [-> Traffic (gateway/traffic.py)].
+Errors they raise themselves are answered in OpenAI's shape through the shared error mapping; what they learn
+about a request goes to its context (gateway/context.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.context import request_context
-from runtimes.server.errors import APIError, error_response
 
 log = structlog.get_logger("multiserve.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -72,38 +72,3 @@ class AccessLogMiddleware:
             extra = request_context(scope).log_fields()
             log.info("request", method=scope["method"], path=scope["path"], status=status["code"],
                      latency_ms=round((self.clock() - start) * 1000, 2), **extra)
-
-
-class BodySizeLimitMiddleware:
-    """413 for bodies over `max_bytes()` (read per request: a registry edit may change it), by Content-Length up
-    front or by counting a chunked body."""
-
-    def __init__(self, app: ASGIApp, max_bytes: Callable[[], int]) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.max_bytes()
-        length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            await error_response(_too_big(limit))(scope, receive, send)
-            return
-        seen = 0
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise _too_big(limit)
-            return message
-
-        await self.app(scope, counting_receive, send)
-
-
-def _too_big(limit: int) -> APIError:  # built only when needed: not on every request's path
-    return APIError(413, f"request body exceeds the gateway limit of {limit} bytes", code="body_too_large")

@@ -23,7 +23,8 @@ def resolve_model_source(model: str, config_path: Path = DEFAULT_CONFIG) -> str:
 def _generate(args: argparse.Namespace) -> int:
     from runtimes.llm.config import EngineConfig
     from runtimes.llm.engine import LLMEngine
-    from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+    from runtimes.llm.sampling_params import SamplingParams
+    from runtimes.request_errors import InvalidRequestError
 
     engine = LLMEngine.from_source(
         resolve_model_source(args.model, Path(args.config)),

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from partitioner.applying.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
 from partitioner.devices.backend import DeviceError
-from partitioner.devices.inventory import GIB, Inventory, InventoryFileError, inventory_to_dict
+from partitioner.devices.inventory import Inventory, InventoryFileError, inventory_to_dict
 from partitioner.devices.read import load_host_inventory
 from partitioner.planning.plan import InfeasiblePlan, Plan
+from registry.fields import GIB
 
 if TYPE_CHECKING:
     from partitioner.planning.demand import ModelShape

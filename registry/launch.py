@@ -47,7 +47,7 @@ class ReplicaLaunch(Frozen):
     model: ModelName
     index: int = Field(ge=0)
     type: ModelType
-    source: str  # a path or `package:file`, as `runtimes.llm.loader.resolve_model_path` takes it
+    source: str  # a path or `package:file`, as `registry.sources.resolve_model_path` takes it
     aliases: tuple[Alias, ...] = ()
     device: Device = "auto"
     engine: EngineSpec | EmbeddingEngineSpec = Field(default_factory=dict, validate_default=True)

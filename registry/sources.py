@@ -1,7 +1,7 @@
 """Where a model's weights may be read from on this host: the rules for `{package, file}` and `{path}` sources.
 
-The registry's validation (`schema`) and the worker's loader (`runtimes.llm.loader.resolve_model_path`) both
-resolve sources here, so a source the registry accepts is the file a worker opens. The rules:
+The registry's validation (`schema`) and the workers' loaders (`resolve_model_path`) both resolve sources here,
+so a source the registry accepts is the file a worker opens. The rules:
 
 - `package` is a top-level name; `importlib.util.find_spec` locates it without running any of its code (a dotted
   name would import its parent packages, so it is refused);
@@ -84,3 +84,20 @@ def check_model_path(path: str, roots: Sequence[Path]) -> None:
     allowed = ", ".join(repr(str(root)) for root in roots) or "none: gateway.model_roots is empty"
     raise SourceError(f"{shown} is outside the model roots ({allowed}); a path source must lie under "
                       "gateway.model_roots")
+
+
+def resolve_model_path(source: str | Path) -> Path:
+    """A path, or `package:FILE` naming a file shipped inside an installed Python package, as a worker opens it.
+    `package:FILE` follows the rules above: a file that leaves its package raises `SourceError`."""
+    text = str(source)
+    if ":" in text and not Path(text).exists():
+        package, _, filename = text.partition(":")
+        found = package_file(package, filename)
+        if found is None:
+            raise FileNotFoundError(f"model package {package!r} is not installed")
+        path = found
+    else:
+        path = Path(text)
+    if not path.exists():
+        raise FileNotFoundError(f"model file or directory not found: {path}")
+    return path

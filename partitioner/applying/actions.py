@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Literal
 
 from partitioner.applying.applied_state import AppliedState
-from partitioner.devices.inventory import MIB, GpuDevice, Inventory
+from partitioner.devices.inventory import GpuDevice, Inventory
 from partitioner.devices.mps_probe import MPS_CONTROL
 from partitioner.planning.plan import DevicePlan, Plan
+from registry.fields import MIB
 
 ActionKind = Literal["destroy_mig_device", "stop_mps_daemon", "create_mig_device", "start_mps_daemon",
                      "set_mps_default"]

@@ -13,9 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-MIB = 1 << 20
-GIB = 1 << 30
-
 
 @dataclass(frozen=True)
 class MigProfile:

@@ -17,8 +17,9 @@ from types import ModuleType
 from typing import Any
 
 from partitioner.devices.backend import BackendUnavailable, DeviceError, ErrorKind
-from partitioner.devices.inventory import MIB, DeviceProcess, GpuDevice, MigDevice, MigProfile, MpsStatus
+from partitioner.devices.inventory import DeviceProcess, GpuDevice, MigDevice, MigProfile, MpsStatus
 from partitioner.devices.mps_probe import DEFAULT_PIPE_DIRECTORY, probe_mps
+from registry.fields import MIB
 
 # NVML error class name -> our kind. Names, not codes, so a fake module in tests needs only the classes it raises.
 _KINDS: dict[str, ErrorKind] = {

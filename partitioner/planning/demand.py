@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from partitioner.devices.inventory import GIB, MIB
 from partitioner.planning.plan import InfeasiblePlan
 from registry.engine import EngineSpec
-from registry.fields import Device, Isolation
+from registry.fields import GIB, MIB, Device, Isolation
 from registry.schema import ModelSpec, Registry
 
 # Each process on a GPU pays for its CUDA context, cuBLAS workspaces and activations on top of weights and KV.

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from partitioner.devices.inventory import MIB, Inventory
+from partitioner.devices.inventory import Inventory
 from partitioner.devices.mig_fit import Slot, fit_placements, max_compute_slices
 from partitioner.planning.placement import GpuState, Placed, PlanOptions
 from partitioner.planning.plan import DevicePlan, Plan, PlannedMigDevice, ReplicaPlan
+from registry.fields import MIB
 
 
 def build_plan(inventory: Inventory, gpus: list[GpuState], cpu: list[Placed], options: PlanOptions) -> Plan:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from partitioner.devices.inventory import GIB, GpuDevice, Inventory, MigDevice, MigProfile
+from partitioner.devices.inventory import GpuDevice, Inventory, MigDevice, MigProfile
 from partitioner.devices.mig_fit import Slot, fit_placements, max_compute_slices, plannable_profiles
 from partitioner.planning.demand import ReplicaDemand
 from partitioner.planning.placement import GpuState, Placed, PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, Plan
 from partitioner.planning.plan_build import build_plan
+from registry.fields import GIB
 
 _ORDER = {"exclusive": 0, "mig": 1, "mps": 2, "timeslice": 3}
 

@@ -23,7 +23,7 @@ import structlog
 
 from runtimes.embedding.engine import EmbeddingEngine, EmbeddingOutput
 from runtimes.engine_driver import EngineDeadError, EngineDriver, StepGate
-from runtimes.llm.sampling_params import InvalidRequestError, request_failed
+from runtimes.request_errors import InvalidRequestError, request_failed
 
 log = structlog.get_logger(__name__)
 

@@ -21,13 +21,13 @@ import numpy as np
 import structlog
 import torch
 
+from registry.sources import resolve_model_path
 from runtimes.embedding.batching import BatchItem, Bucket, DynamicBatcher
 from runtimes.embedding.config import EmbeddingConfig, PoolingConfig
 from runtimes.embedding.inputs import InputProcessor
 from runtimes.embedding.model import BertEncoder, load_encoder, pool
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
-from runtimes.llm.loader import resolve_model_path
-from runtimes.llm.sampling_params import InvalidRequestError
+from runtimes.request_errors import InvalidRequestError
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,8 @@ import structlog
 from runtimes.engine_driver import EngineDeadError, EngineDriver, StepGate
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.outputs import RequestOutput
-from runtimes.llm.sampling_params import InvalidRequestError, OverloadedError, SamplingParams, request_failed
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.request_errors import InvalidRequestError, OverloadedError, request_failed
 
 log = structlog.get_logger(__name__)
 

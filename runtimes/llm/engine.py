@@ -30,14 +30,9 @@ from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
 from runtimes.llm.sampler import Sampler
-from runtimes.llm.sampling_params import (
-    ContextLengthError,
-    InvalidRequestError,
-    OverloadedError,
-    SamplingParams,
-    check_token_ids,
-)
+from runtimes.llm.sampling_params import SamplingParams, check_token_ids
 from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 log = structlog.get_logger(__name__)

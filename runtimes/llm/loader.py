@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from registry.sources import package_file
+from registry.sources import resolve_model_path
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
 from runtimes.llm.tokenizer import Tokenizer
@@ -29,23 +29,6 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
-
-
-def resolve_model_path(source: str | Path) -> Path:
-    """A path, or `package:FILE` naming a file shipped inside an installed Python package. `package:FILE` follows
-    the registry's rules (`registry.sources`): a file that leaves its package raises `SourceError`."""
-    text = str(source)
-    if ":" in text and not Path(text).exists():
-        package, _, filename = text.partition(":")
-        found = package_file(package, filename)
-        if found is None:
-            raise FileNotFoundError(f"model package {package!r} is not installed")
-        path = found
-    else:
-        path = Path(text)
-    if not path.exists():
-        raise FileNotFoundError(f"model file or directory not found: {path}")
-    return path
 
 
 def load_model(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from runtimes.request_errors import InvalidRequestError
+
 _MAX_LOGPROBS = 20
 _MAX_N = 16
 _MAX_STOP = 16  # stop strings per request
@@ -13,45 +15,6 @@ _MAX_STOP_TOKEN_IDS = 256
 _MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 _LOGIT_BIAS_RANGE = 100.0  # |bias| at most this, as OpenAI: -100 bans a token, +100 all but forces it
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a 64-bit signed seed; torch's generators take these and more
-
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as asked; the message names the field and the limit."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ContextLengthError(InvalidRequestError):
-    """The prompt, or prompt plus max_tokens, does not fit the model's context window (OpenAI's
-    `context_length_exceeded`: a gateway may send the request to a model with a longer one)."""
-
-
-class RequestFailedError(Exception):
-    """The engine failed while serving this one request (a fault it alone triggered, or a bug it ran into).
-
-    The request was stopped and its KV blocks freed; every other request continues. `error_id` ties the
-    client's 500 to the traceback in the replica's log.
-    """
-
-    def __init__(self, message: str, error_id: str) -> None:
-        super().__init__(message)
-        self.error_id = error_id
-
-
-def request_failed(error_id: str) -> RequestFailedError:
-    """What the caller of a request the engine failed to serve is told (the traceback is logged under the id)."""
-    return RequestFailedError(f"the engine failed while serving this request (error id {error_id}); other "
-                              "requests were not affected", error_id)
-
-
-class OverloadedError(Exception):
-    """The engine is too busy to take (or to start) this request now; try again after `retry_after_s`."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from runtimes.llm.sampling_params import InvalidRequestError
+from runtimes.request_errors import InvalidRequestError
 
 __all__ = ["Tokenizer"]
 

@@ -31,12 +31,11 @@ from runtimes.server.generation import Generation
 from runtimes.server.intake import wrong_endpoint
 from runtimes.server.metrics import ServerMetrics
 from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
-from runtimes.server.replica import run_startup_probe
-from runtimes.server.replica_app import ReplicaEndpoints, assemble_app
+from runtimes.server.replica import ProbeFailed, run_startup_probe
+from runtimes.server.replica_app import DEFAULT_MAX_BODY_BYTES, ReplicaEndpoints, assemble_app
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_body, completion_body
 from runtimes.server.streaming import SSEResponse, chat_events, completion_events, sse_stream
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
 log = structlog.get_logger(__name__)
 
@@ -60,11 +59,21 @@ class _Server(ReplicaEndpoints):
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        probe = asyncio.create_task(run_startup_probe(self.engine, self.replica, self.probe_timeout_s))
+        probe = asyncio.create_task(run_startup_probe(self._probe, self.replica, self.probe_timeout_s,
+                                                      self.engine.engine.model_name))
         yield
         probe.cancel()
         await asyncio.wait([probe])
         await self._wait_engine_idle(SHUTDOWN_SETTLE_TIMEOUT_S)
+
+    async def _probe(self) -> None:
+        """Generate one greedy token from a known-good prompt."""
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        outputs = [out async for out in self.engine.generate(f"probe-{uuid.uuid4().hex}",
+                                                             self.engine.engine.probe_prompt(), params)]
+        num_tokens = sum(len(out.new_token_ids) for out in outputs)
+        if num_tokens != 1:
+            raise ProbeFailed(f"expected 1 generated token, got {num_tokens}")
 
     async def _wait_engine_idle(self, timeout_s: float) -> None:
         """Keep this event loop open until the engine has let go of every request, aborted ones included.
@@ -171,7 +180,7 @@ def build_app(
     """The per-replica OpenAI-compatible app for `engine`, answering to `served_name` and `aliases`.
 
     `clock` times latencies (TTFT, ITL, end to end); `wall_clock` stamps `created`. The lifespan runs a
-    1-token startup probe; /ready is 200 once it passed. `app.state.replica` (a ReplicaState) holds
+    1-token startup probe; /ready is 200 once it passed. `app.state.replica` (a Readiness) holds
     readiness; set its `draining` to refuse new requests with 503. `app.state.metrics` is the replica's
     ServerMetrics (its own prometheus registry); `app.state.engine` the engine, which the caller owns and
     shuts down.

@@ -23,38 +23,15 @@ from starlette.routing import Route
 
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
 from runtimes.fault_isolation import PROBE_TEXT
-from runtimes.server.app import DEFAULT_MAX_BODY_BYTES
 from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.embedding_metrics import EmbeddingServerMetrics
 from runtimes.server.embedding_protocol import EmbeddingRequest, embedding_body
 from runtimes.server.errors import APIError
 from runtimes.server.intake import wrong_endpoint
-from runtimes.server.replica import ReplicaState
-from runtimes.server.replica_app import ReplicaEndpoints, assemble_app
+from runtimes.server.replica import ProbeFailed, run_startup_probe
+from runtimes.server.replica_app import DEFAULT_MAX_BODY_BYTES, ReplicaEndpoints, assemble_app
 
 log = structlog.get_logger(__name__)
-
-
-async def run_embedding_probe(engine: AsyncEmbeddingEngine, state: ReplicaState, timeout_s: float) -> None:
-    """Embed one text end to end through the engine thread; mark the replica ready or record why not.
-
-    Failures show up in /ready instead of killing the server, so they are recorded here, not raised.
-    """
-    core = engine.engine
-    try:
-        with anyio.fail_after(timeout_s):
-            out = await engine.embed(f"probe-{uuid.uuid4().hex}", [core.inputs.encode(PROBE_TEXT)])
-    except Exception as exc:
-        state.failure = f"startup probe failed: {exc!r}"
-        log.exception("startup probe failed")
-        return
-    if out.embeddings.shape != (1, core.hidden_size) or not np.isfinite(out.embeddings).all():
-        state.failure = f"startup probe failed: got a {out.embeddings.shape} vector with non-finite values or " \
-                        f"the wrong shape (expected (1, {core.hidden_size}))"
-        log.error("startup probe failed", shape=out.embeddings.shape)
-        return
-    state.ready = True
-    log.info("replica ready", model=core.model_name)
 
 
 class _EmbeddingServer(ReplicaEndpoints):
@@ -73,10 +50,19 @@ class _EmbeddingServer(ReplicaEndpoints):
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        probe = asyncio.create_task(run_embedding_probe(self.engine, self.replica, self.probe_timeout_s))
+        probe = asyncio.create_task(run_startup_probe(self._probe, self.replica, self.probe_timeout_s,
+                                                      self.engine.engine.model_name))
         yield
         probe.cancel()
         await asyncio.wait([probe])
+
+    async def _probe(self) -> None:
+        """Embed one text; the vector must have the model's width and be finite."""
+        core = self.engine.engine
+        out = await self.engine.embed(f"probe-{uuid.uuid4().hex}", [core.inputs.encode(PROBE_TEXT)])
+        if out.embeddings.shape != (1, core.hidden_size) or not np.isfinite(out.embeddings).all():
+            raise ProbeFailed(f"got a {out.embeddings.shape} vector with non-finite values or the wrong shape "
+                              f"(expected (1, {core.hidden_size}))")
 
     async def embeddings(self, request: Request) -> Response:
         start = self.clock()

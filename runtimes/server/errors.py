@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from registry.errors import format_loc
 from runtimes.engine_driver import EngineDeadError
-from runtimes.llm.sampling_params import ContextLengthError, InvalidRequestError, OverloadedError, RequestFailedError
+from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, RequestFailedError
 from runtimes.server.wire import ERROR_SCOPE_HEADER
 
 log = structlog.get_logger(__name__)

@@ -1,6 +1,6 @@
-"""What every replica endpoint does before its own logic, for the LLM and the embedding apps alike:
-read the body under a size limit, check the model name, refuse an endpoint this replica's model type
-cannot serve (400 naming the one that fits)."""
+"""What every replica endpoint does before its own logic, for the LLM and the embedding apps alike: check the
+model name, refuse an endpoint this replica's model type cannot serve (400 naming the one that fits). The body's
+size is limited before that (runtimes/server/body_limit.py)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from runtimes.server.errors import APIError
-
-
-async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The request body; 413 naming the limit once it passes `limit_bytes` (declared or streamed)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit_bytes:
-        raise APIError(413, f"the request body is {declared} bytes, over the limit of {limit_bytes} bytes",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit_bytes:
-            raise APIError(413, f"the request body exceeds the limit of {limit_bytes} bytes",
-                           code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def check_model(model: str, names: Sequence[str]) -> None:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from runtimes.llm.sampling_params import SEED_MAX, SEED_MIN, InvalidRequestError, SamplingParams, check_token_ids
+from runtimes.llm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, check_token_ids
+from runtimes.request_errors import InvalidRequestError
 
 MAX_N = 16
 MAX_LOGPROBS = 20

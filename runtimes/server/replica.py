@@ -1,6 +1,7 @@
 """Readiness of one replica: the startup probe, the draining flag, and why it is not ready.
 
-A replica is ready once a 1-token generation went end to end through the engine thread at startup,
+A replica is ready once a startup probe (a 1-token generation, or one embedding) went end to end through the
+engine thread,
 and stays ready unless it is draining (a pool stops sending it work), its engine died, or its engine loop is
 stuck: no step finished and no wait for work began for `stall_timeout_s` (a hung kernel, a deadlock). A stuck
 replica also refuses new work (503), so its pool stops routing to it and, after a while, restarts it.
@@ -8,15 +9,12 @@ replica also refuses new work (503), so its pool stops routing to it and, after 
 
 from __future__ import annotations
 
-import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
 import structlog
-
-from runtimes.llm.async_engine import AsyncLLMEngine
-from runtimes.llm.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -31,7 +29,7 @@ class EngineLiveness(Protocol):
 
 
 @dataclass
-class ReplicaState:
+class Readiness:
     """Mutable on purpose: the lifespan sets `ready`/`failure`, an operator or pool sets `draining`."""
 
     ready: bool = False  # the startup probe passed
@@ -61,25 +59,25 @@ class ReplicaState:
         return None if reason is None or reason.startswith("loading") else reason
 
 
-async def run_startup_probe(engine: AsyncLLMEngine, state: ReplicaState, timeout_s: float) -> None:
-    """Generate one greedy token; mark the replica ready, or record why it is broken.
+class ProbeFailed(Exception):
+    """The engine answered the startup probe, but wrongly (no token, a vector of the wrong shape)."""
 
-    Any failure (bad weights, a dead engine thread, a timeout) must show up in /ready instead of
-    killing the server, so it is recorded and logged here rather than raised.
+
+async def run_startup_probe(check: Callable[[], Awaitable[None]], state: Readiness, timeout_s: float,
+                            model: str) -> None:
+    """Run `check()`, one unit of work end to end through the engine thread that raises unless its result is
+    right (each app has its own: one generated token, one finite vector); mark the replica ready, or record why
+    it is broken.
+
+    Any failure (bad weights, a dead engine thread, a timeout) must show up in /ready instead of killing the
+    server, so it is recorded and logged here rather than raised.
     """
-    prompt = engine.engine.probe_prompt()
-    params = SamplingParams(temperature=0.0, max_tokens=1)
     try:
         with anyio.fail_after(timeout_s):
-            outputs = [out async for out in engine.generate(f"probe-{uuid.uuid4().hex}", prompt, params)]
+            await check()
     except Exception as exc:
         state.failure = f"startup probe failed: {exc!r}"
         log.exception("startup probe failed")
         return
-    num_tokens = sum(len(out.new_token_ids) for out in outputs)
-    if num_tokens != 1:
-        state.failure = f"startup probe failed: expected 1 generated token, got {num_tokens}"
-        log.error("startup probe failed", num_tokens=num_tokens)
-        return
     state.ready = True
-    log.info("replica ready", model=engine.engine.model_name)
+    log.info("replica ready", model=model)

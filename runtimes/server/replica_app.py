@@ -9,13 +9,17 @@ from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from runtimes.server.body_limit import BodySizeLimitMiddleware
 from runtimes.server.errors import APIError, exception_handlers
-from runtimes.server.intake import check_model, read_body
-from runtimes.server.replica import EngineLiveness, ReplicaState
+from runtimes.server.intake import check_model
+from runtimes.server.replica import EngineLiveness, Readiness
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body a replica reads (the gateway's own limit is lower by default)
 
 
 class RendersMetrics(Protocol):
@@ -46,7 +50,7 @@ class ReplicaEndpoints:
         self.metrics = metrics
         self.wall_clock = wall_clock
         self.max_body_bytes = max_body_bytes
-        self.replica = ReplicaState()
+        self.replica = Readiness()
 
     def check_available(self) -> None:
         """503 (with Retry-After) while draining or broken; a replica still warming up accepts work."""
@@ -57,7 +61,7 @@ class ReplicaEndpoints:
     async def parse_body(self, request: Request, model: type[BodyT]) -> BodyT:
         """The body as `model`, once the replica can take work; 404 unless it names a model served here."""
         self.check_available()
-        body = model.model_validate_json(await read_body(request, self.max_body_bytes))
+        body = model.model_validate_json(await request.body())  # its size is limited by BodySizeLimitMiddleware
         check_model(body.model, self.names)
         return body
 
@@ -93,8 +97,10 @@ class ReplicaEndpoints:
 
 def assemble_app(server: ReplicaEndpoints, routes: Sequence[BaseRoute], engine: Any,
                  lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]]) -> Starlette:
-    """`routes` plus the common ones, OpenAI-shaped errors, and `app.state.engine` / `replica` / `metrics`."""
+    """`routes` plus the common ones, the body size limit, OpenAI-shaped errors, and `app.state.engine` /
+    `replica` / `metrics`."""
     app = Starlette(routes=[*routes, *server.common_routes()], exception_handlers=exception_handlers(),
+                    middleware=[Middleware(BodySizeLimitMiddleware, max_bytes=lambda: server.max_body_bytes)],
                     lifespan=lifespan)
     app.state.engine = engine
     app.state.replica = server.replica

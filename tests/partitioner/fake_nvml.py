@@ -7,7 +7,8 @@ import ctypes
 from types import SimpleNamespace
 from typing import Any
 
-from partitioner.devices.inventory import MIB, GpuDevice
+from partitioner.devices.inventory import GpuDevice
+from registry.fields import MIB
 
 NVML_DEVICE_MIG_ENABLE = 1
 NVML_GPU_INSTANCE_PROFILE_COUNT = 0x12

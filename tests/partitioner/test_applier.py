@@ -11,9 +11,9 @@ from partitioner.applying.applied_state import AppliedStateFile
 from partitioner.applying.applier import Applier, reconcile
 from partitioner.applying.commands import CommandResult
 from partitioner.devices.fake_backend import FakeBackend
-from partitioner.devices.inventory import GIB
 from partitioner.devices.read import read_inventory
 from partitioner.planning.placement import PlanOptions
+from registry.fields import GIB
 from tests.partitioner.conftest import demand, gpus
 
 MPS = "nvidia-cuda-mps-control"

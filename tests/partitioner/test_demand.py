@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from partitioner.devices.inventory import GIB, MIB
 from partitioner.planning.demand import ModelShape, load_shapes, replica_demands
 from partitioner.planning.plan import InfeasiblePlan
+from registry.fields import GIB, MIB
 from registry.schema import Registry
 
 # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 weights (8.03 B parameters)

@@ -7,9 +7,9 @@ import pytest
 
 from partitioner.devices.backend import BackendUnavailable, DeviceError
 from partitioner.devices.fake_backend import FakeBackend
-from partitioner.devices.inventory import GIB
 from partitioner.devices.mig_fit import max_compute_slices
 from partitioner.devices.read import read_inventory
+from registry.fields import GIB
 from tests.partitioner.conftest import GPU_FILES, INVENTORIES, gpus
 
 

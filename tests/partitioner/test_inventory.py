@@ -7,8 +7,9 @@ import json
 import pytest
 
 from partitioner.devices.fake_backend import FakeBackend
-from partitioner.devices.inventory import GIB, InventoryFileError, MpsStatus, load_inventory, save_inventory
+from partitioner.devices.inventory import InventoryFileError, MpsStatus, load_inventory, save_inventory
 from partitioner.devices.mps_probe import candidate_pipe_directories, probe_mps
+from registry.fields import GIB
 from tests.partitioner.conftest import INVENTORIES, gpus
 
 

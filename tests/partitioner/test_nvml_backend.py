@@ -11,9 +11,10 @@ import pytest
 
 from partitioner.devices.backend import BackendUnavailable, DeviceError
 from partitioner.devices.fake_backend import FakeBackend
-from partitioner.devices.inventory import GIB, DeviceProcess
+from partitioner.devices.inventory import DeviceProcess
 from partitioner.devices.nvml_backend import NvmlBackend
 from partitioner.devices.read import read_inventory
+from registry.fields import GIB
 from tests.partitioner import fake_nvml
 from tests.partitioner.conftest import gpus
 

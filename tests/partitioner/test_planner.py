@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 
 from partitioner.devices.fake_backend import FakeBackend
-from partitioner.devices.inventory import GIB, MIB, DeviceProcess, Inventory, MpsStatus
+from partitioner.devices.inventory import DeviceProcess, Inventory, MpsStatus
 from partitioner.planning.placement import PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, PlanAction
 from partitioner.planning.planner import plan
+from registry.fields import GIB, MIB
 from tests.partitioner.conftest import demand, gpus
 
 

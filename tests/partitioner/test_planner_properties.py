@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 
 from partitioner.devices.backend import DeviceError
 from partitioner.devices.fake_backend import FakeBackend
-from partitioner.devices.inventory import GIB, DeviceProcess, Inventory
+from partitioner.devices.inventory import DeviceProcess, Inventory
 from partitioner.devices.mig_fit import max_compute_slices
 from partitioner.planning.placement import PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, Plan
 from partitioner.planning.planner import plan
+from registry.fields import GIB
 from tests.partitioner.conftest import GPU_FILES, demand, gpus
 
 PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -64,7 +64,7 @@ def test_a_package_file_may_not_leave_its_package(package, tmp_path, case):
 
 
 def test_the_loader_applies_the_same_rules(package):
-    from runtimes.llm.loader import resolve_model_path  # torch: imported here only
+    from registry.sources import resolve_model_path
 
     assert resolve_model_path("msfake-weights:model.gguf") == package / "model.gguf"
     for file in ("../outside/secret.gguf", "escape.gguf", "/etc/passwd"):

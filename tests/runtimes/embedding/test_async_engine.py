@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
-from runtimes.llm.sampling_params import InvalidRequestError
+from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.embedding.conftest import SENTENCES
 
 

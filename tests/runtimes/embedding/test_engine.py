@@ -9,7 +9,7 @@ import pytest
 
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.embedding.engine import EmbeddingEngine
-from runtimes.llm.sampling_params import InvalidRequestError
+from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.embedding.conftest import MINILM_SOURCE, SENTENCES, long_text
 
 

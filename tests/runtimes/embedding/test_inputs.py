@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from runtimes.embedding.inputs import InputProcessor
-from runtimes.llm.sampling_params import InvalidRequestError
+from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.embedding.conftest import SENTENCES, long_text, minilm_dir
 
 CLS, SEP = 101, 102

@@ -7,7 +7,8 @@ import pytest
 
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
-from runtimes.llm.sampling_params import OverloadedError, SamplingParams
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.request_errors import OverloadedError
 from tests.runtimes.llm.engine_utils import run_to_completion
 
 LONG = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

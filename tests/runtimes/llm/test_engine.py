@@ -9,7 +9,8 @@ import pytest
 
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
-from runtimes.llm.sampling_params import InvalidRequestError, SamplingParams
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.llm.engine_utils import run_to_completion
 
 KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 bytes (TinySpec defaults)

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from runtimes.llm.sampling_params import InvalidRequestError
+from runtimes.request_errors import InvalidRequestError
 from runtimes.server.errors import APIError, error_response, format_loc, to_api_error
 from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
 
