@@ -31,7 +31,7 @@ lint: install
 	$(BIN)/mypy multiserve gateway policies registry model_pool partitioner bench
 
 bench: install
-	$(BIN)/python -m bench.llm_throughput
+	$(BIN)/python -m bench.measure.llm_throughput
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -75,3 +75,18 @@ def with_question(doc: Document, num_tokens: int, fit: TokenFit, rng: random.Ran
     """The document, then a question of about `num_tokens` tokens (only the suffix differs between requests)."""
     question = words_text(max(1, round(num_tokens / fit.tokens_per_word)), rng)
     return f"{doc.text}\n\nQuestion: {question}?"
+
+
+# Plain English sentences for the measurement scripts' prompts and embedding inputs.
+SENTENCES = """The river rose slowly through the night and by morning the lower fields were under water.
+Engineers measure latency in milliseconds, but users remember only whether the page felt fast.
+A paged cache splits memory into fixed blocks so that sequences of any length can share one pool.
+Compilers turn loops into vector instructions when they can prove the iterations are independent.
+The committee postponed its decision until the spring, citing the need for more public comment.
+Photosynthesis converts light, water and carbon dioxide into sugar and releases oxygen as a by-product.
+In the old market, merchants still weigh spices on brass scales and write receipts by hand.
+Throughput grows with batch size until the arithmetic units, not the memory bus, become the limit.
+Mountain weather changes quickly; a clear sky at noon can turn to hail within the hour.
+Every request carries its own position, its own slots in the cache and its own stopping rule.
+He translated the letter twice, once literally and once the way his grandmother would have said it.
+A good benchmark fixes its inputs, repeats its runs and reports the median rather than the best.""".splitlines()

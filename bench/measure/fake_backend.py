@@ -5,7 +5,7 @@ OpenAI-shaped JSON, or with `"stream": true` a fixed SSE stream of `--chunks` ch
 Anything else is 404. Served by uvicorn (no access log), so its cost per request is uvicorn's plus a
 `json.loads` of the request body:
 
-    python -m bench.fake_backend --port 9001
+    python -m bench.measure.fake_backend --port 9001
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ for the median and p90. Results: a markdown table on stdout and one JSON line (a
 if given). `--profile` runs cProfile over one extra timed repeat of the first configuration and prints
 the top functions by cumulative and by own time.
 
-    python -m bench.scheduler_overhead                           # 256 and 64 sequences, 5 x 2000 steps
-    python -m bench.scheduler_overhead --num-seqs 256 --steps 500 --repeats 3 --profile
+    python -m bench.measure.scheduler_overhead                           # 256 and 64 sequences, 5 x 2000 steps
+    python -m bench.measure.scheduler_overhead --num-seqs 256 --steps 500 --repeats 3 --profile
 """
 
 from __future__ import annotations

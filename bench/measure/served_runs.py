@@ -1,8 +1,8 @@
 """The measurements in docs/benchmarks.md that `multiserve bench` makes against a real SmolLM2 `multiserve serve`
 on loopback (its own process, its workers its own processes), repeated with the configurations interleaved:
 
-    python -m bench.served_runs prefix-caching --repeats 3   # TTFT, shared-prefix workload, caching on vs off
-    python -m bench.served_runs throughput --repeats 2       # the LLM throughput table through HTTP
+    python -m bench.measure.served_runs prefix-caching --repeats 3   # TTFT, shared-prefix workload, caching on vs off
+    python -m bench.measure.served_runs throughput --repeats 2       # the LLM throughput table through HTTP
 
 `prefix-caching` serves the model twice in one gateway (`smollm2-pc-on`, `smollm2-pc-off`: same file, only
 `enable_prefix_caching` differs) and alternates between them; each repeat draws new documents (seed = repeat), so

@@ -1,6 +1,6 @@
 """Gateway overhead: the latency the gateway adds in front of a fast fake backend, and the rate it holds.
 
-Two subprocesses on loopback: `bench.fake_backend` (a raw ASGI OpenAI stub, no delays) and `multiserve serve`
+Two subprocesses on loopback: `bench.measure.fake_backend` (a raw ASGI OpenAI stub, no delays) and `multiserve serve`
 (the real gateway; registry: one chat model `fake`, `launcher: url` pointing at the stub). This process is
 the load generator: one keep-alive client per target (`--client`: httpx.AsyncClient, or the gateway's own lean
 `KeepAliveClient`, which leaves the shared cores to the servers), C requests in flight (closed loop), the same
@@ -20,8 +20,8 @@ Results: a markdown table on stdout, a JSON line appended to `--out`. `--profile
 gateway under cProfile and prints its top functions (inflated times, start-up included, and each resumption
 of a coroutine counts as a call; use few requests).
 
-    python -m bench.gateway_overhead                                   # 3 repeats x 2000 requests, ~2 min
-    python -m bench.gateway_overhead --requests 200 --warmup 50 --repeats 1        # smoke test
+    python -m bench.measure.gateway_overhead                                   # 3 repeats x 2000 requests, ~2 min
+    python -m bench.measure.gateway_overhead --requests 200 --warmup 50 --repeats 1        # smoke test
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import pstats
 import signal
 import statistics
@@ -48,6 +47,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from bench.measure.timing import machine_info
 from bench.stats import nearest_rank
 from gateway.httpclient import KeepAliveClient
 from gateway.upstream import Timeouts
@@ -246,21 +246,10 @@ def goal_check(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"commit": commit, "python": platform.python_version(), "platform": platform.platform(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "httpx": httpx.__version__}
-
-
 def start_servers(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, str]]:
     backend_port, gateway_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    procs.append(spawn([sys.executable, "-m", "bench.fake_backend", "--port", str(backend_port)],
+    procs.append(spawn([sys.executable, "-m", "bench.measure.fake_backend", "--port", str(backend_port)],
                        tmp / "backend.log"))
     wait_ready(f"http://127.0.0.1:{backend_port}/ready", procs[0], tmp / "backend.log")
     (tmp / "registry.yaml").write_text(REGISTRY.format(port=backend_port))
@@ -307,7 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    info = machine_info()
+    info = machine_info(httpx=httpx.__version__)
     with tempfile.TemporaryDirectory(prefix="gateway-overhead-") as tmpdir:
         tmp = Path(tmpdir)
         procs: list[subprocess.Popen[bytes]] = []

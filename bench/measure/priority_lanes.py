@@ -1,7 +1,7 @@
 """Priority lanes under saturation: interactive, normal and background traffic against SmolLM2 served twice in
 one gateway, `fcfs` and `multilevel` (same file, same limits), measured side by side and interleaved:
 
-    python -m bench.priority_lanes --repeats 2
+    python -m bench.measure.priority_lanes --repeats 2
 
 Per model and repeat: first the idle TTFT of interactive requests (one at a time); then, for `--duration-s`,
 a closed loop of long background requests (priority 2) that keeps the engine's seats full and its queue
@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from bench.client import Target, send_streaming
+from bench.measure.served_runs import SOURCE, serving_registry
 from bench.prompts import WORDS
-from bench.served_runs import SOURCE, serving_registry
 from bench.stats import RequestResult, percentiles
 
 MODEL_YAML = """\

@@ -6,7 +6,7 @@ Side by side in one run, interleaved, median of `--repeats` rounds of best-of-5 
   through SDPA with a boolean mask on 3-D tensors, the form the reference used before (SDPA's unfused math path);
 - decode: the C++ kernel (`cpu_paged.paged_attention_cpu`) against the reference's batched SDPA path.
 
-    python -m bench.cpu_attention
+    python -m bench.measure.cpu_attention
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from bench.llm_throughput import best_time
+from bench.measure.timing import best_time
 from runtimes.llm.attention.cpu_paged import load_kernel, paged_attention_cpu
 from runtimes.llm.attention.metadata import AttentionMetadata
 from runtimes.llm.attention.reference import paged_attention_ref, prefill_attention_ref

