@@ -15,8 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
+import structlog
+
 CommandT = TypeVar("CommandT")
 StepResultT = TypeVar("StepResultT")
+
+log = structlog.get_logger(__name__)
 
 # An idle loop waits for commands in slices this long. A worker's SIGTERM handler runs on the main thread, which
 # is this loop's; when the kernel delivers the signal to another thread (HTTP, tqdm, OpenMP), a main thread
@@ -39,6 +43,10 @@ class StepGate(Protocol):
     def acquire(self) -> None: ...
 
     def release(self, more: bool) -> None: ...
+
+
+def _dead(exc: BaseException) -> EngineDeadError:
+    return EngineDeadError(f"the engine loop has died: {exc!r}")
 
 
 class EngineDriver(Generic[CommandT]):
@@ -74,7 +82,14 @@ class EngineDriver(Generic[CommandT]):
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine loop has died: {self.dead_error!r}") from self.dead_error
+            raise _dead(self.dead_error) from self.dead_error
+
+    def _die(self, exc: BaseException) -> EngineDeadError:
+        """Record that the loop ended on `exc` (callers from now on get EngineDeadError) and log it; returns the
+        error each caller still waiting is to be given."""
+        self.dead_error = exc
+        log.exception("engine thread died")
+        return _dead(exc)
 
     def _next_command(self, timeout_s: float | None) -> CommandT | None:
         """The next command; waits up to `timeout_s` (None: until one comes). Raises queue.Empty on timeout."""

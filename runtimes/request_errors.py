@@ -5,6 +5,12 @@ maps them to HTTP."""
 
 from __future__ import annotations
 
+import uuid
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
 
 class InvalidRequestError(ValueError):
     """A request that can never be served as asked; the message names the field and the limit."""
@@ -35,6 +41,13 @@ def request_failed(error_id: str) -> RequestFailedError:
     """What the caller of a request the engine failed to serve is told (the traceback is logged under the id)."""
     return RequestFailedError(f"the engine failed while serving this request (error id {error_id}); other "
                               "requests were not affected", error_id)
+
+
+def record_failure(event: str, request_id: str, error: BaseException) -> str:
+    """Log `error`'s traceback under a fresh error id and return the id (the one its caller is told)."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    log.error(event, request_id=request_id, error_id=error_id, exc_info=error)
+    return error_id
 
 
 class OverloadedError(Exception):

@@ -15,17 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import structlog
-
 from runtimes.embedding.engine import EmbeddingEngine, EmbeddingOutput
-from runtimes.engine_driver import EngineDeadError, EngineDriver, StepGate
-from runtimes.request_errors import InvalidRequestError, request_failed
-
-log = structlog.get_logger(__name__)
+from runtimes.engine_driver import EngineDriver, StepGate
+from runtimes.request_errors import InvalidRequestError, record_failure, request_failed
 
 
 @dataclass
@@ -84,9 +79,7 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
                 for out in self._gated(self.engine.step, self._batch_due):
                     self._deliver(out.request_id, out if out.error_id is None else request_failed(out.error_id))
         except BaseException as exc:  # the thread must not die silently: fail every waiting caller
-            self.dead_error = exc
-            log.exception("embedding engine thread died")
-            dead = EngineDeadError(f"the engine loop has died: {exc!r}")
+            dead = self._die(exc)
             for request_id in list(self._waiting):
                 self._deliver(request_id, dead)
             raise
@@ -120,10 +113,7 @@ class AsyncEmbeddingEngine(EngineDriver[_Add | _Abort]):
             self.engine.add_request(command.request_id, command.token_ids, command.arrival_time)
         except Exception as exc:  # refused, or a bug this request ran into: report to its caller only
             if not isinstance(exc, InvalidRequestError):
-                error_id = f"err-{uuid.uuid4().hex[:16]}"
-                log.error("request failed at submission", request_id=command.request_id, error_id=error_id,
-                          exc_info=exc)
-                exc = request_failed(error_id)
+                exc = request_failed(record_failure("request failed at submission", command.request_id, exc))
             with contextlib.suppress(RuntimeError):  # that caller's loop is already closed
                 command.loop.call_soon_threadsafe(_settle, command.result, exc)
             return

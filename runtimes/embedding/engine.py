@@ -12,13 +12,11 @@ too, the engine itself is broken and `step()` raises EngineFaultError, which end
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import structlog
 import torch
 
 from registry.sources import resolve_model_path
@@ -27,9 +25,7 @@ from runtimes.embedding.config import EmbeddingConfig, PoolingConfig
 from runtimes.embedding.inputs import InputProcessor
 from runtimes.embedding.model import BertEncoder, load_encoder, pool
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
-from runtimes.request_errors import InvalidRequestError
-
-log = structlog.get_logger(__name__)
+from runtimes.request_errors import InvalidRequestError, record_failure
 
 
 @dataclass(frozen=True)
@@ -175,9 +171,7 @@ class EmbeddingEngine:
 
     def _fail(self, request_id: str, error: Exception) -> EmbeddingOutput:
         """Drop a request whose input failed to encode (its other inputs too) and say so under an error id."""
-        error_id = f"err-{uuid.uuid4().hex[:16]}"
-        log.error("request failed in the engine; it alone is stopped", request_id=request_id, error_id=error_id,
-                  exc_info=error)
+        error_id = record_failure("request failed in the engine; it alone is stopped", request_id, error)
         request = self._requests.get(request_id)
         self.abort_request(request_id)
         num_tokens = 0 if request is None else request.num_prompt_tokens

@@ -13,19 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import structlog
-
-from runtimes.engine_driver import EngineDeadError, EngineDriver, StepGate
+from runtimes.engine_driver import EngineDriver, StepGate
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.outputs import RequestOutput
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.request_errors import InvalidRequestError, OverloadedError, request_failed
-
-log = structlog.get_logger(__name__)
+from runtimes.request_errors import InvalidRequestError, OverloadedError, record_failure, request_failed
 
 
 @dataclass
@@ -104,9 +99,7 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 for out in self._gated(self.engine.step, self.engine.has_unfinished_requests):
                     self._deliver(out)
         except BaseException as exc:  # the thread must not die silently: fail every waiting stream
-            self.dead_error = exc
-            log.exception("engine thread died")
-            dead = EngineDeadError(f"the engine loop has died: {exc!r}")
+            dead = self._die(exc)
             for sink, loop in self._sinks.values():
                 with contextlib.suppress(RuntimeError):  # that caller's loop is already closed
                     loop.call_soon_threadsafe(sink.put_nowait, dead)
@@ -134,9 +127,7 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 continue
             except Exception as exc:  # a bug this request ran into: its caller gets a 500 with an id, nobody else
-                error_id = f"err-{uuid.uuid4().hex[:16]}"
-                log.error("request failed at submission", request_id=command.request_id, error_id=error_id,
-                          exc_info=exc)
+                error_id = record_failure("request failed at submission", command.request_id, exc)
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, request_failed(error_id))
                 continue
             self._sinks[command.request_id] = (command.sink, command.loop)

@@ -11,11 +11,9 @@ EngineFaultError, which ends the engine loop (the replica then reports itself de
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import structlog
 import torch
 
 from policies.admission import RateMeter, retry_after_s
@@ -32,10 +30,9 @@ from runtimes.llm.request import Request, RequestStatus
 from runtimes.llm.sampler import Sampler
 from runtimes.llm.sampling_params import SamplingParams, check_token_ids
 from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError
+from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, record_failure
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
-log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -260,10 +257,8 @@ class LLMEngine:
         parent_id = child_id if seq is None else seq.parent_id
         if parent_id == self._self_check_id:
             raise EngineFaultError(f"the engine failed its self-check after a request fault: {error!r}") from error
-        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        error_id = record_failure("request failed in the engine; it alone is stopped", parent_id, error)
         self.num_request_faults += 1
-        log.error("request failed in the engine; it alone is stopped", request_id=parent_id, error_id=error_id,
-                  exc_info=error)
         outputs = self.abort_request(parent_id, RequestStatus.FINISHED_ERROR)
         if not outputs and seq is not None:  # it had just finished when the fault came: still tell its caller
             outputs = [self._output(seq, [], "", None)]
