@@ -47,15 +47,17 @@ def read_head(path: Path) -> bytes:
         return f.read(MAX_REGISTRY_BYTES + 1)
 
 
-def read_text(path: Path) -> str:
-    """The registry file's text. Raises `RegistryError` when it is unreadable, too large or not UTF-8."""
-    try:
-        data = read_head(path)
-    except OSError as exc:
-        raise RegistryError(path, [Problem("(file)", f"cannot read: {exc.strerror or exc}")]) from None
+def read_file(path: Path, data: bytes | None = None) -> tuple[str, str]:
+    """The registry file's text and `content_hash`; `data`: its bytes (by `read_head`) when the caller has them.
+    Raises `RegistryError` when it is unreadable, too large or not UTF-8."""
+    if data is None:
+        try:
+            data = read_head(path)
+        except OSError as exc:
+            raise RegistryError(path, [Problem("(file)", f"cannot read: {exc.strerror or exc}")]) from None
     check_size(path, len(data))
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8"), content_hash(data)
     except UnicodeDecodeError as exc:
         raise RegistryError(path, [Problem("(file)", f"not UTF-8 text: {exc}")]) from None
 
@@ -71,8 +73,8 @@ def check_size(path: str | Path, num_bytes: int) -> None:
 
 def parse_registry(text: str, path: str | Path) -> Registry:
     """Validate registry YAML text meant for the file `path` (its directory anchors relative model roots).
-    Raises `RegistryError` naming `path` and each field at fault."""
-    check_size(path, len(text.encode("utf-8")))
+    Raises `RegistryError` naming `path` and each field at fault. (The size bound is checked on the bytes, where
+    they are read or about to be written.)"""
     try:
         data = yaml_edit.to_plain(yaml_edit.parse(text))
     except MarkedYAMLError as exc:
@@ -98,7 +100,7 @@ def validate(data: object, path: str | Path) -> Registry:
 
 def load_registry(path: str | Path) -> Registry:
     """Read and validate a registry file. Raises `RegistryError` naming the file and each field at fault."""
-    return parse_registry(read_text(Path(path)), path)
+    return parse_registry(read_file(Path(path))[0], path)
 
 
 def replace_if_unchanged(path: Path, data: bytes, expected_hash: str) -> None:

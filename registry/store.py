@@ -30,7 +30,7 @@ from registry.registry_file import (
     content_hash,
     load_registry,
     parse_registry,
-    read_text,
+    read_file,
     replace_if_unchanged,
     validate,
 )
@@ -105,10 +105,9 @@ class RegistryStore:
         self._clock = clock
         self._check = check
         self._lock = threading.RLock()
-        self._text = read_text(self._path)
+        self._text, self._hash = read_file(self._path)
         self._registry = parse_registry(self._text, self._path)
         self._run_check("file", self._registry)
-        self._hash = content_hash(self._text.encode("utf-8"))
         self._version = 1
         self._applied_at = clock()
         self._last_rejected: RejectedEdit | None = None
@@ -144,16 +143,15 @@ class RegistryStore:
                     "applied_at": self._applied_at, "num_models": len(self._registry.models),
                     "last_rejected": rejected.to_dict() if rejected else None}
 
-    def reload_from_file(self) -> RegistryDiff | None:
-        """Apply the file's current content.
+    def reload_from_file(self, data: bytes | None = None) -> RegistryDiff | None:
+        """Apply the file's current content (`data`: its bytes, as the caller just read them with `read_head`).
 
         Returns the diff when the registry changed, None when it did not (same bytes, or only comments and layout
         changed). Invalid content raises `RegistryError` after recording it as `last_rejected`; the last good
         registry stays.
         """
         with self._lock:
-            text = self._guard("file", lambda: read_text(self._path))
-            digest = content_hash(text.encode("utf-8"))
+            text, digest = self._guard("file", lambda: read_file(self._path, data))
             if digest == self._hash:
                 return None
             registry = self._guard("file", lambda: parse_registry(text, self._path))
@@ -211,8 +209,8 @@ class RegistryStore:
     def _current_document(self) -> dict[str, Any]:
         """The applied registry as plain data, refusing early to edit a file with changes not yet applied (`_commit`
         checks again as it replaces the file)."""
-        text = self._guard("admin", lambda: read_text(self._path))
-        if content_hash(text.encode("utf-8")) != self._hash:
+        _, digest = self._guard("admin", lambda: read_file(self._path))
+        if digest != self._hash:
             self._reject("admin", [self._changed_on_disk("")])
         doc = yaml_edit.to_plain(yaml_edit.parse(self._text))
         assert isinstance(doc, dict) and isinstance(doc.get("models"), list), f"applied registry is {doc!r}"

@@ -15,8 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from registry.errors import RegistryError
-from registry.registry_file import read_head
-from registry.store import RegistryDiff, RegistryStore, content_hash
+from registry.registry_file import content_hash, read_head
+from registry.store import RegistryDiff, RegistryStore
 
 # Filesystem timestamps can be as coarse as 1-2 s: a file modified this recently may change again without its
 # (mtime, size) changing, so it is re-read until it is older than this (git's "racily clean" rule).
@@ -84,17 +84,18 @@ class RegistryWatcher:
             if signature == self._signature and st.st_mtime_ns / 1e9 < self._read_at - RACY_WINDOW_S:
                 return None
             self._signature, self._read_at = signature, now
-            digest = content_hash(read_head(self.store.path))  # a file too large is the store's to report
+            head = read_head(self.store.path)  # a file too large is the store's to report
+            data, digest = head, content_hash(head)
         except FileNotFoundError:
             self._signature = None
             return None
         except OSError as exc:  # unreadable: let the store record and report it, once per distinct error
-            digest = f"unreadable: {exc}"
-        if digest == self._handled_hash:
+            data, digest = None, f"unreadable: {exc}"  # the store reads it again and says why
+        if digest in (self._handled_hash, self.store.hash):  # seen, or the store's own admin write
             return None
         self._handled_hash = digest
         try:
-            return self.store.reload_from_file()
+            return self.store.reload_from_file(data)
         except RegistryError as exc:
             return exc
 

@@ -70,7 +70,7 @@ def test_catches_a_same_size_same_mtime_edit(watched):
 def test_touch_without_change_does_not_reload(watched, monkeypatch):
     store, watcher, seen = watched
     reloads = []
-    monkeypatch.setattr(store, "reload_from_file", lambda: reloads.append(1))
+    monkeypatch.setattr(store, "reload_from_file", lambda data=None: reloads.append(1))
     os.utime(store.path, ns=(0, os.stat(store.path).st_mtime_ns + 5_000_000_000))
     write_via_rename(store.path, SAMPLE)  # same bytes, new inode
     assert watcher.poll_once() is None and watcher.poll_once() is None
