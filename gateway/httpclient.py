@@ -126,7 +126,6 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, client: KeepAliveClient, key: tuple[str, int]) -> None:
         self.client, self.key = client, key
-        self.max_header_fields, self.max_head_bytes = client.max_header_fields, client.max_head_bytes
         self.transport: asyncio.Transport | None = None
         self.readable = select.poll()  # on the socket's descriptor, for `in_step`
         self.parser = httptools.HttpResponseParser(self)
@@ -196,7 +195,7 @@ class _Connection(asyncio.Protocol):
         endless head is cut off at the limit rather than buffered (httptools joins a header that spans reads by
         concatenation; this bound is also what keeps that cheap). A read that crosses the limit is fed in two
         parts: if the head is not whole by the limit it is refused, else the rest (body) follows."""
-        room = self.max_head_bytes - reply.num_head_bytes
+        room = self.client.max_head_bytes - reply.num_head_bytes
         reply.num_head_bytes += len(data)
         if len(data) <= room:
             self.parser.feed_data(data)
@@ -205,7 +204,7 @@ class _Connection(asyncio.Protocol):
         self.parser.feed_data(view[:room])
         if not reply.head_done:
             raise UpstreamError(f"the replica's reply head (status lines and header fields) is over "
-                                f"max_head_bytes={self.max_head_bytes}")
+                                f"max_head_bytes={self.client.max_head_bytes}")
         self.parser.feed_data(view[room:])
 
     # ------------------------------------------------------------------ httptools parser callbacks
@@ -218,8 +217,8 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         reply = self.reply
         assert reply is not None
-        if len(reply.raw_headers) >= self.max_header_fields:
-            raise UpstreamError(f"the replica's reply has more than max_header_fields={self.max_header_fields} "
+        if len(reply.raw_headers) >= self.client.max_header_fields:
+            raise UpstreamError(f"the replica's reply has more than max_header_fields={self.client.max_header_fields} "
                                 "header fields")
         reply.raw_headers.append((name, value))
 
@@ -247,8 +246,7 @@ class _Connection(asyncio.Protocol):
         reply, self.reply = self.reply, None
         if reply is None:
             return
-        if reply.paused and self.transport is not None and not self.lost:
-            self.transport.resume_reading()
+        reply._resume_reading()
         reply.on_end(error)
         if error is not None:
             self.close()
@@ -360,7 +358,7 @@ class Reply:
 
     def _resume_reading(self) -> None:
         connection = self.connection
-        if self.paused and connection is not None:
+        if self.paused and connection is not None and not connection.lost:
             assert connection.transport is not None
             connection.transport.resume_reading()
             self.paused = False
