@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from policies.classify import parse_lane
 from policies.ratelimit import KeyLimits
+from registry.errors import format_loc
 
 
 def bearer_token(authorization: str) -> str:
@@ -60,6 +61,6 @@ def parse_api_keys(raw: str | None) -> dict[str, ApiKey]:
             keys[str(key)] = ApiKey.model_validate(spec)
         except ValidationError as err:
             first = err.errors()[0]
-            field = ".".join(map(str, first["loc"])) or "(value)"
+            field = format_loc(first["loc"]) or "(value)"
             raise ValueError(f"API key #{index + 1}: {field}: {first['msg']}") from None
     return keys

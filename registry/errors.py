@@ -31,7 +31,7 @@ def join_field(prefix: str, rest: str) -> str:
 class FieldProblems(ValueError):
     """Raised by cross-field validators: problems with paths relative to the object being validated.
 
-    pydantic reports it at that object's location; `schema.validation_problems` joins the two into full paths.
+    pydantic reports it at that object's location; `pydantic_problems` joins the two into full paths.
     """
 
     def __init__(self, problems: Iterable[Problem]) -> None:
