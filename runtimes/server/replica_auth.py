@@ -10,9 +10,10 @@ host can read), and the worker refuses any request without `Authorization: Beare
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtimes.server.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 
@@ -39,10 +40,6 @@ class ReplicaTokenMiddleware:
         if hmac.compare_digest(given, self._expected):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"error": {"message": "this replica only serves its gateway: the launch token is missing "
-                                                "or wrong", "type": "authentication_error", "param": None,
-                                     "code": "invalid_replica_token"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        error = APIError(401, "this replica only serves its gateway: the launch token is missing or wrong",
+                         code="invalid_replica_token")
+        await error_response(error)(scope, receive, send)
