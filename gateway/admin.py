@@ -10,7 +10,6 @@ registry schema alone: an edit it refuses is a 400 carrying the schema's message
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.auth_keys import bearer_token
+from gateway.auth_keys import bearer_token, token_matches
 from gateway.request_body import parse_json_object
 from registry.errors import ModelNotFound
 from registry.store import RegistryDiff, RegistryError
@@ -30,7 +29,7 @@ def _state(request: Request) -> Any:
     state = request.app.state.gateway
     token = state.admin_token
     given = bearer_token(request.headers.get("authorization", ""))
-    if not token or not hmac.compare_digest(given.encode(), token.encode()):
+    if not token_matches(given, token):
         hint = "" if token else " (the admin API is disabled: its token environment variable is not set)"
         raise APIError(401, f"admin endpoints need `Authorization: Bearer <admin token>`{hint}",
                        code="invalid_admin_token")

@@ -5,13 +5,12 @@ the rate limiter its limits. The admin API checks its own token (gateway/admin.p
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Mapping
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.auth_keys import ApiKey, bearer_token
+from gateway.auth_keys import ApiKey, bearer_token, token_matches
 from gateway.context import request_context
 from runtimes.server.errors import APIError, error_response
 
@@ -46,5 +45,4 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
     def _is_admin(self, token: str) -> bool:
-        admin = self.admin_token()
-        return admin is not None and admin != "" and hmac.compare_digest(token.encode(), admin.encode())
+        return token_matches(token, self.admin_token())

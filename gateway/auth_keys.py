@@ -3,6 +3,7 @@ environment variable the registry names, and the Bearer token of a request."""
 
 from __future__ import annotations
 
+import hmac
 import json
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -15,6 +16,11 @@ from registry.errors import format_loc
 def bearer_token(authorization: str) -> str:
     """The token of an `Authorization: Bearer <token>` header value ("" for any other value)."""
     return authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+
+
+def token_matches(given: str, expected: str | None) -> bool:
+    """Whether `given` is the configured token `expected` (never when none is configured), in constant time."""
+    return expected is not None and expected != "" and hmac.compare_digest(given.encode(), expected.encode())
 
 
 class ApiKey(BaseModel):
