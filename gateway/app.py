@@ -45,9 +45,10 @@ class GatewayState:
     pool: ModelPool
     forwarder: Forwarder
     metrics: GatewayMetrics
-    admin_token: str | None  # None: admin API disabled (every call 401)
-    api_keys: dict[str, ApiKey]
     started_at: float
+    # from the registry's `gateway:` section, set by `apply_gateway_config`
+    admin_token: str | None = None  # None: admin API disabled (every call 401)
+    api_keys: dict[str, ApiKey] = field(default_factory=dict)
     traffic: TrafficRecorder | None = None  # the traffic profile (gateway.traffic.path); None: off
     env: Mapping[str, str] = field(default_factory=dict)  # where the secrets' variables are read (a snapshot)
     max_body_bytes: int = 4 << 20
@@ -154,11 +155,8 @@ def _lane_thresholds(state: GatewayState, model: str) -> LaneThresholds | None:
     return LaneThresholds(**spec.policy.lanes) if spec is not None and spec.policy.lanes else None
 
 
-def build_gateway(state: GatewayState, lifespan: Any = None, max_body_bytes: int | None = None) -> Starlette:
-    """The app over `state`; `max_body_bytes` (default: the state's) is the request body limit until a registry
-    edit changes it."""
-    if max_body_bytes is not None:
-        state.max_body_bytes = max_body_bytes
+def build_gateway(state: GatewayState, lifespan: Any = None) -> Starlette:
+    """The app over `state` (its request body limit is the state's, which a registry edit may change)."""
     routes = [
         Route("/v1/chat/completions", _endpoint("chat"), methods=["POST"]),
         Route("/v1/completions", _endpoint("completions"), methods=["POST"]),

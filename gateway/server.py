@@ -64,7 +64,7 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     # the request hop: plain http:// replicas over the lean keep-alive client, others (https) through httpx
     upstream = ByScheme(KeepAliveClient(), HttpxUpstream(http))
     forwarder = Forwarder(pool, resolve, known, upstream, metrics, proxy_settings)
-    state = GatewayState(store=store, pool=pool, forwarder=forwarder, metrics=metrics, admin_token=None, api_keys={},
+    state = GatewayState(store=store, pool=pool, forwarder=forwarder, metrics=metrics,
                          started_at=time.time(), traffic=_traffic_recorder(gateway_cfg.traffic), env=env)
     state.apply_gateway_config(gateway_cfg)
     return state
@@ -142,7 +142,7 @@ def run_serve(config: str | Path, host: str | None = None, port: int | None = No
     except ValueError as err:  # API keys that do not parse
         print(f"error: gateway.api_keys_env: {err}")
         return 2
-    app = build_gateway(state, lifespan=lifespan_for(state), max_body_bytes=cfg.max_body_bytes)
+    app = build_gateway(state, lifespan=lifespan_for(state))
     server = uvicorn.Server(guarded_config(app, host=host or cfg.host, port=cfg.port if port is None else port,
                                            limits=cfg.http, log_level="warning", lifespan="on",
                                            timeout_graceful_shutdown=30))

@@ -381,7 +381,7 @@ async def open_gateway(
     forwarder = Forwarder(pool, base.forwarder.resolve, base.forwarder.known_models, HttpxUpstream(http), metrics,
                           proxy_settings, sleep=proxy_sleep, clock=clock)
     state = dataclasses.replace(base, pool=pool, forwarder=forwarder, metrics=metrics, api_keys=dict(api_keys or {}))
-    app = build_gateway(state, max_body_bytes=store.registry.gateway.max_body_bytes)
+    app = build_gateway(state)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
         gateway = FakeGateway(state, client, replicas, launcher, clock, pool_sleep, proxy_sleep, path)
         if ready:
