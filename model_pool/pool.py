@@ -184,7 +184,6 @@ class ModelPool:
         now = self.clock()
         if replica.handle is not None and exit_code is None:
             await replica.handle.stop(timeout_s=5.0)  # hung start: make sure it is gone
-        replica.unhealthy_since = None
         replica.crash_times.append(now)
         recent = [t for t in replica.crash_times if now - t <= self.settings.crash_window_s]
         replica.consecutive_failures += 1
@@ -209,7 +208,6 @@ class ModelPool:
         replica.last_probe_at, replica.last_probe_ok = time.time(), ok
         if ok:
             replica.consecutive_failures = 0
-            replica.unhealthy_since = None
             replica.breaker.record_success()
             if replica.state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY) and not replica.manually_drained:
                 replica.set_state(ReplicaState.READY, now)
@@ -219,7 +217,6 @@ class ModelPool:
             replica.breaker.record_failure()
             if replica.consecutive_failures >= self.settings.unhealthy_after:
                 replica.set_state(ReplicaState.UNHEALTHY, now)
-                replica.unhealthy_since = now
 
     # ------------------------------------------------------------------------------------ routing support
 

@@ -39,7 +39,7 @@ class Replica:
     crash_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     transitions: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))
     manually_drained: bool = False
-    unhealthy_since: float | None = None  # the pool's clock when probes took it out of routing; None otherwise
+    state_since: float = 0.0  # the pool's clock when `state` was last changed
 
     @property
     def base_url(self) -> str:
@@ -59,10 +59,15 @@ class Replica:
     def routable(self) -> bool:
         return self.state == ReplicaState.READY and self.breaker.allows_request()
 
+    @property
+    def unhealthy_since(self) -> float | None:
+        """The pool's clock when the replica became UNHEALTHY; None while it is in any other state."""
+        return self.state_since if self.state == ReplicaState.UNHEALTHY else None
+
     def set_state(self, state: ReplicaState, now: float) -> None:
         """`now` is the pool's (monotonic) clock; transitions are recorded in wall time for people to read."""
         if state != self.state:
-            self.state = state
+            self.state, self.state_since = state, now
             self.transitions.append((time.time(), state.value))
 
     def snapshot(self) -> dict[str, Any]:

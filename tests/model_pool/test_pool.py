@@ -379,6 +379,24 @@ def test_a_replica_alive_but_unhealthy_too_long_is_restarted_as_a_crash():
     run(scenario, settings=PoolSettings(unhealthy_after=2, restart_unhealthy_after_s=30.0, restart_backoff_s=0.5))
 
 
+def test_a_hung_replica_the_operator_drains_is_left_drained():
+    """Draining takes a replica out of the pool's hands: it is no longer unhealthy, so not restarted as hung."""
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        first = h.launcher.latest("alpha/0")
+        h.replicas.set("alpha/0", "hang")
+        await h.ticks(2, every_s=2.0)
+        assert h.replica("alpha/0").state == UNHEALTHY
+        h.pool.drain("alpha/0")
+        h.clock.advance(31.0)
+        await h.pool.tick()
+        replica = h.replica("alpha/0")
+        assert not first.stopped and replica.state == ReplicaState.DRAINING and replica.restarts == 0
+
+    run(scenario, settings=PoolSettings(unhealthy_after=2, restart_unhealthy_after_s=30.0, restart_backoff_s=0.5))
+
+
 def test_probes_carry_each_replicas_launch_token():
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha", 2)))
