@@ -1,7 +1,8 @@
 """What the gateway learns about one request as it passes the middleware and the proxy, in one typed object.
 
 The request id (RequestIdMiddleware), the caller's API key (AuthMiddleware), and the model and replica that served
-it (the proxy) travel here instead of as loose keys in the ASGI scope; the access log and the traffic log read them.
+it and the prompt length that replica counted (the proxy) travel here instead of as loose keys in the ASGI scope or
+headers; the access log, the rate limits and the traffic log read them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class RequestContext:
     key_token: str | None = None  # that key's token: its rate-limit buckets (never logged)
     model: str | None = None  # the model the request was routed to (after aliases and tenant variants)
     replica: str | None = None  # the replica that served it last
+    prompt_tokens: int | None = None  # its prompt's length as that replica counted it (told with a stream's head)
 
     @property
     def allowed_models(self) -> frozenset[str] | None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.context import request_context
+from gateway.context import RequestContext, request_context
 from gateway.request_body import parse_json_object
 from gateway.traffic import ReplyTap
 from policies.ratelimit import KeyLimits, KeyRateLimiter, Refusal, TokenEstimate, estimate_tokens
@@ -33,10 +33,13 @@ class RateLimitMiddleware:
         if key is None or not key.limits.any or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        assert context is not None and context.key_token is not None
-        await self._run_limited(context.key_token, key.limits, scope, receive, send)
+        assert context is not None
+        await self._run_limited(context, key.limits, scope, receive, send)
 
-    async def _run_limited(self, token: str, limits: KeyLimits, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _run_limited(self, context: RequestContext, limits: KeyLimits, scope: Scope, receive: Receive,
+                           send: Send) -> None:
+        token = context.key_token
+        assert token is not None
         endpoint = LIMITED_ENDPOINTS.get(scope["path"])
         estimate = None
         if limits.tokens_per_minute is not None and endpoint is not None:
@@ -58,7 +61,7 @@ class RateLimitMiddleware:
         try:
             await self.app(scope, receive, tap.wrap(send))
         finally:
-            self.limiter.settle(token, limits, self.clock(), reserved, _tokens_used(tap, estimate))
+            self.limiter.settle(token, limits, self.clock(), reserved, _tokens_used(tap, estimate, context))
 
 
 def _rate_limited(refusal: Refusal) -> APIError:
@@ -70,10 +73,10 @@ def _rate_limited(refusal: Refusal) -> APIError:
                     code="rate_limit_exceeded", retry_after_s=refusal.retry_after_s)
 
 
-def _tokens_used(tap: ReplyTap, estimate: TokenEstimate) -> int:
+def _tokens_used(tap: ReplyTap, estimate: TokenEstimate, context: RequestContext) -> int:
     """What a finished request cost: its reply's usage; for a stream without one, its prompt as the replica
     counted it (or as estimated) plus its content events; nothing for a refusal."""
-    prompt, output, source = tap.counts()
+    prompt, output, source = tap.counts(context.prompt_tokens)
     if source == "none":
         return 0 if tap.status >= 400 or tap.status == 0 else estimate.total
     return (estimate.prompt if prompt is None else prompt) + (output or 0)

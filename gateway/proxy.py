@@ -249,12 +249,11 @@ class Forwarder:
                 await response.aclose()
                 raise self._fail(lease, f"stream broke before the first byte: {err!r}") from err
             handed_over = True
-            headers = {"cache-control": "no-cache"}
             prompt_tokens = response.headers.get(PROMPT_TOKENS_HEADER, "")
             if prompt_tokens.isdigit() and len(prompt_tokens) < 12:  # for the key's token limit and the traffic log
-                headers[PROMPT_TOKENS_HEADER] = prompt_tokens
+                context.prompt_tokens = int(prompt_tokens)
             return StreamingResponse(self._relay(first, chunks, response, lease, call),
-                                     media_type="text/event-stream", headers=headers)
+                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
         finally:
             if not handed_over:
                 lease.release()

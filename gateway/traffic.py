@@ -5,8 +5,8 @@ and `multiserve plan-capacity` read it (bench/profile.py).
 Token counts come from the reply itself, as it passes through: `usage` of a whole JSON reply, or of the last chunk
 of a stream that asked for `stream_options.include_usage`; a stream without usage gets its output counted as its
 content events (`usage: "counted"`) and its prompt count from the `x-multiserve-prompt-tokens` header our replicas
-send. The lane is the one the replica would pick (policies/classify.py) from the request's priority, X-Priority
-header and lengths.
+send (the proxy keeps it in the request's context). The lane is the one the replica would pick
+(policies/classify.py) from the request's priority, X-Priority header and lengths.
 
 Off unless the registry's `gateway.traffic.path` is set. The file rotates by size (`path` → `path.1` → … →
 `path.<backups>`, the oldest dropped), so it stays under (backups + 1) × max_bytes.
@@ -27,7 +27,6 @@ import structlog
 from gateway.context import request_context
 from policies.classify import LaneThresholds, classify
 from policies.multilevel import LANES
-from runtimes.server.wire import PROMPT_TOKENS_HEADER
 
 log = structlog.get_logger(__name__)
 
@@ -96,15 +95,12 @@ class ReplyTap:
         self.prompt_tokens: int | None = None
         self.output_tokens: int | None = None
         self.num_content_events = 0
-        self.header_prompt_tokens: int | None = None
         self.buffer = b""
 
     def start(self, message: Message) -> None:
         self.status = int(message["status"])
         headers = dict(message.get("headers") or [])
         self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-        prompt = headers.get(PROMPT_TOKENS_HEADER.encode(), b"")
-        self.header_prompt_tokens = int(prompt) if prompt.isdigit() and len(prompt) < 12 else None
 
     def wrap(self, send: Send) -> Send:
         """`send`, with every reply message shown to this tap on the way out."""
@@ -137,13 +133,14 @@ class ReplyTap:
         if prompt and completion:  # the last usage in the text is the request's total
             self.prompt_tokens, self.output_tokens = int(prompt[-1]), int(completion[-1])
 
-    def counts(self) -> tuple[int | None, int | None, str]:
+    def counts(self, counted_prompt: int | None = None) -> tuple[int | None, int | None, str]:
+        """(prompt, output, how they were had); a stream without usage gets `counted_prompt`: the replica's count."""
         if not self.stream and self.buffer:
             self._usage(self.buffer)
         if self.output_tokens is not None:
             return self.prompt_tokens, self.output_tokens, "reported"
         if self.stream:
-            return self.header_prompt_tokens, self.num_content_events, "counted"
+            return counted_prompt, self.num_content_events, "counted"
         return None, None, "none"
 
 
@@ -194,8 +191,8 @@ class TrafficMiddleware:
         try:
             await self.app(scope, tapped_receive, tap.wrap(send))
         finally:
-            prompt, output, source = tap.counts()
             context = request_context(scope)
+            prompt, output, source = tap.counts(context.prompt_tokens)
             model = context.model
             lane = request_lane(b"".join(parts), dict(scope.get("headers") or []), prompt, context.key_priority,
                                 None if model is None else self.thresholds_for(model))
