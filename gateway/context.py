@@ -8,9 +8,12 @@ headers; the access log, the rate limits and the traffic log read them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.auth_keys import ApiKey
+
+if TYPE_CHECKING:
+    from gateway.traffic import ReplyTap
 
 _SCOPE_KEY = "multiserve"  # under scope["state"], where Starlette keeps per-request state
 
@@ -23,6 +26,8 @@ class RequestContext:
     model: str | None = None  # the model the request was routed to (after aliases and tenant variants)
     replica: str | None = None  # the replica that served it last
     prompt_tokens: int | None = None  # its prompt's length as that replica counted it (told with a stream's head)
+    payload: dict[str, Any] | None = None  # its JSON body, once parsed (`request_body.request_payload`)
+    reply_tap: ReplyTap | None = None  # what reads its reply's token counts (`traffic.tap_reply`)
 
     @property
     def allowed_models(self) -> frozenset[str] | None:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.context import RequestContext, request_context
-from gateway.request_body import parse_json_object
-from gateway.traffic import ReplyTap
+from gateway.request_body import request_payload
+from gateway.traffic import ReplyTap, tap_reply
 from policies.ratelimit import KeyLimits, KeyRateLimiter, Refusal, TokenEstimate, estimate_tokens
 from runtimes.server.errors import APIError, error_response
 
@@ -45,7 +45,7 @@ class RateLimitMiddleware:
         if limits.tokens_per_minute is not None and endpoint is not None:
             body, receive = await _buffered(receive)
             try:
-                estimate = estimate_tokens(endpoint, parse_json_object(body))
+                estimate = estimate_tokens(endpoint, request_payload(scope, body))
             except APIError as error:  # not JSON: the request fails here exactly as it would further in
                 await error_response(error)(scope, receive, send)
                 return
@@ -57,9 +57,9 @@ class RateLimitMiddleware:
         if estimate is None:
             await self.app(scope, receive, send)
             return
-        tap = ReplyTap()
+        tap, send = tap_reply(scope, send)
         try:
-            await self.app(scope, receive, tap.wrap(send))
+            await self.app(scope, receive, send)
         finally:
             self.limiter.settle(token, limits, self.clock(), reserved, _tokens_used(tap, estimate, context))
 

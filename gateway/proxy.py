@@ -17,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway.context import request_context
 from gateway.metrics import GatewayMetrics
-from gateway.request_body import parse_json_object
+from gateway.request_body import request_payload
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica
@@ -106,7 +106,7 @@ class Forwarder:
     async def forward(self, request: Request, endpoint: str) -> Response:
         start = self.clock()
         body = await request.body()
-        payload = parse_json_object(body)
+        payload = request_payload(request.scope, body)
         spec = self._target(request, payload, endpoint)
         stream = payload.get("stream") is True
         request_context(request.scope).model = spec.name

@@ -14,9 +14,19 @@ import json
 import math
 from typing import Any
 
+from gateway.context import request_context
 from runtimes.server.errors import APIError
 
 MAX_DEPTH = 128
+
+
+def request_payload(scope: Any, body: bytes) -> dict[str, Any]:
+    """The request's body (`body`, of the request whose ASGI scope is `scope`) as a JSON object, parsed once per
+    request: the rate limits, the proxy and the traffic log all read it."""
+    context = request_context(scope)
+    if context.payload is None:
+        context.payload = parse_json_object(body)
+    return context.payload
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

@@ -144,15 +144,22 @@ class ReplyTap:
         return None, None, "none"
 
 
-def request_lane(body: bytes, headers: dict[bytes, bytes], prompt_tokens: int | None,
+def tap_reply(scope: Scope, send: Send) -> tuple[ReplyTap, Send]:
+    """The request's one reply tap, and the `send` to pass on. The first (outermost) middleware to ask makes it and
+    wraps its `send`; an inner one gets the same tap and its `send` as it is (every message passes the wrapper)."""
+    context = request_context(scope)
+    if context.reply_tap is None:
+        context.reply_tap = ReplyTap()
+        return context.reply_tap, context.reply_tap.wrap(send)
+    return context.reply_tap, send
+
+
+def request_lane(payload: dict[str, Any] | None, headers: dict[bytes, bytes], prompt_tokens: int | None,
                  key_priority: int | str | None = None, thresholds: LaneThresholds | None = None) -> str | None:
     """The lane policies/classify.py gives this request (with its API key's default lane and its model's length
-    thresholds, as the replica does); None when it depends on an unknown prompt length."""
-    try:
-        payload = json.loads(body) if body else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(payload, dict):
+    thresholds, as the replica does); None when it depends on an unknown prompt length, or its body was not a
+    JSON object (`payload` None: it was refused before a replica saw it)."""
+    if payload is None:
         return None
     priority, max_tokens = payload.get("priority"), payload.get("max_tokens")
     header = headers.get(b"x-priority", b"").decode(errors="replace") or None
@@ -166,7 +173,8 @@ def request_lane(body: bytes, headers: dict[bytes, bytes], prompt_tokens: int | 
 
 
 class TrafficMiddleware:
-    """Pure ASGI: taps the request body and the reply of tracked endpoints and records one line per request."""
+    """Pure ASGI: taps the reply of tracked endpoints and records one line per request (the body as the proxy
+    parsed it gives its lane)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], recorder: TrafficRecorder,
                  wall_clock: Callable[[], float] = time.time,
@@ -180,21 +188,15 @@ class TrafficMiddleware:
         if endpoint is None or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        start_s, parts, tap = self.wall_clock(), [], ReplyTap()
-
-        async def tapped_receive() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                parts.append(message.get("body", b""))
-            return message
-
+        start_s = self.wall_clock()
+        tap, send = tap_reply(scope, send)
         try:
-            await self.app(scope, tapped_receive, tap.wrap(send))
+            await self.app(scope, receive, send)
         finally:
             context = request_context(scope)
             prompt, output, source = tap.counts(context.prompt_tokens)
             model = context.model
-            lane = request_lane(b"".join(parts), dict(scope.get("headers") or []), prompt, context.key_priority,
+            lane = request_lane(context.payload, dict(scope.get("headers") or []), prompt, context.key_priority,
                                 None if model is None else self.thresholds_for(model))
             self.recorder.record(TrafficRecord(start_s, self.wall_clock(), model, endpoint, lane,
                                                tap.status or 500, tap.stream, prompt, output, source))

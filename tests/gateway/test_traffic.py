@@ -82,3 +82,19 @@ def test_the_recorded_lane_uses_the_models_thresholds_and_the_keys_default(with_
     alpha, beta = records(log)
     assert alpha["lane"] == "background"  # 3 prompt tokens are "long" by alpha's own thresholds
     assert beta["lane"] == "background"  # short, but its key's default lane says background
+
+
+def test_a_rate_limited_key_and_the_traffic_log_read_one_stream_alike(with_gateway, tmp_path):
+    """Both count a stream without usage (the replica's prompt count + content events) from the same reply."""
+    log = tmp_path / "traffic.jsonl"
+
+    async def scenario(gw: FakeGateway) -> None:
+        body = chat("a", max_tokens=1, stream=True)
+        auth = {"authorization": "Bearer t"}
+        assert (await gw.client.post("/v1/chat/completions", json=body, headers=auth)).status_code == 200
+        # charged 3 + 4 of 10: the same request (6 reserved) no longer fits this minute
+        assert (await gw.client.post("/v1/chat/completions", json=body, headers=auth)).status_code == 429
+
+    with_gateway(scenario, registry_text=traffic_registry(log), api_keys={"t": ApiKey(tokens_per_minute=10)})
+    (row,) = records(log)
+    assert (row["prompt_tokens"], row["output_tokens"], row["usage"]) == (3, NUM_STREAM_CHUNKS, "counted")
