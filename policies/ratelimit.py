@@ -128,7 +128,8 @@ def estimate_tokens(endpoint: str, payload: Mapping[str, Any]) -> TokenEstimate:
         messages = payload.get("messages")
         messages = messages if isinstance(messages, list) else []
         prompt = sum(_text_tokens(m.get("content")) + MESSAGE_OVERHEAD_TOKENS for m in messages if isinstance(m, dict))
-        limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+        limit = payload.get("max_completion_tokens")
+        limit = payload.get("max_tokens") if limit is None else limit  # an explicit null is unset, as on a replica
         default = CHAT_RESERVE_TOKENS
     else:
         prompt = _text_tokens(payload.get("prompt"))

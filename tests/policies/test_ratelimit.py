@@ -50,6 +50,7 @@ def test_a_request_over_the_whole_budget_is_refused_outright():
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, 5, 1),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "abcde"}]}]}, 6, 256),
     ("chat", {"messages": "not a list", "max_completion_tokens": 3}, 0, 3),
+    ("chat", {"messages": [], "max_completion_tokens": None, "max_tokens": 7}, 0, 7),
     ("embeddings", {"input": ["abcd", "efgh"]}, 2, 0),
     ("embeddings", {"input": [[1, 2], [3]]}, 3, 0),
 ])
