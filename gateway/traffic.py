@@ -130,8 +130,8 @@ class ReplyTap:
 
     def _usage(self, text: bytes) -> None:
         prompt, completion = _PROMPT.findall(text), _COMPLETION.findall(text)
-        if prompt and completion:  # the last usage in the text is the request's total
-            self.prompt_tokens, self.output_tokens = int(prompt[-1]), int(completion[-1])
+        if prompt:  # the last usage in the text is the request's total (an embedding's has no completion)
+            self.prompt_tokens, self.output_tokens = int(prompt[-1]), int(completion[-1]) if completion else 0
 
     def counts(self, counted_prompt: int | None = None) -> tuple[int | None, int | None, str]:
         """(prompt, output, how they were had); a stream without usage gets `counted_prompt`: the replica's count."""

@@ -239,7 +239,8 @@ def _reply(host: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     model = body.get("model")
     if path == "/v1/embeddings":
         return {"object": "list", "model": model, "replica": host,
-                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}]}
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                "usage": {"prompt_tokens": 2, "total_tokens": 2}}
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     if path == "/v1/completions":
         return {"id": "cmpl-fake", "object": "text_completion", "model": model, "replica": host,

@@ -76,6 +76,16 @@ def test_tokens_per_minute_reserves_before_and_charges_the_replys_usage(with_gat
     with_gateway(scenario, api_keys=KEYS)
 
 
+def test_embeddings_are_charged_the_usage_their_replica_reports(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        body = {"model": "emb", "input": "a" * 20}  # estimated 5 tokens; the replica reports 2
+        statuses = [(await gw.client.post("/v1/embeddings", json=body, headers=bearer("tokens10"))).status_code
+                    for _ in range(3)]
+        assert statuses == [200, 200, 200]  # 2 + 2 charged, so the third's 5 still fit the 10
+
+    with_gateway(scenario, api_keys=KEYS)
+
+
 def test_concurrent_requests_cannot_all_slip_under_the_token_limit(with_gateway):
     async def scenario(gw: FakeGateway) -> None:
         gw.replicas.set_all(["alpha/0", "alpha/1"], "slow")
