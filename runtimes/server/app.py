@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import jinja2
@@ -27,7 +28,7 @@ from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.errors import APIError
-from runtimes.server.generation import Generation
+from runtimes.server.generation import Choice, Generation
 from runtimes.server.intake import wrong_endpoint
 from runtimes.server.metrics import ServerMetrics
 from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -98,37 +99,25 @@ class _Server(ReplicaEndpoints):
         if isinstance(prompt, str):
             prompt = await anyio.to_thread.run_sync(self.engine.engine.tokenizer.encode, prompt)
         lane = self._lane(request, body.priority, prompt, params)
-        gen = await self._start(request, f"cmpl-{uuid.uuid4().hex}", prompt, params, lane)
-        if gen is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
+        gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock)
         logprobs = self.logprobs if params.logprobs is not None else None
-        if body.stream:
-            return SSEResponse(sse_stream(completion_events(gen, meta, body.include_usage, logprobs), gen),
-                               gen.num_prompt_tokens)
-        choices = await until_disconnect(request, gen.collect)
-        if choices is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(completion_body(meta, choices, gen.num_prompt_tokens, logprobs))
+        return await self._respond(
+            request, gen, body.model, body.stream,
+            lambda meta: completion_events(gen, meta, body.include_usage, logprobs),
+            lambda meta, choices: completion_body(meta, choices, gen.num_prompt_tokens, logprobs))
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.parse_body(request, ChatCompletionRequest)
         params = body.to_sampling_params(self.vocab_size)
         prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
         lane = self._lane(request, body.priority, prompt, params)
-        gen = await self._start(request, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane)
-        if gen is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        meta = ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
+        gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock)
         logprobs = self.logprobs if params.logprobs is not None else None
         num_top = body.top_logprobs or 0
-        if body.stream:
-            return SSEResponse(sse_stream(chat_events(gen, meta, body.include_usage, logprobs, num_top), gen),
-                               gen.num_prompt_tokens)
-        choices = await until_disconnect(request, gen.collect)
-        if choices is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top))
+        return await self._respond(
+            request, gen, body.model, body.stream,
+            lambda meta: chat_events(gen, meta, body.include_usage, logprobs, num_top),
+            lambda meta, choices: chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top))
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """Render the chat template and tokenize (templates write their own BOS)."""
@@ -151,21 +140,31 @@ class _Server(ReplicaEndpoints):
         except ValueError as err:
             raise APIError(400, str(err), param="priority") from err
 
-    async def _start(self, request: Request, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     priority: int) -> Generation | None:
-        """Submit to the engine and wait for its first output; a refused request raises here (400). None when the
-        client left while it waited (queued or in prefill): the request is aborted then, not run for nobody."""
-        gen = Generation(self.engine, request_id, prompt, params, priority, self.metrics, self.clock)
+    async def _respond(self, request: Request, gen: Generation, model: str, stream: bool,
+                       events: Callable[[ResponseMeta], AsyncGenerator[dict[str, Any], None]],
+                       whole: Callable[[ResponseMeta, list[Choice]], dict[str, Any]]) -> Response:
+        """Submit `gen` and answer with the stream of its `events` once its first output is in, or with its `whole`
+        body. A refused request raises here (400, 429); a client that leaves first (while it is queued, in prefill
+        or, not streamed, at any point) gets 499 and its request is aborted, not run for nobody."""
 
-        async def start() -> Generation:
+        async def started() -> ResponseMeta:
             await gen.start()
-            return gen
+            return ResponseMeta(gen.request_id, int(self.wall_clock()), model)
 
-        started = await until_disconnect(request, start)
-        if started is None:
-            await gen.aclose()
-        return started
+        async def collected() -> dict[str, Any]:
+            meta = await started()
+            return whole(meta, await gen.collect())
 
+        if stream:
+            meta = await until_disconnect(request, started)
+            if meta is not None:
+                return SSEResponse(sse_stream(events(meta), gen), gen.num_prompt_tokens)
+        else:
+            body = await until_disconnect(request, collected)
+            if body is not None:
+                return JSONResponse(body)
+        await gen.aclose()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 def build_app(
     engine: AsyncLLMEngine,
