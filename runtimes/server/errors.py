@@ -116,6 +116,11 @@ def to_api_error(exc: Exception) -> APIError:
     return APIError(500, "internal server error; see the server log", code="internal_error", request_scoped=True)
 
 
+# Failures logged, with their traceback, where they happened (a request's fault under the id its client is told;
+# the engine loop's death): whoever turns one into a reply does not log it again.
+LOGGED_WHERE_RAISED = (RequestFailedError, EngineDeadError)
+
+
 def error_payload(exc: Exception) -> dict[str, Any]:
     """The JSON body for `exc` (also sent as a final SSE event when a stream fails midway)."""
     return to_api_error(exc).payload()
@@ -124,7 +129,7 @@ def error_payload(exc: Exception) -> dict[str, Any]:
 def error_response(exc: Exception) -> JSONResponse:
     """OpenAI-shaped JSON response for `exc`, with its status and any Retry-After header."""
     error = to_api_error(exc)
-    if error.status >= 500 and not isinstance(exc, APIError):
+    if error.status >= 500 and not isinstance(exc, (APIError, *LOGGED_WHERE_RAISED)):
         log.error("unhandled error", exc_info=exc)
     return JSONResponse(error.payload(), status_code=error.status, headers=error.headers())
 

@@ -17,7 +17,7 @@ import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtimes.server.errors import error_payload
+from runtimes.server.errors import LOGGED_WHERE_RAISED, error_payload
 from runtimes.server.generation import Generation
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
 from runtimes.server.wire import PROMPT_TOKENS_HEADER
@@ -59,7 +59,8 @@ async def sse_stream(events: AsyncGenerator[dict[str, Any], None],
             async for event in events:
                 yield sse(event)
         except Exception as exc:
-            log.exception("stream failed", request_id=generation.request_id)
+            if not isinstance(exc, LOGGED_WHERE_RAISED):
+                log.exception("stream failed", request_id=generation.request_id)
             yield sse(error_payload(exc))
         yield DONE
     finally:
