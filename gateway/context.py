@@ -8,12 +8,10 @@ headers; the access log, the rate limits and the traffic log read them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.auth_keys import ApiKey
-
-if TYPE_CHECKING:
-    from gateway.traffic import ReplyTap
+from gateway.reply_tap import ReplyTap, Send
 
 _SCOPE_KEY = "multiserve"  # under scope["state"], where Starlette keeps per-request state
 
@@ -27,7 +25,7 @@ class RequestContext:
     replica: str | None = None  # the replica that served it last
     prompt_tokens: int | None = None  # its prompt's length as that replica counted it (told with a stream's head)
     payload: dict[str, Any] | None = None  # its JSON body, once parsed (`request_body.request_payload`)
-    reply_tap: ReplyTap | None = None  # what reads its reply's token counts (`traffic.tap_reply`)
+    reply_tap: ReplyTap | None = None  # what reads its reply's token counts (`tap_reply`)
 
     @property
     def allowed_models(self) -> frozenset[str] | None:
@@ -42,6 +40,15 @@ class RequestContext:
     @property
     def tenant(self) -> str | None:
         return None if self.key is None else self.key.tenant
+
+    def tap_reply(self, send: Send) -> tuple[ReplyTap, Send]:
+        """The request's one reply tap, and the `send` to pass on. The first (outermost) middleware to ask makes it
+        and wraps its `send`; an inner one gets the same tap and its `send` as it is (every message passes the
+        wrapper)."""
+        if self.reply_tap is None:
+            self.reply_tap = ReplyTap()
+            return self.reply_tap, self.reply_tap.wrap(send)
+        return self.reply_tap, send
 
     def log_fields(self) -> dict[str, Any]:
         """What the access log adds about the request's route."""

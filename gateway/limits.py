@@ -10,8 +10,8 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.context import RequestContext, request_context
+from gateway.reply_tap import ReplyTap
 from gateway.request_body import request_payload
-from gateway.traffic import ReplyTap, tap_reply
 from policies.ratelimit import KeyLimits, KeyRateLimiter, Refusal, TokenEstimate, estimate_tokens
 from runtimes.server.errors import APIError, error_response
 
@@ -57,7 +57,7 @@ class RateLimitMiddleware:
         if estimate is None:
             await self.app(scope, receive, send)
             return
-        tap, send = tap_reply(scope, send)
+        tap, send = context.tap_reply(send)
         try:
             await self.app(scope, receive, send)
         finally:

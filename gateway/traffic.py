@@ -15,7 +15,6 @@ Off unless the registry's `gateway.traffic.path` is set. The file rotates by siz
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import asdict, dataclass
@@ -36,9 +35,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 TRACKED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-MAX_JSON_REPLY_BYTES = 8 << 20  # a longer non-streamed reply is not scanned for usage (its counts are left out)
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 @dataclass(frozen=True)
@@ -87,73 +83,6 @@ class TrafficRecorder:
         self.path.replace(self.path.with_name(f"{self.path.name}.1"))
 
 
-class ReplyTap:
-    """Reads token usage out of the reply bytes as they pass; keeps only a partial line of a stream."""
-
-    def __init__(self) -> None:
-        self.status, self.stream = 0, False
-        self.prompt_tokens: int | None = None
-        self.output_tokens: int | None = None
-        self.num_content_events = 0
-        self.buffer = b""
-
-    def start(self, message: Message) -> None:
-        self.status = int(message["status"])
-        headers = dict(message.get("headers") or [])
-        self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-
-    def wrap(self, send: Send) -> Send:
-        """`send`, with every reply message shown to this tap on the way out."""
-
-        async def tapped_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                self.start(message)
-            elif message["type"] == "http.response.body":
-                self.feed(message.get("body", b""))
-            await send(message)
-
-        return tapped_send
-
-    def feed(self, body: bytes) -> None:
-        if not self.stream:
-            if len(self.buffer) + len(body) <= MAX_JSON_REPLY_BYTES:
-                self.buffer += body
-            return
-        *lines, self.buffer = (self.buffer + body).split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
-                continue
-            if b'"completion_tokens"' in line:
-                self._usage(line)
-            elif b'"role"' not in line and b'"error"' not in line:  # role openers and error events carry no token
-                self.num_content_events += 1
-
-    def _usage(self, text: bytes) -> None:
-        prompt, completion = _PROMPT.findall(text), _COMPLETION.findall(text)
-        if prompt:  # the last usage in the text is the request's total (an embedding's has no completion)
-            self.prompt_tokens, self.output_tokens = int(prompt[-1]), int(completion[-1]) if completion else 0
-
-    def counts(self, counted_prompt: int | None = None) -> tuple[int | None, int | None, str]:
-        """(prompt, output, how they were had); a stream without usage gets `counted_prompt`: the replica's count."""
-        if not self.stream and self.buffer:
-            self._usage(self.buffer)
-        if self.output_tokens is not None:
-            return self.prompt_tokens, self.output_tokens, "reported"
-        if self.stream:
-            return counted_prompt, self.num_content_events, "counted"
-        return None, None, "none"
-
-
-def tap_reply(scope: Scope, send: Send) -> tuple[ReplyTap, Send]:
-    """The request's one reply tap, and the `send` to pass on. The first (outermost) middleware to ask makes it and
-    wraps its `send`; an inner one gets the same tap and its `send` as it is (every message passes the wrapper)."""
-    context = request_context(scope)
-    if context.reply_tap is None:
-        context.reply_tap = ReplyTap()
-        return context.reply_tap, context.reply_tap.wrap(send)
-    return context.reply_tap, send
-
-
 def request_lane(payload: dict[str, Any] | None, headers: dict[bytes, bytes], prompt_tokens: int | None,
                  key_priority: int | str | None = None, thresholds: LaneThresholds | None = None) -> str | None:
     """The lane policies/classify.py gives this request (with its API key's default lane and its model's length
@@ -189,7 +118,7 @@ class TrafficMiddleware:
             await self.app(scope, receive, send)
             return
         start_s = self.wall_clock()
-        tap, send = tap_reply(scope, send)
+        tap, send = request_context(scope).tap_reply(send)
         try:
             await self.app(scope, receive, send)
         finally:

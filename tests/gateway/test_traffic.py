@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from gateway.auth_keys import ApiKey
-from gateway.traffic import ReplyTap, TrafficRecord, TrafficRecorder
+from gateway.reply_tap import ReplyTap
+from gateway.traffic import TrafficRecord, TrafficRecorder
 from tests.gateway.fakes import NUM_STREAM_CHUNKS, REGISTRY, FakeGateway, chat
 
 
