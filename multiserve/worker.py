@@ -13,8 +13,9 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from registry.errors import FieldProblems, Problem, pydantic_problems
-from registry.launch import QueueOptions, ReplicaLaunch
+from registry.errors import FieldProblems, pydantic_problems
+from registry.launch import ReplicaLaunch
+from registry.schema import QueueOptions
 from runtimes.server.wire import REPLICA_TOKEN_ENV
 from runtimes.server.worker import run_worker
 
@@ -46,7 +47,7 @@ def _validated(option: str, build: Callable[[], ReplicaLaunch]) -> ReplicaLaunch
         problems = pydantic_problems(exc)
     except FieldProblems as exc:
         problems = list(exc.problems)
-    raise ValueError(f"{option}: " + "; ".join(str(Problem(p.field, p.message)) for p in problems))
+    raise ValueError(f"{option}: " + "; ".join(str(p) for p in problems))
 
 
 def run_worker_command(args: argparse.Namespace) -> int:

@@ -15,18 +15,8 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
-from registry.fields import GIB, MAX_QUEUE_LEN, MAX_WAIT_S, Alias, Device, Frozen, ModelName, ModelType, Scheduling
-from registry.schema import ModelSpec, Placement
-
-
-class QueueOptions(Frozen):
-    """The engine's side of a model's policy: how its waiting queue is ordered and bounded."""
-
-    scheduling: Scheduling = "fcfs"
-    multilevel: dict[str, float | int | None] = {}  # policies.multilevel.MultiLevelConfig fields
-    lanes: dict[str, int] = {}  # policies.classify.LaneThresholds fields
-    max_queue_len: int | None = Field(default=None, ge=1, le=MAX_QUEUE_LEN)
-    max_queue_wait_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)
+from registry.fields import GIB, Alias, Device, Frozen, ModelName, ModelType
+from registry.schema import ModelSpec, Placement, QueueOptions
 
 
 class ReplicaPlacement(Frozen):
@@ -84,10 +74,8 @@ def launch_key(spec: ModelSpec) -> tuple[ReplicaLaunch, Placement]:
 
 def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | None = None) -> ReplicaLaunch:
     """The launch of replica `index` of `spec`, placed as the partitioner planned (None: no plan)."""
-    policy = spec.policy
-    queue = QueueOptions() if spec.type == "embedding" else QueueOptions(
-        scheduling=policy.scheduling, multilevel=dict(policy.multilevel), lanes=dict(policy.lanes),
-        max_queue_len=policy.max_queue_len, max_queue_wait_s=policy.max_queue_wait_s)
+    queue = QueueOptions() if spec.type == "embedding" else QueueOptions.model_validate(
+        spec.policy.model_dump(include=set(QueueOptions.model_fields)))
     return ReplicaLaunch(
         model=spec.name, index=index, type=spec.type, source=spec.source_ref(), aliases=tuple(spec.aliases),
         device=spec.device, engine=spec.engine, queue=queue, placement=placement or ReplicaPlacement(),

@@ -149,8 +149,9 @@ class Placement(Frozen):
     weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)  # share of time-slices relative to co-located models
 
 
-class PolicySpec(Frozen):
-    """Queueing and admission (engine side), replica choice and deadlines (gateway side) for one model."""
+class QueueOptions(Frozen):
+    """The engine's side of a model's policy: how its waiting queue is ordered and bounded (what a replica is
+    launched with, `registry.launch.ReplicaLaunch.queue`)."""
 
     scheduling: Scheduling = "fcfs"
     # policies.multilevel.MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens,
@@ -161,6 +162,21 @@ class PolicySpec(Frozen):
     lanes: dict[str, int] = {}
     max_queue_len: int | None = Field(default=None, ge=1, le=MAX_QUEUE_LEN, strict=True)  # per replica, then 429
     max_queue_wait_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)  # not started after this long: 429
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QueueOptions:
+        if self.multilevel and self.scheduling != "multilevel":
+            raise FieldProblems([Problem("multilevel", f"only used with scheduling 'multilevel' "
+                                                       f"(scheduling is {self.scheduling!r})")])
+        _check_options(MultiLevelConfig, self.multilevel, "multilevel")
+        _check_options(LaneThresholds, self.lanes, "lanes")
+        return self
+
+
+class PolicySpec(QueueOptions):
+    """Queueing and admission (engine side, `QueueOptions`), replica choice and deadlines (gateway side) for one
+    model."""
+
     # the whole request at the gateway (queueing, retries, a stream to its end): 504. Finite by default, as OpenAI's
     # own client waits 600 s; null: no deadline (a stalled replica then holds its client until the read timeout)
     request_timeout_s: float | None = Field(default=600.0, gt=0, le=MAX_WAIT_S)
@@ -171,15 +187,6 @@ class PolicySpec(Frozen):
     # routing `prefix_affinity`/`session`: a replica takes a hashed request only while it has at most
     # load_bound x the group's mean in-flight requests (consistent hashing with bounded loads)
     load_bound: float = Field(default=1.25, ge=1.0, le=MAX_LOAD_BOUND)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> PolicySpec:
-        if self.multilevel and self.scheduling != "multilevel":
-            raise FieldProblems([Problem("multilevel", f"only used with scheduling 'multilevel' "
-                                                       f"(scheduling is {self.scheduling!r})")])
-        _check_options(MultiLevelConfig, self.multilevel, "multilevel")
-        _check_options(LaneThresholds, self.lanes, "lanes")
-        return self
 
 
 class ModelSpec(Frozen):

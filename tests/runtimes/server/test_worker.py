@@ -41,7 +41,9 @@ def test_a_launch_from_the_command_line_is_validated_like_the_registry():
                                                       "mean 'block_size'?"),
                                  ('{"kv_cache_bytes": 10}', "engine.kv_cache_bytes: unknown field"),
                                  ("[1]", "must be a JSON object"),
-                                 ('{"block_size": 3}', "engine.block_size: must be a power of two, got 3")]:
+                                 ('{"block_size": 3}', "engine.block_size: must be a power of two, got 3"),
+                                 ('{"multilevel": {"aging_s": 5}}', "queue.multilevel: only used with scheduling "
+                                                                    "'multilevel'")]:
         with pytest.raises(ValueError) as info:
             launch_from_args(_args("--source", "m.gguf", "--name", "m", "--engine-json", engine_json))
         assert message in str(info.value)
