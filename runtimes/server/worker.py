@@ -75,12 +75,12 @@ class _EngineLoop(Protocol):
     def shutdown(self, timeout_s: float = 5.0) -> None: ...
 
 
-def _load_llm(launch: ReplicaLaunch, step_gate: StepGate | None) -> tuple[_EngineLoop, Starlette]:
+def _load_llm(launch: ReplicaLaunch, config: EngineConfig, step_gate: StepGate | None) -> tuple[_EngineLoop, Starlette]:
     from runtimes.llm.async_engine import AsyncLLMEngine
     from runtimes.llm.engine import LLMEngine
     from runtimes.server.app import build_app
 
-    engine = AsyncLLMEngine(LLMEngine.from_source(launch.source, engine_config(launch)), start_thread=False,
+    engine = AsyncLLMEngine(LLMEngine.from_source(launch.source, config), start_thread=False,
                             step_gate=step_gate)
     kv = engine.engine.kv
     structlog.get_logger(__name__).info("model loaded", model=engine.engine.model_name,
@@ -89,12 +89,12 @@ def _load_llm(launch: ReplicaLaunch, step_gate: StepGate | None) -> tuple[_Engin
     return engine, build_app(engine, launch.model, launch.aliases)
 
 
-def _load_embedding(launch: ReplicaLaunch, step_gate: StepGate | None) -> tuple[_EngineLoop, Starlette]:
+def _load_embedding(launch: ReplicaLaunch, config: EmbeddingConfig,
+                    step_gate: StepGate | None) -> tuple[_EngineLoop, Starlette]:
     from runtimes.embedding.async_engine import AsyncEmbeddingEngine
     from runtimes.embedding.engine import EmbeddingEngine
     from runtimes.server.embedding_app import build_embedding_app
 
-    config = embedding_config(launch)
     engine = AsyncEmbeddingEngine(EmbeddingEngine.from_source(launch.source, config), start_thread=False,
                                   step_gate=step_gate)
     core = engine.engine
@@ -105,17 +105,13 @@ def _load_embedding(launch: ReplicaLaunch, step_gate: StepGate | None) -> tuple[
 
 def _load(launch: ReplicaLaunch, step_gate: StepGate | None = None) -> tuple[_EngineLoop, Starlette]:
     """The engine (not yet running) and its app, for the launch's model type, inside its memory share."""
+    config = embedding_config(launch) if launch.type == "embedding" else engine_config(launch)
     fraction = launch.placement.memory_fraction
     if fraction is not None:
-        limit_cuda_memory(fraction, _device_of(launch))
-    if launch.type == "embedding":
-        return _load_embedding(launch, step_gate)
-    return _load_llm(launch, step_gate)
-
-
-def _device_of(launch: ReplicaLaunch) -> Any:
-    config = embedding_config(launch) if launch.type == "embedding" else engine_config(launch)
-    return config.resolve_device()
+        limit_cuda_memory(fraction, config.resolve_device())
+    if isinstance(config, EmbeddingConfig):
+        return _load_embedding(launch, config, step_gate)
+    return _load_llm(launch, config, step_gate)
 
 
 def limit_cuda_memory(fraction: float, device: Any) -> bool:
