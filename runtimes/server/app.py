@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -32,7 +31,7 @@ from runtimes.server.generation import Choice, Generation
 from runtimes.server.intake import wrong_endpoint
 from runtimes.server.metrics import ServerMetrics
 from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
-from runtimes.server.replica import ProbeFailed, run_startup_probe
+from runtimes.server.replica import ProbeFailed
 from runtimes.server.replica_app import DEFAULT_MAX_BODY_BYTES, ReplicaEndpoints, assemble_app
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_body, completion_body
 from runtimes.server.streaming import SSEResponse, chat_events, completion_events, sse_stream
@@ -48,26 +47,15 @@ class _Server(ReplicaEndpoints):
                  clock: Callable[[], float], wall_clock: Callable[[], float], max_body_bytes: int,
                  probe_timeout_s: float) -> None:
         metrics = ServerMetrics(engine.engine, served_name)
-        super().__init__(engine, served_name, aliases, engine.engine.max_model_len, metrics, wall_clock,
-                         max_body_bytes)
+        super().__init__(engine, served_name, aliases, engine.engine.model_name, engine.engine.max_model_len,
+                         metrics, clock, wall_clock, max_body_bytes, probe_timeout_s)
         self.engine = engine
         self.metrics: ServerMetrics = metrics  # narrowed: the LLM endpoints record TTFT, ITL, tokens
-        self.clock = clock
-        self.probe_timeout_s = probe_timeout_s
         self.logprobs = LogprobFormatter(engine.engine.tokenizer)
         self.lane_thresholds = engine.engine.config.lane_thresholds()
         self.vocab_size = engine.engine.model_config.vocab_size  # token ids in requests are checked against it
 
-    @asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        probe = asyncio.create_task(run_startup_probe(self._probe, self.replica, self.probe_timeout_s,
-                                                      self.engine.engine.model_name))
-        yield
-        probe.cancel()
-        await asyncio.wait([probe])
-        await self._wait_engine_idle(SHUTDOWN_SETTLE_TIMEOUT_S)
-
-    async def _probe(self) -> None:
+    async def probe(self) -> None:
         """Generate one greedy token from a known-good prompt."""
         params = SamplingParams(temperature=0.0, max_tokens=1)
         outputs = [out async for out in self.engine.generate(f"probe-{uuid.uuid4().hex}",
@@ -76,7 +64,7 @@ class _Server(ReplicaEndpoints):
         if num_tokens != 1:
             raise ProbeFailed(f"expected 1 generated token, got {num_tokens}")
 
-    async def _wait_engine_idle(self, timeout_s: float) -> None:
+    async def settle(self, timeout_s: float = SHUTDOWN_SETTLE_TIMEOUT_S) -> None:
         """Keep this event loop open until the engine has let go of every request, aborted ones included.
 
         The engine thread hands outputs to the loop that submitted the request; one it still delivers to
@@ -191,4 +179,4 @@ def build_app(
         Route("/v1/embeddings", wrong_endpoint(served_name, "a generative", "/v1/chat/completions or /v1/completions"),
               methods=["POST"]),
     ]
-    return assemble_app(server, routes, engine, server.lifespan)
+    return assemble_app(server, routes, engine)

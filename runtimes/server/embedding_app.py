@@ -7,11 +7,9 @@ Errors leave in OpenAI's shape via runtimes.server.errors, like the LLM app's.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -28,7 +26,7 @@ from runtimes.server.embedding_metrics import EmbeddingServerMetrics
 from runtimes.server.embedding_protocol import EmbeddingRequest, embedding_body
 from runtimes.server.errors import APIError
 from runtimes.server.intake import wrong_endpoint
-from runtimes.server.replica import ProbeFailed, run_startup_probe
+from runtimes.server.replica import ProbeFailed
 from runtimes.server.replica_app import DEFAULT_MAX_BODY_BYTES, ReplicaEndpoints, assemble_app
 
 log = structlog.get_logger(__name__)
@@ -41,22 +39,12 @@ class _EmbeddingServer(ReplicaEndpoints):
                  clock: Callable[[], float], wall_clock: Callable[[], float], max_body_bytes: int,
                  probe_timeout_s: float) -> None:
         metrics = EmbeddingServerMetrics(engine.engine, served_name)
-        super().__init__(engine, served_name, aliases, engine.engine.max_model_len, metrics, wall_clock,
-                         max_body_bytes)
+        super().__init__(engine, served_name, aliases, engine.engine.model_name, engine.engine.max_model_len,
+                         metrics, clock, wall_clock, max_body_bytes, probe_timeout_s)
         self.engine = engine
         self.metrics: EmbeddingServerMetrics = metrics
-        self.clock = clock
-        self.probe_timeout_s = probe_timeout_s
 
-    @asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        probe = asyncio.create_task(run_startup_probe(self._probe, self.replica, self.probe_timeout_s,
-                                                      self.engine.engine.model_name))
-        yield
-        probe.cancel()
-        await asyncio.wait([probe])
-
-    async def _probe(self) -> None:
+    async def probe(self) -> None:
         """Embed one text; the vector must have the model's width and be finite."""
         core = self.engine.engine
         out = await self.engine.embed(f"probe-{uuid.uuid4().hex}", [core.inputs.encode(PROBE_TEXT)])
@@ -103,4 +91,4 @@ def build_embedding_app(
         Route("/v1/completions", refuse, methods=["POST"]),
         Route("/v1/chat/completions", refuse, methods=["POST"]),
     ]
-    return assemble_app(server, routes, engine, server.lifespan)
+    return assemble_app(server, routes, engine)

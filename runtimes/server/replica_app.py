@@ -3,8 +3,9 @@ GET /health, /ready, /metrics and /v1/models, the 503 while it cannot take work,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -17,7 +18,7 @@ from starlette.routing import BaseRoute, Route
 from runtimes.server.body_limit import BodySizeLimitMiddleware
 from runtimes.server.errors import APIError, exception_handlers
 from runtimes.server.intake import check_model
-from runtimes.server.replica import EngineLiveness, Readiness
+from runtimes.server.replica import EngineLiveness, Readiness, run_startup_probe
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body a replica reads (the gateway's own limit is lower by default)
 
@@ -41,16 +42,37 @@ BodyT = TypeVar("BodyT", bound=NamedRequest)
 class ReplicaEndpoints:
     """State and endpoints shared by both replica apps; each app's own endpoints live in a subclass."""
 
-    def __init__(self, engine: EngineLiveness, served_name: str, aliases: Sequence[str], max_model_len: int,
-                 metrics: RendersMetrics, wall_clock: Callable[[], float], max_body_bytes: int) -> None:
+    def __init__(self, engine: EngineLiveness, served_name: str, aliases: Sequence[str], model_name: str,
+                 max_model_len: int, metrics: RendersMetrics, clock: Callable[[], float],
+                 wall_clock: Callable[[], float], max_body_bytes: int, probe_timeout_s: float) -> None:
         self.liveness = engine
         self.served_name = served_name
         self.names = (served_name, *(a for a in aliases if a != served_name))
+        self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
+        self.clock = clock
         self.wall_clock = wall_clock
         self.max_body_bytes = max_body_bytes
+        self.probe_timeout_s = probe_timeout_s
         self.replica = Readiness()
+
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        """Probe the engine once it serves (the replica is ready when the probe passes); at shutdown, `settle`."""
+        probe = asyncio.create_task(run_startup_probe(self.probe, self.replica, self.probe_timeout_s,
+                                                      self.model_name))
+        yield
+        probe.cancel()
+        await asyncio.wait([probe])
+        await self.settle()
+
+    async def probe(self) -> None:
+        """Serve one known-good input; raise ProbeFailed (or anything) if the engine cannot."""
+        raise NotImplementedError
+
+    async def settle(self) -> None:
+        """What shutdown waits for once the server stopped taking requests (nothing by default)."""
 
     def check_available(self) -> None:
         """503 (with Retry-After) while draining or broken; a replica still warming up accepts work."""
@@ -95,13 +117,12 @@ class ReplicaEndpoints:
         ]
 
 
-def assemble_app(server: ReplicaEndpoints, routes: Sequence[BaseRoute], engine: Any,
-                 lifespan: Callable[[Starlette], AbstractAsyncContextManager[None]]) -> Starlette:
+def assemble_app(server: ReplicaEndpoints, routes: Sequence[BaseRoute], engine: Any) -> Starlette:
     """`routes` plus the common ones, the body size limit, OpenAI-shaped errors, and `app.state.engine` /
     `replica` / `metrics`."""
     app = Starlette(routes=[*routes, *server.common_routes()], exception_handlers=exception_handlers(),
                     middleware=[Middleware(BodySizeLimitMiddleware, max_bytes=lambda: server.max_body_bytes)],
-                    lifespan=lifespan)
+                    lifespan=server.lifespan)
     app.state.engine = engine
     app.state.replica = server.replica
     app.state.metrics = server.metrics
