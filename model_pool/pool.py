@@ -22,8 +22,9 @@ from model_pool.launcher import Launcher
 from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
 from policies.routing import Candidate, RoutingPolicy, make_policy
-from registry.launch import ReplicaPlacement, launch_key, replica_launch
+from registry.launch import ReplicaPlacement, replica_launch
 from registry.schema import ModelSpec, Registry
+from registry.store import diff_registries
 
 log = structlog.get_logger(__name__)
 PlacementFor = Callable[[ModelSpec, int], ReplicaPlacement]
@@ -74,22 +75,33 @@ class ModelPool:
         self.clock = clock
         self.sleep = sleep
         self.groups: dict[str, InstanceGroup] = {}
+        self._applied = Registry(models=[])  # what `apply` last made the pool match
         self._schedule = _Schedule()
         self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------------------------------ desired state
 
     async def apply(self, registry: Registry) -> None:
-        """Start, stop, replace or resize groups so the pool matches the registry; unchanged ones are untouched."""
+        """Start, stop, replace or resize groups so the pool matches the registry; unchanged ones are untouched.
+
+        What to do is the store's diff (`registry.store.diff_registries`, which also decides what restarts) between
+        the registry this pool last applied and `registry`: the pool never misses an edit, however the edits were
+        batched or ordered on their way here."""
         async with self._lock:
-            wanted = {m.name: m for m in registry.models if m.enabled}
-            for name in [n for n in self.groups if n not in wanted]:
-                await self._stop_group(self.groups.pop(name))
-            for name, spec in wanted.items():
-                group = self.groups.get(name)
-                if group is not None and launch_key(group.spec) != launch_key(spec):
-                    await self._stop_group(self.groups.pop(name))  # what its replicas run with changed: replace
+            diff = diff_registries(self._applied, registry)
+            self._applied = registry
+            specs = {m.name: m for m in registry.models}
+            for name in diff.removed:
+                if name in self.groups:
+                    await self._stop_group(self.groups.pop(name))
+            touched = dict.fromkeys([*diff.added, *diff.changed, *(name for name, _, _ in diff.resized)])
+            for name in touched:
+                spec, group = specs[name], self.groups.get(name)
+                if group is not None and (not spec.enabled or name in diff.relaunched):
+                    await self._stop_group(self.groups.pop(name))  # disabled, or what it runs with changed
                     group = None
+                if not spec.enabled:
+                    continue
                 if group is None:
                     group = self.groups[name] = InstanceGroup(spec, _routing_policy(spec))
                 elif (group.spec.policy.routing, group.spec.policy.load_bound) != (spec.policy.routing,
@@ -142,6 +154,7 @@ class ModelPool:
         async with self._lock:
             await asyncio.gather(*(self._stop_group(g) for g in self.groups.values()))
             self.groups.clear()
+            self._applied = Registry(models=[])
 
     # ------------------------------------------------------------------------------------ supervision
 

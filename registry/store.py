@@ -24,6 +24,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from registry import yaml_edit
 from registry.errors import ModelNotFound, Problem, RegistryError
+from registry.launch import launch_key
 from registry.registry_file import (
     FileChanged,
     check_size,
@@ -46,11 +47,12 @@ RegistryCheck = Callable[[Registry], Iterable[Problem]]  # what is wrong with a 
 @dataclass(frozen=True)
 class RegistryDiff:
     """What an applied change did, for the pool to act on. A model whose spec changed and whose replica count
-    changed is in both `changed` and `resized`."""
+    changed is in both `changed` and `resized`; one whose replicas must restart is in `changed` and `relaunched`."""
 
     added: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()  # any field other than `replicas` differs
+    relaunched: tuple[str, ...] = ()  # what its replicas run with changed (`registry.launch.launch_key`): restart
     resized: tuple[tuple[str, int, int], ...] = ()  # (name, old replicas, new replicas)
     gateway_changed: bool = False
 
@@ -61,6 +63,7 @@ class RegistryDiff:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, for admin responses and logs."""
         return {"added": list(self.added), "removed": list(self.removed), "changed": list(self.changed),
+                "relaunched": list(self.relaunched),
                 "resized": [{"name": n, "old_replicas": old, "new_replicas": new} for n, old, new in self.resized],
                 "gateway_changed": self.gateway_changed}
 
@@ -82,11 +85,13 @@ def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
     """The model-level difference between two registries, in registry order."""
     old_by_name, new_by_name = {m.name: m for m in old.models}, {m.name: m for m in new.models}
     common = [m.name for m in new.models if m.name in old_by_name]
+    changed = tuple(name for name in common if old_by_name[name].model_dump(exclude={"replicas"})
+                    != new_by_name[name].model_dump(exclude={"replicas"}))
     return RegistryDiff(
         added=tuple(name for name in new_by_name if name not in old_by_name),
         removed=tuple(name for name in old_by_name if name not in new_by_name),
-        changed=tuple(name for name in common if old_by_name[name].model_dump(exclude={"replicas"})
-                      != new_by_name[name].model_dump(exclude={"replicas"})),
+        changed=changed,
+        relaunched=tuple(name for name in changed if launch_key(old_by_name[name]) != launch_key(new_by_name[name])),
         resized=tuple((name, old_by_name[name].replicas, new_by_name[name].replicas) for name in common
                       if old_by_name[name].replicas != new_by_name[name].replicas),
         gateway_changed=old.gateway != new.gateway,

@@ -105,10 +105,11 @@ def test_diff_of_add_remove_change_resize(make_store):
               .replace("port: 8000", "port: 9000"))
     store.path.write_text(edited)
     diff = store.reload_from_file()
-    assert diff == RegistryDiff(added=("embed2",), removed=("embed",), changed=("chat-a",),
+    assert diff == RegistryDiff(added=("embed2",), removed=("embed",), changed=("chat-a",), relaunched=("chat-a",),
                                 resized=(("chat-b", 2, 4),), gateway_changed=True)
     assert store.version == 2
     assert diff.as_dict() == {"added": ["embed2"], "removed": ["embed"], "changed": ["chat-a"],
+                              "relaunched": ["chat-a"],
                               "resized": [{"name": "chat-b", "old_replicas": 2, "new_replicas": 4}],
                               "gateway_changed": True}
 
@@ -116,8 +117,20 @@ def test_diff_of_add_remove_change_resize(make_store):
 def test_a_model_can_be_both_changed_and_resized():
     old = Registry.model_validate({"models": [{"name": "m", "type": "chat", "source": {"path": "/m"}}]})
     new = Registry.model_validate({"models": [{"name": "m", "type": "chat", "source": {"path": "/n"}, "replicas": 2}]})
-    assert diff_registries(old, new) == RegistryDiff(changed=("m",), resized=(("m", 1, 2),))
+    assert diff_registries(old, new) == RegistryDiff(changed=("m",), relaunched=("m",), resized=(("m", 1, 2),))
     assert diff_registries(old, old).is_empty and not diff_registries(old, new).is_empty
+
+
+def test_only_a_change_to_what_replicas_run_with_relaunches():
+    """Aliases, fallbacks and the gateway's side of the policy change a model without restarting it; its engine
+    options and placement restart it."""
+    base = {"name": "m", "type": "chat", "source": {"path": "/m"}}
+    old = Registry.model_validate({"models": [base]})
+    live = Registry.model_validate({"models": [{**base, "aliases": ["mm"], "policy": {"routing": "round_robin"}}]})
+    assert diff_registries(old, live) == RegistryDiff(changed=("m",))
+    for restart in ({"engine": {"block_size": 32}}, {"placement": {"isolation": "exclusive"}}, {"device": "cpu"}):
+        new = Registry.model_validate({"models": [{**base, **restart}]})
+        assert diff_registries(old, new) == RegistryDiff(changed=("m",), relaunched=("m",)), restart
 
 
 @settings(deadline=None)  # shared CI cores
