@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from runtimes.embedding.engine import EmbeddingEngine
-from runtimes.server.metrics import PREFIX
+from runtimes.server.metrics import LABELS, PREFIX, ReplicaMetrics
 
-_LABELS = ["model_name"]
 # An embedding request takes milliseconds to seconds (a 2048-input request on CPU).
 E2E_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -30,7 +28,7 @@ class _EmbeddingEngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         waiting = GaugeMetricFamily(f"{PREFIX}_embedding_inputs_waiting", "Inputs waiting for a batch.",
-                                    labels=_LABELS)
+                                    labels=LABELS)
         waiting.add_metric([self.model_name], float(len(self.engine.batcher.waiting)))
         yield waiting
         stats = self.engine.stats
@@ -41,29 +39,21 @@ class _EmbeddingEngineCollector(Collector):
             ("embedding_padded_tokens", "Tokens fed to the encoder, padding included.", stats.num_padded_tokens),
         ]
         for name, doc, value in counters:
-            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=_LABELS)
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=LABELS)
             counter.add_metric([self.model_name], float(value))
             yield counter
 
 
-class EmbeddingServerMetrics:
-    """Every metric of one embedding replica; `render()` is the /metrics body."""
+class EmbeddingServerMetrics(ReplicaMetrics):
+    """Every metric of one embedding replica."""
 
     def __init__(self, engine: EmbeddingEngine, model_name: str) -> None:
-        self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.e2e_s = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Request latency, arrival to response.",
-                               _LABELS, registry=self.registry, buckets=E2E_BUCKETS_S)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Input tokens of embedded requests.", _LABELS,
-                                     registry=self.registry)
-        self.requests = Counter(f"{PREFIX}_embedding_requests", "Embedding requests answered.", _LABELS,
-                                registry=self.registry)
+        super().__init__(model_name, e2e_doc="Request latency, arrival to response.", e2e_buckets_s=E2E_BUCKETS_S,
+                         prompt_tokens_doc="Input tokens of embedded requests.")
+        self.requests = self.counter("embedding_requests", "Embedding requests answered.")
         self.registry.register(_EmbeddingEngineCollector(engine, model_name))
 
     def observe_request(self, e2e_s: float, num_prompt_tokens: int) -> None:
         self.e2e_s.labels(self.model_name).observe(e2e_s)
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
         self.requests.labels(self.model_name).inc()
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -1,21 +1,47 @@
 """Prometheus metrics of one replica, in a registry of its own (never the process-global one).
 
-Latencies and token counts are recorded by the server as outputs stream out; engine state (queue,
-running sequences, KV blocks, prefix-cache hit rate, preemptions) is read at scrape time by a collector.
+`ReplicaMetrics` is what every replica has (end-to-end latency, prompt tokens, the /metrics body); each engine's
+metrics extend it. For the LLM engine (`ServerMetrics`), latencies and token counts are recorded by the server as
+outputs stream out; engine state (queue, running sequences, KV blocks, prefix-cache hit rate, preemptions) is read at
+scrape time by a collector. The engine is only a type here: an embedding replica does not load the LLM runtime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from runtimes.llm.engine import LLMEngine
 from runtimes.server.buckets import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
 
+if TYPE_CHECKING:
+    from runtimes.llm.engine import LLMEngine
+
 PREFIX = "multiserve"
+LABELS = ["model_name"]
+
+
+class ReplicaMetrics:
+    """The metrics every replica has, labelled with its model; `render()` is the /metrics body."""
+
+    def __init__(self, model_name: str, *, e2e_doc: str, e2e_buckets_s: tuple[float, ...],
+                 prompt_tokens_doc: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.e2e_s = self.histogram("e2e_request_latency_seconds", e2e_doc, e2e_buckets_s)
+        self.prompt_tokens = self.counter("prompt_tokens", prompt_tokens_doc)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(f"{PREFIX}_{name}", doc, LABELS, registry=self.registry, buckets=buckets)
+
+    def counter(self, name: str, doc: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(f"{PREFIX}_{name}", doc, [*LABELS, *extra_labels], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 class _EngineCollector(Collector):
@@ -39,37 +65,26 @@ class _EngineCollector(Collector):
              kv.stats.hit_rate),
         ]
         for name, doc, value in values:
-            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=LABELS)
             gauge.add_metric(labels, float(value))
             yield gauge
         preemptions = CounterMetricFamily(f"{PREFIX}_num_preemptions", "Sequences preempted for lack of KV blocks.",
-                                          labels=["model_name"])
+                                          labels=LABELS)
         preemptions.add_metric(labels, float(engine.scheduler.num_preemptions))
         yield preemptions
 
 
-class ServerMetrics:
-    """Every metric of one replica; `render()` is the /metrics body."""
+class ServerMetrics(ReplicaMetrics):
+    """Every metric of one LLM replica."""
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"{PREFIX}_{name}", doc, labels, registry=self.registry, buckets=buckets)
-
-        self.ttft_s = histogram("time_to_first_token_seconds", "Time to first token (TTFT).", TTFT_BUCKETS_S)
-        self.itl_s = histogram("inter_token_latency_seconds", "Time between tokens of a sequence (ITL).",
-                               ITL_BUCKETS_S)
-        self.e2e_s = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                               E2E_BUCKETS_S)
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", labels,
-                                     registry=self.registry)
-        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Generated tokens.", labels,
-                                         registry=self.registry)
-        self.requests = Counter(f"{PREFIX}_request_success", "Finished sequences by finish reason.",
-                                [*labels, "finish_reason"], registry=self.registry)
+        super().__init__(model_name, e2e_doc="Request latency, arrival to last token.", e2e_buckets_s=E2E_BUCKETS_S,
+                         prompt_tokens_doc="Prompt tokens of admitted requests.")
+        self.ttft_s = self.histogram("time_to_first_token_seconds", "Time to first token (TTFT).", TTFT_BUCKETS_S)
+        self.itl_s = self.histogram("inter_token_latency_seconds", "Time between tokens of a sequence (ITL).",
+                                    ITL_BUCKETS_S)
+        self.generation_tokens = self.counter("generation_tokens", "Generated tokens.")
+        self.requests = self.counter("request_success", "Finished sequences by finish reason.", ("finish_reason",))
         self.registry.register(_EngineCollector(engine, model_name))
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
@@ -86,6 +101,3 @@ class ServerMetrics:
 
     def observe_request_done(self, e2e_s: float) -> None:
         self.e2e_s.labels(self.model_name).observe(e2e_s)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

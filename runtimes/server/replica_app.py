@@ -18,13 +18,10 @@ from starlette.routing import BaseRoute, Route
 from runtimes.server.body_limit import BodySizeLimitMiddleware
 from runtimes.server.errors import APIError, exception_handlers
 from runtimes.server.intake import check_model
+from runtimes.server.metrics import ReplicaMetrics
 from runtimes.server.replica import EngineLiveness, Readiness, run_startup_probe
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a request body a replica reads (the gateway's own limit is lower by default)
-
-
-class RendersMetrics(Protocol):
-    def render(self) -> bytes: ...
 
 
 class NamedRequest(Protocol):
@@ -43,7 +40,7 @@ class ReplicaEndpoints:
     """State and endpoints shared by both replica apps; each app's own endpoints live in a subclass."""
 
     def __init__(self, engine: EngineLiveness, served_name: str, aliases: Sequence[str], model_name: str,
-                 max_model_len: int, metrics: RendersMetrics, clock: Callable[[], float],
+                 max_model_len: int, metrics: ReplicaMetrics, clock: Callable[[], float],
                  wall_clock: Callable[[], float], max_body_bytes: int, probe_timeout_s: float) -> None:
         self.liveness = engine
         self.served_name = served_name

@@ -4,6 +4,8 @@ process driven by the official openai client."""
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,7 +26,7 @@ from tests.runtimes.embedding.conftest import MINILM_SOURCE, SENTENCES, long_tex
 from tests.runtimes.server.conftest import SERVED_NAME as LLM_NAME
 from tests.runtimes.server.conftest import wait_until
 from tests.runtimes.server.test_app import metric_samples
-from tests.runtimes.server.test_worker import worker_process
+from tests.runtimes.server.test_worker import REPO_ROOT, worker_process
 
 NAME, ALIAS = "minilm", "all-minilm-l6-v2"
 EMBEDDINGS = "/v1/embeddings"
@@ -221,3 +223,12 @@ def test_openai_client_against_an_embedding_worker(embedding_worker, reference):
             client.embeddings.create(model=NAME, input="hi", dimensions=64)
         with pytest.raises(openai.BadRequestError, match="use /v1/embeddings"):
             client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_an_embedding_replica_does_not_load_the_llm_runtime():
+    """The embedding app shares the replica base (readiness, metrics, errors) with the LLM app, not its engine."""
+    code = ("import sys, runtimes.server.embedding_app; "
+            "print(sorted(m for m in sys.modules if m.startswith('runtimes.llm')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                          cwd=REPO_ROOT)
+    assert proc.stdout.strip() == "[]"
