@@ -1,4 +1,4 @@
-"""The applier: reconcile the host's devices to a plan. Decide (`apply_plan.decide`), then execute, here.
+"""The applier: reconcile the host's devices to a plan. Decide (`actions.decide`), then execute, here.
 
 MIG devices are created and destroyed through the backend (NVML: privileged); MPS daemons are started, given
 their defaults and stopped through a `CommandRunner` (`nvidia-cuda-mps-control`). Everything done is written

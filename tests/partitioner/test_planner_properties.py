@@ -159,7 +159,8 @@ def test_gpus_not_named_are_left_alone(case):
 
 
 def apply_on_fake(result: Plan, inventory: Inventory) -> Inventory:
-    """What the applier will do, done on a fake backend (next session's applier replaces this)."""
+    """The plan's actions done straight on a fake backend: these properties are the planner's, so they do not go
+    through the applier (test_applier.py has its own)."""
     fake = FakeBackend(inventory)
     for action in result.actions():
         if action.kind == "enable_mig":
