@@ -96,7 +96,8 @@ class EmbeddingEngine:
         if not path.is_dir():
             raise ValueError(f"an embedding model is a directory (config.json, model.safetensors, "
                              f"tokenizer.json); got the file {path}")
-        loaded = load_encoder_dir(path, config.resolve_device(), config.resolve_dtype(), config.max_model_len)
+        device = config.resolve_device()
+        loaded = load_encoder_dir(path, device, config.resolve_dtype(device), config.max_model_len)
         return cls(loaded, config)
 
     # ------------------------------------------------------------------------------------------ facts

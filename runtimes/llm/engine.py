@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from policies.admission import RateMeter, retry_after_s
+from runtimes.cuda_memory import default_kv_bytes
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
 from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
@@ -357,7 +358,6 @@ def _queue_policy(config: EngineConfig, clock: Callable[[], float]) -> QueuePoli
 
 def _default_kv_bytes(device: torch.device, fraction: float) -> int:
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
+        return default_kv_bytes(device, fraction)
     return _CPU_DEFAULT_KV_BYTES
 

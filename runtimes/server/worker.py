@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 
 from registry.engine import EmbeddingEngineSpec, EngineSpec
 from registry.launch import ReplicaLaunch
+from runtimes.cuda_memory import limit_process_memory
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.engine_driver import StepGate
 from runtimes.llm.config import EngineConfig
@@ -108,23 +109,10 @@ def _load(launch: ReplicaLaunch, step_gate: StepGate | None = None) -> tuple[_En
     config = embedding_config(launch) if launch.type == "embedding" else engine_config(launch)
     fraction = launch.placement.memory_fraction
     if fraction is not None:
-        limit_cuda_memory(fraction, config.resolve_device())
+        limit_process_memory(fraction, config.resolve_device())
     if isinstance(config, EmbeddingConfig):
         return _load_embedding(launch, config, step_gate)
     return _load_llm(launch, config, step_gate)
-
-
-def limit_cuda_memory(fraction: float, device: Any) -> bool:
-    """Cap this process's CUDA allocations at `fraction` of the device (the partitioner's plan); the KV cache
-    sizes itself inside that cap. No-op off CUDA (a CPU replica has no device memory to share). True if set."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"memory fraction must be in (0, 1], got {fraction}")
-    if device.type != "cuda":
-        return False
-    import torch
-
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return True
 
 
 def run_worker(

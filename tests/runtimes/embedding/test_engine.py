@@ -131,3 +131,14 @@ def test_an_engine_that_fails_everything_fails_its_self_check(make_engine):
     engine.add_request("r", engine.inputs.prepare(["hello"]).token_ids, arrival_time=-1.0)
     with pytest.raises(EngineFaultError, match="self-check"):
         engine.step()
+
+
+def test_the_default_dtype_is_half_precision_on_cuda_only():
+    import torch
+
+    config = EmbeddingConfig()
+    assert config.resolve_dtype(torch.device("cuda", 0)) == torch.float16
+    assert config.resolve_dtype(torch.device("cpu")) == torch.float32
+    assert EmbeddingConfig(dtype="bfloat16").resolve_dtype(torch.device("cuda", 0)) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be auto, float32"):
+        EmbeddingConfig(dtype="int8")
