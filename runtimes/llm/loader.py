@@ -1,8 +1,9 @@
 """Load a Llama-family model from a GGUF file or a Hugging Face directory (config.json + *.safetensors).
 
-GGUF tensors are dequantized with gguf-py (llama.cpp's own, numpy-vectorized) to fp32 and then cast to
-the engine's dtype. llama.cpp's converter permutes the rows of Q and K so its interleaved RoPE works;
-our model uses Hugging Face's rotate-halves RoPE, so those permutations are undone here.
+GGUF tensors are dequantized with gguf-py (llama.cpp's own, numpy-vectorized) to fp32 one at a time and cast to
+the engine's dtype as they are copied in: the model is allocated once, in its own dtype, and the load never holds
+more than one checkpoint tensor in fp32 besides it. llama.cpp's converter permutes the rows of Q and K so its
+interleaved RoPE works; our model uses Hugging Face's rotate-halves RoPE, so those permutations are undone here.
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ def load_state_dict(
     progress: bool = False,
     desc: str = "loading",
 ) -> LlamaForCausalLM:
-    """Build the model from (Hugging Face name, tensor) pairs without first initialising random weights."""
+    """Build the model from (Hugging Face name, tensor) pairs without first initialising random weights. Its
+    parameters are allocated on `device` directly in `dtype` (never in fp32 first: that would double the peak)."""
     kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
     with torch.device("meta"):
         model = LlamaForCausalLM(config, **kwargs)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     _load_weights(model, tensors, config, device, dtype, progress, desc)
     model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
     if device.type == "cpu":
@@ -128,44 +130,48 @@ def _load_weights(
     progress: bool,
     desc: str,
 ) -> None:
-    """Copy checkpoint tensors (Hugging Face names) into the fused model; fail on anything missing or extra."""
+    """Copy checkpoint tensors (Hugging Face names) into the fused model; fail on anything missing or extra.
+    Q, K and V (gate and up) go straight into their rows of the fused weight, so none is held back for a concat."""
     params = dict(model.named_parameters())
-    fused: dict[str, dict[int, torch.Tensor]] = {}  # fused weight -> its parts by position
     loaded: set[str] = set()
-    fuse_parts = {
-        "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
-        "v_proj": ("self_attn.qkv_proj", 2), "gate_proj": ("mlp.gate_up_proj", 0),
-        "up_proj": ("mlp.gate_up_proj", 1),
+    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    fuse_parts = {  # checkpoint projection -> (fused weight, first row, rows)
+        "q_proj": ("self_attn.qkv_proj", 0, q_rows), "k_proj": ("self_attn.qkv_proj", q_rows, kv_rows),
+        "v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, kv_rows),
+        "gate_proj": ("mlp.gate_up_proj", 0, config.intermediate_size),
+        "up_proj": ("mlp.gate_up_proj", config.intermediate_size, config.intermediate_size),
     }
     total = 2 + (0 if config.tie_word_embeddings else 1) + 9 * config.num_layers
     for hf_name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not progress):
         name = hf_name.removeprefix("model.")
         match = re.fullmatch(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", name)
         if match and match.group(3) in fuse_parts:
-            target, index = fuse_parts[match.group(3)]
-            key = f"layers.{match.group(1)}.{target}.weight"
-            fused.setdefault(key, {})[index] = tensor
+            target, start, rows = fuse_parts[match.group(3)]
+            _copy(params, f"layers.{match.group(1)}.{target}.weight", tensor, device, dtype, rows=(start, rows),
+                  what=name)
+        elif name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        _copy(params, name, tensor, device, dtype)
+        else:
+            _copy(params, name, tensor, device, dtype)
         loaded.add(name)
-    for key, parts in fused.items():
-        ordered = [parts[i] for i in sorted(parts)]
-        _copy(params, key, torch.cat(ordered, dim=0), device, dtype)
-        loaded.add(key)
-    missing = sorted(set(params) - loaded)
+    fused = ("qkv_proj.weight", "gate_up_proj.weight")
+    parts = {f"layers.{i}.{target.split('.')[0]}.{part}.weight": f"layers.{i}.{target}.weight"
+             for i in range(config.num_layers) for part, (target, _, _) in fuse_parts.items()}
+    wanted = {n: n for n in params if not n.endswith(fused)} | {n: f"{n} (of {whole})" for n, whole in parts.items()}
+    missing = sorted(shown for name, shown in wanted.items() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor,
-          device: torch.device, dtype: torch.dtype) -> None:
+def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, device: torch.device,
+          dtype: torch.dtype, rows: tuple[int, int] | None = None, what: str | None = None) -> None:
+    """`tensor` into the parameter `name`, or into its `rows` (first row, count) for one part of a fused weight."""
     if name not in params:
-        raise ValueError(f"checkpoint has an unexpected weight {name!r}")
-    param = params[name]
+        raise ValueError(f"checkpoint has an unexpected weight {what or name!r}")
+    param = params[name] if rows is None else params[name].narrow(0, *rows)
     if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+        raise ValueError(f"weight {what or name!r} has shape {tuple(tensor.shape)}, model expects "
+                         f"{tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(tensor.to(device=device, dtype=dtype))
 
