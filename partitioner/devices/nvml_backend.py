@@ -4,6 +4,11 @@ Reading needs no privileges. The only changes it can make are the applier's MIG 
 `destroy_mig_device`: root on real hardware); nothing here changes MIG mode, clocks or any other device setting.
 A host without the NVML library or driver is not an error: `open` raises `BackendUnavailable` with the reason,
 and `inventory.read_inventory` turns that into a CPU inventory.
+
+Most pynvml wrappers build their C arguments themselves; three forward ours to C unchanged and with no argtypes
+(the placement to create, the placement and compute-instance arrays to fill, their counts). Those must be ctypes
+pointers (`ctypes.byref`, or an array, which C sees as a pointer to its first element): a Structure or a c_uint
+would be pushed by value and its bytes read as an address.
 """
 
 from __future__ import annotations
@@ -121,9 +126,11 @@ class NvmlBackend:
             if known is None:
                 raise DeviceError("invalid_argument", f"GPU {index} has no MIG profile {profile!r} "
                                                       f"(has {[p.name for p in profiles]})")
-            placement = nvml.c_nvmlGpuInstancePlacement_t()
-            placement.start, placement.size = start, known.memory_slices
-            gpu_instance = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(handle, known.profile_id, placement)
+            placement = nvml.c_nvmlGpuInstancePlacement_t(start, known.memory_slices)
+            # pynvml forwards `placement` to C unchanged, with no argtypes: C takes a pointer, and a Structure
+            # passed as is would go by value, its bytes read as an address.
+            gpu_instance = nvml.nvmlDeviceCreateGpuInstanceWithPlacement(
+                handle, known.profile_id, ctypes.byref(placement))
             try:
                 ci_profile = getattr(nvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{known.slice_count}_SLICE")
                 info = nvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(

@@ -1,5 +1,8 @@
 """A stand-in for the `pynvml` module, built from `GpuDevice`s: the same call shapes and error classes, so the NVML
-backend's reading code runs here without a GPU. Only read calls exist; anything else is an AttributeError."""
+backend's reading code runs here without a GPU. Only read calls exist; anything else is an AttributeError.
+
+Where pynvml hands a caller's argument straight to a C pointer parameter (the placement to create, the arrays and
+counts to fill), this fake is as strict as C: see `_points_to` and `_array_of`."""
 
 from __future__ import annotations
 
@@ -44,6 +47,55 @@ class NVMLError_DriverNotLoaded(NVMLError):
 
 class c_nvmlGpuInstancePlacement_t(ctypes.Structure):
     _fields_ = [("start", ctypes.c_uint), ("size", ctypes.c_uint)]
+
+
+_BYREF = type(ctypes.byref(ctypes.c_uint()))
+
+
+def _pointed_at(function: str, parameter: str, argument: Any, ctype: type[Any]) -> Any:
+    """What a C pointer parameter sees. pynvml sets no argtypes and forwards these arguments to C unchanged, so
+    ctypes pushes a Structure or a c_uint by value: C reads its bytes as an address and crashes, or writes
+    somewhere else. Here that is a TypeError. byref, pointer and an array (C sees its first element) are pointers."""
+    if isinstance(argument, _BYREF):
+        return argument._obj  # type: ignore[attr-defined]  # what byref points at
+    if isinstance(argument, ctypes._Pointer):
+        return argument.contents
+    if isinstance(argument, ctypes.Array):
+        return argument
+    how = "passed by value" if isinstance(argument, ctypes._SimpleCData | ctypes.Structure | int) else "not a pointer"
+    raise TypeError(f"{function}: {parameter} is a {type(argument).__name__} {how}, but C takes a "
+                    f"{ctype.__name__} * (pass ctypes.byref or ctypes.pointer)")
+
+
+def _points_to(function: str, parameter: str, argument: Any, ctype: type[Any]) -> Any:
+    """The one `ctype` object a `ctype *` parameter points at; a one-element array will do, as it would in C."""
+    target = _pointed_at(function, parameter, argument, ctype)
+    if isinstance(target, ctypes.Array) and len(target) and issubclass(target._type_, ctype):
+        return ctype.from_buffer(target)  # its first element, sharing the caller's memory
+    if not isinstance(target, ctype):
+        raise TypeError(f"{function}: {parameter} points at a {type(target).__name__}, not a {ctype.__name__}")
+    return target
+
+
+def _array_of(function: str, parameter: str, argument: Any, ctype: type[Any]) -> Any:
+    """The ctypes array of `ctype` that a `ctype *` output parameter fills. A Python list is not one (ctypes
+    cannot pass it), nor is a single struct by value."""
+    target = _pointed_at(function, parameter, argument, ctype)
+    if not (isinstance(target, ctypes.Array) and issubclass(target._type_, ctype)):
+        raise TypeError(f"{function}: {parameter} must be a ctypes array of {ctype.__name__}, "
+                        f"not {type(target).__name__}")
+    return target
+
+
+def _fill(function: str, array: Any, count_ref: Any, values: list[Any]) -> None:
+    """Writes `values` into a caller's array and their number through its `unsigned int *count`. NVML writes as many
+    as exist: an array too small would be overrun in C, so it is an error here."""
+    count = _points_to(function, "count", count_ref, ctypes.c_uint)
+    if len(values) > len(array):
+        raise AssertionError(f"{function}: {len(values)} entries overrun the caller's array of {len(array)}")
+    for i, value in enumerate(values):
+        array[i] = value
+    count.value = len(values)
 
 
 class FakeNvml:
@@ -114,10 +166,11 @@ class FakeNvml:
 
     def nvmlDeviceGetGpuInstancePossiblePlacements(self, handle: tuple, profile_id: int, array: Any,
                                                    count_ref: Any) -> int:
+        name = "nvmlDeviceGetGpuInstancePossiblePlacements"
+        placements = _array_of(name, "placements", array, c_nvmlGpuInstancePlacement_t)
         profile = next(p for p in self._gpu(handle).mig_profiles if p.profile_id == profile_id)
-        for i, start in enumerate(profile.placements):
-            array[i].start, array[i].size = start, profile.memory_slices
-        count_ref._obj.value = len(profile.placements)
+        _fill(name, placements, count_ref,
+              [c_nvmlGpuInstancePlacement_t(start, profile.memory_slices) for start in profile.placements])
         return 0
 
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: tuple) -> int:
@@ -201,9 +254,16 @@ class FakeNvmlMig(FakeNvml):
         return result
 
     def nvmlDeviceCreateGpuInstanceWithPlacement(self, handle: tuple, profile_id: int, placement: Any) -> tuple:
+        """C takes `const nvmlGpuInstancePlacement_t *placement`; NVML refuses a size that is not the profile's."""
+        where = _points_to("nvmlDeviceCreateGpuInstanceWithPlacement", "placement", placement,
+                           c_nvmlGpuInstancePlacement_t)
         gpu = self._gpu(handle)
-        name = next(p.name for p in gpu.mig_profiles if p.profile_id == profile_id)
-        made = self._do("create_gpu_instance", self.backend.create_mig_device, handle[1], name, placement.start)
+        profile = next(p for p in gpu.mig_profiles if p.profile_id == profile_id)
+        if where.size != profile.memory_slices:
+            raise NVMLError_InvalidArgument(f"placement size {where.size}, profile {profile.name} "
+                                            f"takes {profile.memory_slices}")
+        made = self._do("create_gpu_instance", self.backend.create_mig_device, handle[1], profile.name,
+                        int(where.start))
         position = next(i for i, m in enumerate(self.gpus[handle[1]].mig_devices) if m.uuid == made.uuid)
         return ("gi", handle[1], position)
 
@@ -230,8 +290,9 @@ class FakeNvmlMig(FakeNvml):
         raise NVMLError_NotFound()
 
     def nvmlGpuInstanceGetComputeInstances(self, gi: tuple, profile_id: int, array: Any, count_ref: Any) -> int:
-        array[0] = c_nvmlComputeInstance_t(gi[2] + 1)
-        count_ref._obj.value = 1
+        name = "nvmlGpuInstanceGetComputeInstances"
+        instances = _array_of(name, "computeInstances", array, c_nvmlComputeInstance_t)
+        _fill(name, instances, count_ref, [c_nvmlComputeInstance_t(gi[2] + 1)])
         return 0
 
     def nvmlComputeInstanceDestroy(self, compute: Any) -> int:
