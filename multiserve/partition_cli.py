@@ -108,12 +108,14 @@ def plan_inputs(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[Regis
     InventoryFileError, ValueError (bad input) or DeviceError (reading the devices)."""
     from partitioner.planning.demand import load_shapes
     from partitioner.planning.placement import PlanOptions
+    from partitioner.planning.shapes import plan_shapes
     from registry.store import load_registry
 
     registry = load_registry(args.config)
-    shapes = load_shapes(args.shapes) if args.shapes else {}
     gpus = _gpu_indices(args.gpus) if args.gpus is not None else None
     inventory = load_host_inventory(args.inventory, env)
+    # a model with neither a given shape nor placement.memory_gib: estimated from its weights when they are here
+    shapes, _ = plan_shapes(registry, load_shapes(args.shapes) if args.shapes else {}, inventory)
     options = PlanOptions(gpus=gpus, mig_fallback=args.mig_fallback, max_memory_fraction=args.max_memory_fraction)
     return registry, shapes, inventory, options
 

@@ -1,7 +1,8 @@
 """What each replica asks of a device: memory (weights + KV budget), SM share, isolation and time-slice weight.
 
 Model shapes are inputs (`ModelShape`, e.g. from a `--shapes` file), never read from the weights here: the
-planner is pure and fast, and plans can be made for models that are not on this machine.
+planner is pure and fast, and plans can be made for models that are not on this machine. Serving estimates the
+shape of a model whose weights are here from their metadata (`shapes.plan_shapes`) and hands it in.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from partitioner.planning.demand import ModelShape, replica_demands
 from partitioner.planning.placement import PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
+from partitioner.planning.shapes import plan_shapes
 from partitioner.timeslice.arbiter import ClientShare
 from partitioner.timeslice.service import ArbiterService
 from registry.errors import Problem
@@ -45,7 +46,8 @@ def arbiter_dir(env: Mapping[str, str]) -> Path:
 
 class ReplicaPlacer:
     """`placement_for` for the pool. `registry()` is the registry now; `read_inventory()` is called once, on first
-    use."""
+    use. `shapes` are the models' given shapes; on a host with GPUs, a model with neither a shape nor
+    `placement.memory_gib` gets one estimated from its weights' metadata (`shapes.plan_shapes`)."""
 
     def __init__(self, registry: Callable[[], Registry], read_inventory: Callable[[], Inventory], socket_dir: Path,
                  options: PlanOptions | None = None, shapes: Mapping[str, ModelShape] | None = None) -> None:
@@ -101,11 +103,20 @@ class ReplicaPlacer:
                 self._inventory = self._read_inventory()
             result: Plan | InfeasiblePlan
             try:
-                result = plan(self._inventory, replica_demands(registry, self._shapes), self._options)
+                shapes = self._shapes_for(registry, self._inventory)
+                result = plan(self._inventory, replica_demands(registry, shapes), self._options)
             except InfeasiblePlan as exc:
                 result = exc
             self._planned = (registry, result)
             return result
+
+    def _shapes_for(self, registry: Registry, inventory: Inventory) -> Mapping[str, ModelShape]:
+        """The given shapes, plus estimates where a GPU plan needs a memory size that nothing gives; a model left
+        without one is logged here, and the planner then says what to set."""
+        shapes, unknown = plan_shapes(registry, self._shapes, inventory)
+        for model, reason in unknown.items():
+            log.warning("model_shape_unknown", model=model, reason=reason)
+        return shapes
 
     def _service(self, device_key: str) -> ArbiterService:
         with self._lock:

