@@ -75,10 +75,12 @@ def _traffic_recorder(cfg: TrafficLogConfig) -> TrafficRecorder | None:
 
 
 def default_placer(registry: Callable[[], Registry], env: dict[str, str]) -> ReplicaPlacer:
-    """Plans `registry()` onto this host's inventory (NVML, or the CPU), read on first use."""
+    """Plans `registry()` onto this host's inventory (NVML, or the CPU), read on first use. A registry whose plan
+    needs MIG devices or MPS daemons that do not exist is refused: `multiserve serve --apply-partition` (or
+    `partition apply`) makes them first."""
     from partitioner.devices.read import load_host_inventory
 
-    return ReplicaPlacer(registry, lambda: load_host_inventory(None, env), arbiter_dir(env))
+    return ReplicaPlacer(registry, lambda: load_host_inventory(None, env), arbiter_dir(env), require_applied=True)
 
 
 def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):

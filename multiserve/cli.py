@@ -81,8 +81,10 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.server import run_serve
+    from multiserve.partition_apply import prepare_devices
 
-    return run_serve(args.config, args.host, args.port)
+    status = prepare_devices(args.config, args.apply_partition)
+    return status if status else run_serve(args.config, args.host, args.port)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +92,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--config", default=str(DEFAULT_CONFIG), help="the registry YAML (watched for edits)")
     serve.add_argument("--host", default=None, help="default: gateway.host from the registry (127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="default: gateway.port from the registry")
+    serve.add_argument("--apply-partition", choices=("auto", "yes", "no"), default="auto",
+                       help="create the MIG devices and start the MPS daemons the plan needs before any replica "
+                            "starts: yes; no (serve then refuses such a plan, naming `partition apply`); auto "
+                            "(default): yes when this process may (MPS daemons always, MIG devices as root)")
     serve.set_defaults(func=_serve)
 
 

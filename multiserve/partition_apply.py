@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from multiserve.partition_cli import add_plan_arguments, plan_inputs_or_exit_code, render_plan
+from multiserve.partition_cli import add_plan_arguments, plan_inputs, plan_inputs_or_exit_code, render_plan
 from partitioner.applying.actions import DEFAULT_MPS_LOG_ROOT, ApplyError
 from partitioner.applying.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
 from partitioner.applying.commands import CommandResult, CommandRunner, SubprocessRunner
 from partitioner.devices.backend import DeviceError, MigControl
-from partitioner.devices.inventory import Inventory, MigDevice
+from partitioner.devices.inventory import Inventory, InventoryFileError, MigDevice
 from partitioner.devices.read import load_host_inventory, read_inventory
 from partitioner.planning.plan import InfeasiblePlan
 
@@ -105,6 +105,47 @@ def run_apply(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
     lines += [f"  {rid}: CUDA_VISIBLE_DEVICES={uuid}" for rid, uuid in sorted(outcome.created.items())]
     out.write("\n".join(lines) + "\n\n" + render_plan(outcome.plan))
     return 0
+
+
+def prepare_devices(config: str | Path, mode: str, env: Mapping[str, str] | None = None, err: TextIO | None = None,
+                    inventory_file: str | None = None, runner: CommandRunner | None = None,
+                    euid: int | None = None) -> int:
+    """`serve --apply-partition`: before any replica starts, make the devices what the registry's plan needs (as
+    `partition apply` would, with serve's plan options). Returns 0 to go on serving, else the exit status.
+
+    `mode` "no" changes nothing; "yes" applies; "auto" applies unless the plan creates MIG devices and this
+    process is not root. Whatever is left unapplied, serve's registry check refuses, naming the changes and the
+    command that makes them: no replica ever starts half-isolated."""
+    env, err = os.environ if env is None else env, err or sys.stderr
+    from partitioner.planning.demand import replica_demands
+    from partitioner.planning.placement import PlanOptions
+    from partitioner.planning.planner import plan
+    from registry.errors import RegistryError
+
+    args = argparse.Namespace(config=str(config), shapes=None, inventory=inventory_file, gpus=None, mig_fallback=None,
+                              max_memory_fraction=PlanOptions().max_memory_fraction, dry_run=False,
+                              state_file=DEFAULT_STATE_FILE, mps_log_root=DEFAULT_MPS_LOG_ROOT)
+    if mode == "no":
+        return 0
+    try:
+        registry, shapes, inventory, options = plan_inputs(args, env)
+    except (RegistryError, InventoryFileError, ValueError):
+        return 0  # a bad registry: serve says what is wrong with it, as it does on a host without GPUs
+    except DeviceError as exc:
+        print(f"error: reading the devices: {exc}", file=err)
+        return 1
+    try:
+        actions = plan(inventory, replica_demands(registry, shapes), options).actions()
+    except InfeasiblePlan:
+        return 0  # serve's registry check refuses it, with the planner's reasons
+    if not actions:
+        return 0
+    root = (os.geteuid() if euid is None else euid) == 0
+    if mode == "auto" and not root and any(a.kind != "start_mps_daemon" for a in actions):
+        print("note: the plan needs MIG changes, which need root; not applying them (--apply-partition auto)",
+              file=err)
+        return 0
+    return run_apply(args, out=err, err=err, env=env, runner=runner)
 
 
 def _targets(args: argparse.Namespace, inventory: Inventory, env: Mapping[str, str], runner: CommandRunner | None,

@@ -50,8 +50,10 @@ class ReplicaPlacer:
     `placement.memory_gib` gets one estimated from its weights' metadata (`shapes.plan_shapes`)."""
 
     def __init__(self, registry: Callable[[], Registry], read_inventory: Callable[[], Inventory], socket_dir: Path,
-                 options: PlanOptions | None = None, shapes: Mapping[str, ModelShape] | None = None) -> None:
+                 options: PlanOptions | None = None, shapes: Mapping[str, ModelShape] | None = None,
+                 require_applied: bool = False) -> None:
         self._registry = registry
+        self.require_applied = require_applied  # a plan that needs device changes is a problem (`problems`)
         self._read_inventory = read_inventory
         self._inventory: Inventory | None = None
         self.socket_dir = socket_dir
@@ -89,10 +91,20 @@ class ReplicaPlacer:
         return result
 
     def problems(self, registry: Registry) -> list[Problem]:
-        """What keeps `registry` from being placed on this host: the registry store's `check`."""
+        """What keeps `registry` from being placed on this host: the registry store's `check`. With
+        `require_applied`, a plan whose MIG devices or MPS daemons do not exist yet is refused too, naming them and
+        the command that makes them: a replica never starts half-isolated (on a placeholder MIG device, or with
+        MPS variables no daemon answers)."""
         result = self._plan(registry)
         if isinstance(result, InfeasiblePlan):
             return [Problem("(partition plan)", problem) for problem in result.problems]
+        actions = result.actions() if self.require_applied else ()
+        if actions:
+            changes = "; ".join(a.describe() for a in actions)
+            return [Problem("(partition plan)", f"the devices need {len(actions)} change(s) before its replicas can "
+                                                f"start isolated: {changes}. Run `multiserve partition apply --config "
+                                                f"<this registry>` (as root for MIG devices), or serve with "
+                                                f"--apply-partition yes")]
         return []
 
     def _plan(self, registry: Registry) -> Plan | InfeasiblePlan:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 
+from multiserve.partition_apply import prepare_devices
+from partitioner.applying.commands import CommandResult
 from partitioner.timeslice.client import LeaseClient
 from partitioner.timeslice.service import ArbiterService
 from tests.multiserve.test_partition_cli import H100, REGISTRY, SHAPES, no_nvml, run
@@ -87,3 +90,49 @@ def test_status_shows_applied_state_and_live_shares(capsys, tmp_path, monkeypatc
 def test_plan_and_apply_take_the_same_plan_arguments(capsys, files, command):
     code, _, err = run(capsys, command, "--config", str(files / "reg.yaml"), "--gpus", "first")
     assert code == 2 and "--gpus: expected GPU indices" in err
+
+
+MPS_REGISTRY = """\
+gateway: {model_roots: [/]}
+models:
+  - name: small
+    type: chat
+    source: {path: /m/small.gguf}
+    device: cuda
+    placement: {isolation: mps, memory_gib: 2}
+"""
+
+
+class _Commands:
+    def __init__(self) -> None:
+        self.argv: list[list[str]] = []
+
+    def run(self, argv, env, input_text=None) -> CommandResult:
+        self.argv.append(list(argv))
+        return CommandResult(0)
+
+
+@pytest.mark.parametrize("mode, euid, applied", [("auto", 1000, True), ("yes", 1000, True), ("no", 0, False)])
+def test_serve_starts_the_mps_daemons_its_plan_needs(tmp_path, monkeypatch, mode, euid, applied):
+    (tmp_path / "reg.yaml").write_text(MPS_REGISTRY)
+    monkeypatch.chdir(tmp_path)  # the applied-state file goes to the working directory
+    err, commands = io.StringIO(), _Commands()
+    code = prepare_devices(tmp_path / "reg.yaml", mode, env={}, err=err, inventory_file=H100, runner=commands,
+                           euid=euid)
+    assert code == 0, err.getvalue()
+    assert (commands.argv[:1] == [["nvidia-cuda-mps-control", "-d"]]) is applied
+    assert ("applied 3 action(s)" in err.getvalue()) is applied
+
+
+def test_serve_leaves_mig_to_root_and_reports_what_it_cannot_apply(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reg.yaml").write_text(MPS_REGISTRY.replace("isolation: mps", "isolation: mig"))
+    err, commands = io.StringIO(), _Commands()
+    code = prepare_devices(tmp_path / "reg.yaml", "auto", env={}, err=err, inventory_file=H100, runner=commands,
+                           euid=1000)  # MIG devices to create, not root: serve's registry check refuses it instead
+    assert code == 0 and commands.argv == [] and "the plan needs MIG changes, which need root" in err.getvalue()
+    err = io.StringIO()
+    code = prepare_devices(tmp_path / "reg.yaml", "yes", env={}, err=err, inventory_file=H100, runner=commands)
+    assert code == 1 and "its MIG mode is off" in err.getvalue()  # never changed by us: the operator's step
+    (tmp_path / "bad.yaml").write_text("models: [{name: x}]\n")
+    assert prepare_devices(tmp_path / "bad.yaml", "yes", env={}, err=err, inventory_file=H100) == 0  # serve says

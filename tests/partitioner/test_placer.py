@@ -107,6 +107,24 @@ def test_problems_name_what_does_not_fit_and_serve_refuses_such_a_registry(tmp_p
     assert done.stdout.startswith(f"error: {path}") and "(partition plan): huge/0" in done.stdout
 
 
+def test_serve_refuses_a_plan_whose_devices_are_not_set_up_yet(tmp_path):
+    """An MPS replica with no MPS daemon running, a MIG replica with no MIG device yet: the plan needs device
+    changes. For `serve` (require_applied) that is a problem naming each change and the command to run."""
+    mps = registry(small={"device": "cuda", "placement": {"isolation": "mps", "memory_gib": 1}})
+    lenient = ReplicaPlacer(lambda: mps, lambda: gpus("h100-80gb"), tmp_path)
+    strict = ReplicaPlacer(lambda: mps, lambda: gpus("h100-80gb"), tmp_path, require_applied=True)
+    assert lenient.problems(mps) == []  # `partition plan` and tests: the plan itself is fine
+    (problem,) = strict.problems(mps)
+    assert problem.field == "(partition plan)" and "the devices need 1 change(s)" in problem.message
+    assert "start an MPS control daemon for GPU 0" in problem.message
+    assert "multiserve partition apply --config" in problem.message and "--apply-partition yes" in problem.message
+    mig = registry(sliced={"device": "cuda", "placement": {"isolation": "mig", "memory_gib": 10}})
+    (problem,) = strict.problems(mig)
+    assert "enable MIG mode on GPU 0" in problem.message and "create MIG device" in problem.message
+    plain = registry(whole={"device": "cuda", "placement": {"isolation": "exclusive", "memory_gib": 10}})
+    assert strict.problems(plain) == []  # nothing to set up: nothing refused
+
+
 def test_needs_arbiter_only_for_time_slicing(tmp_path):
     reg = registry(a={"placement": {"isolation": "mps", "memory_gib": 1}},
                    b={"placement": {"isolation": "mps", "memory_gib": 1}})
