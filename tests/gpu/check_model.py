@@ -1,0 +1,273 @@
+"""Our model and engine against transformers on the GPU, with random weights in real models' shapes.
+
+Shapes: SmolLM2-135M (hidden 576, 30 layers, 9 heads, 3 KV heads, head 64, intermediate 1536, vocab 49152, tied
+embeddings) and Llama-3-8B cut to 4 of its 32 layers (hidden 4096, 32 heads, 8 KV heads, head 128, intermediate
+14336, vocab 128256, untied): every per-layer kernel shape of the real model, at an eighth of the weights. For
+each shape, transformers' LlamaForCausalLM in fp32 is the truth, and in fp32 and bf16:
+
+* `logits`: our model (paged KV cache, the Triton attention the engine selects on CUDA) over prompt + continuation,
+  fed as a chunked prefill of the prompts together and then one batched decode step per token, against the fp32
+  truth on the same tokens. fp32: max error <= 2e-3 x the logits' std. bf16: no more than twice the error of
+  transformers' own bf16 model (max and mean) plus 2e-3 (2e-4) x std.
+* `greedy`: our LLMEngine (scheduler, chunked prefill, sampler) decoding the prompts together, greedy, against
+  transformers' `generate` in the same dtype. Token-exact, except that where the two first differ the truth must
+  call it a near-tie: the two tokens' fp32 logits closer than the sum of the two models' 99.9th-percentile logit
+  errors measured above (ours capped at what the logits criterion allows; plus 1e-4 x std).
+
+Weights are N(0, (2 / sqrt(hidden))^2) (logits of std ~2, few near-ties) with norm weights in [0.5, 1.5], as in
+tests/runtimes/llm/tiny.py. `--device cpu`: two tiny shapes on CPU, to try the script without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+from tests.gpu.common import Reporter, fmt, parse_args, timed
+
+ARGS = parse_args(__doc__ or "")
+DEVICE = ARGS.device
+os.environ["TRITON_INTERPRET"] = "1" if DEVICE == "cpu" else "0"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from runtimes.llm.attention import AttentionMetadata, select_attention  # noqa: E402
+from runtimes.llm.config import EngineConfig, ModelConfig  # noqa: E402
+from runtimes.llm.engine import LLMEngine  # noqa: E402
+from runtimes.llm.loader import LoadedModel, load_state_dict  # noqa: E402
+from runtimes.llm.model_runner import allocate_kv_caches  # noqa: E402
+from runtimes.llm.sampling_params import SamplingParams  # noqa: E402
+from runtimes.llm.tokenizer import Tokenizer  # noqa: E402
+from tests.runtimes.llm.engine_utils import run_to_completion  # noqa: E402
+from tests.runtimes.llm.tiny import tokenizer_metadata  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    max_positions: int = 8192
+
+
+if DEVICE == "cuda":
+    SHAPES = {
+        "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, True, 100000.0),
+        "llama3-8b-4layers": Shape(4096, 4, 32, 8, 14336, 128256, False, 500000.0),
+    }
+    PROMPT_LENS, NEW_TOKENS, BATCHED_TOKENS = [5, 40, 130, 300], 32, 256
+else:
+    SHAPES = {
+        "tiny-tied": Shape(64, 2, 4, 2, 128, 512, True, 10000.0, 512),
+        "tiny-untied": Shape(128, 3, 4, 1, 256, 1024, False, 500000.0, 512),
+    }
+    PROMPT_LENS, NEW_TOKENS, BATCHED_TOKENS = [5, 23, 40], 12, 32
+
+
+def reference_model(shape: Shape, seed: int = 0) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM with random weights, fp32, eval mode, made on the device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions, rms_norm_eps=1e-5, rope_theta=shape.rope_theta,
+        tie_word_embeddings=shape.tied, initializer_range=2 / math.sqrt(shape.hidden), bos_token_id=None,
+        eos_token_id=None, pad_token_id=0, attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # random norms, so a wrong norm mapping cannot hide behind all-ones weights
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy with its parameters in `dtype` and its buffers (RoPE's inv_freq) left in fp32, as `from_pretrained`
+    with a dtype loads it (`.to(dtype)` would round inv_freq too)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in model.parameters():  # each once: tied embeddings stay tied
+            param.data = param.data.to(dtype)
+    return model
+
+
+def tokenizer_for(vocab: int) -> Tokenizer:
+    """The tiny models' byte-level tokenizer, padded with plain tokens to the model's vocabulary, so every id the
+    model can produce detokenizes."""
+    meta = dict(tokenizer_metadata())
+    tokens = list(meta["tokenizer.ggml.tokens"])  # type: ignore[call-overload]
+    types = list(meta["tokenizer.ggml.token_type"])  # type: ignore[call-overload]
+    meta["tokenizer.ggml.tokens"] = tokens + [f"<t{i}>" for i in range(len(tokens), vocab)]
+    meta["tokenizer.ggml.token_type"] = types + [1] * (vocab - len(types))
+    return Tokenizer.from_gguf_metadata(meta)
+
+
+def ours(ref: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, ModelConfig]:
+    """Our model with the reference's weights (through the loader's fusing), with the attention the engine picks."""
+    device = torch.device(DEVICE)
+    config = ModelConfig.from_hf_config(ref.config.to_dict())
+    model = load_state_dict(config, ref.state_dict().items(), device, dtype, select_attention("auto", device))
+    return model, config
+
+
+@torch.inference_mode()
+def paged_logits(model: torch.nn.Module, config: ModelConfig, seqs: list[list[int]], prompt_lens: list[int],
+                 dtype: torch.dtype) -> list[torch.Tensor]:
+    """Logits [len, V] (fp32) of each sequence at every position: the prompts' first halves in one packed step,
+    their second halves (chunked prefill over a cached prefix) in the next, then one batched decode step per
+    continuation token. Block tables are shuffled."""
+    total = sum(-(-len(s) // BLOCK_SIZE) for s in seqs)
+    caches = allocate_kv_caches(config, total + 4, BLOCK_SIZE, dtype, torch.device(DEVICE))
+    perm = torch.randperm(total + 4, generator=torch.Generator().manual_seed(1)).tolist()
+    tables, start = [], 0
+    for s in seqs:
+        n = -(-len(s) // BLOCK_SIZE)
+        tables.append(perm[start : start + n])
+        start += n
+    bounds = [[0, max(1, p // 2), p, *range(p + 1, len(s) + 1)] for s, p in zip(seqs, prompt_lens, strict=True)]
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for step in range(len(bounds[0]) - 1):
+        spans = [(b[step], b[step + 1]) for b in bounds]
+        ids = torch.tensor([t for s, (lo, hi) in zip(seqs, spans, strict=True) for t in s[lo:hi]], device=DEVICE)
+        pos = torch.tensor([p for lo, hi in spans for p in range(lo, hi)], device=DEVICE)
+        meta = AttentionMetadata.build([hi - lo for lo, hi in spans], [hi for _, hi in spans], tables, BLOCK_SIZE,
+                                       DEVICE)
+        logits = model.compute_logits(model(ids, pos, caches, meta)).float()
+        for i, part in enumerate(logits.split([hi - lo for lo, hi in spans])):
+            out[i].append(part)
+    return [torch.cat(parts) for parts in out]
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    return model(torch.tensor([seq], device=DEVICE)).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt], device=DEVICE)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return list(out[0, len(prompt) :].tolist())
+
+
+def engine_greedy(model: torch.nn.Module, config: ModelConfig, name: str, prompts: list[list[int]],
+                  dtype: torch.dtype) -> list[list[int]]:
+    loaded = LoadedModel(model=model, config=config, tokenizer=tokenizer_for(config.vocab_size), name=name)
+    kv_bytes = 4096 * config.kv_bytes_per_token(dtype)
+    engine = LLMEngine(loaded, EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=16, kv_cache_bytes=kv_bytes,
+                                            max_num_batched_tokens=BATCHED_TOKENS))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    done = run_to_completion(engine, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
+    return [done[f"p{i}"].token_ids for i in range(len(prompts))]
+
+
+def errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, float]:
+    """Over all positions of all sequences: max, mean and 99.9th percentile (of a 1M sample) of the absolute
+    error, and how often the argmax agrees."""
+    g, w = torch.cat(got), torch.cat(want)
+    diff = (g - w).abs().flatten()
+    sample = diff[torch.randint(diff.numel(), (1 << 20,), generator=torch.Generator().manual_seed(0)).to(diff.device)]
+    return {"max": diff.max().item(), "mean": diff.mean().item(), "p999": torch.quantile(sample, 0.999).item(),
+            "argmax_agree": (g.argmax(-1) == w.argmax(-1)).float().mean().item()}
+
+
+def compare_greedy(truth: torch.nn.Module, prompts: list[list[int]], got: list[list[int]], want: list[list[int]],
+                   tol: float) -> tuple[bool, list[dict]]:
+    """Token-exact, or the first difference is a near-tie under the fp32 truth (logit gap <= tol)."""
+    ok, rows = True, []
+    for i, (prompt, a, b) in enumerate(zip(prompts, got, want, strict=True)):
+        if a == b:
+            rows.append({"prompt": i, "equal": True, "tokens": len(a)})
+            continue
+        j = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        row: dict[str, object] = {"prompt": i, "equal": False, "first_difference": j, "ours_len": len(a),
+                                  "ref_len": len(b)}
+        if j < min(len(a), len(b)):
+            last = hf_logits(truth, prompt + a[:j])[-1]
+            gap = abs(last[a[j]].item() - last[b[j]].item())
+            row.update(ours_token=a[j], ref_token=b[j], truth_gap=gap, tol=tol, near_tie=gap <= tol)
+            ok = ok and gap <= tol
+        else:  # one stopped early: never a near-tie
+            ok = False
+        rows.append(row)
+    return ok, rows
+
+
+def check_shape(rep: Reporter, name: str, shape: Shape) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, shape.vocab) for _ in range(n)] for n in PROMPT_LENS]
+    with timed() as t:
+        truth = reference_model(shape)
+    print(f"# {name}: reference built in {t['s']:.1f} s", file=sys.stderr, flush=True)
+    want32 = [hf_greedy(truth, p) for p in prompts]
+    seqs = [p + w for p, w in zip(prompts, want32, strict=True)]
+    truth_logits = [hf_logits(truth, s) for s in seqs]
+    scale = torch.cat(truth_logits).std().item()
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        hf = truth if dtype == torch.float32 else cast_parameters(truth, dtype)
+        model, config = ours(truth, dtype)
+        got = paged_logits(model, config, seqs, PROMPT_LENS, dtype)
+        err = errors(got, truth_logits)
+        del got
+        if dtype == torch.float32:
+            hf_err = {"max": 0.0, "mean": 0.0, "p999": 0.0, "argmax_agree": 1.0}
+            ok = err["max"] <= 2e-3 * scale
+        else:
+            hf_err = errors([hf_logits(hf, s) for s in seqs], truth_logits)
+            ok = err["max"] <= 2 * hf_err["max"] + 2e-3 * scale and err["mean"] <= 2 * hf_err["mean"] + 2e-4 * scale
+        rep.report(f"{name}.{label}.logits", ok,
+                   fmt(max_err=err["max"], mean_err=err["mean"], hf_max_err=hf_err["max"],
+                       hf_mean_err=hf_err["mean"], logit_std=scale, argmax_agree=err["argmax_agree"],
+                       hf_argmax_agree=hf_err["argmax_agree"]),
+                   shape=shape.__dict__, dtype=label, ours_vs_fp32_truth=err, hf_vs_fp32_truth=hf_err,
+                   logit_std=scale, positions=sum(len(s) for s in seqs))
+        want = want32 if dtype == torch.float32 else [hf_greedy(hf, p) for p in prompts]
+        got_tokens = engine_greedy(model, config, name, prompts, dtype)
+        # A flip needs the two models' errors on the two tokens to bridge the truth's gap between them; ours counts
+        # only up to what the logits criterion allows, so a broken model cannot widen its own tolerance.
+        allowed = 2e-3 * scale if dtype == torch.float32 else 2 * hf_err["p999"] + 2e-3 * scale
+        tol = min(err["p999"], allowed) + hf_err["p999"] + 1e-4 * scale
+        ok, rows = compare_greedy(truth, prompts, got_tokens, want, tol)
+        exact = sum(1 for r in rows if r["equal"])
+        rep.report(f"{name}.{label}.greedy", ok,
+                   fmt(exact_prompts=f"{exact}/{len(prompts)}", new_tokens=NEW_TOKENS, tie_tol=tol),
+                   dtype=label, prompts=rows, prompt_lens=PROMPT_LENS, new_tokens=NEW_TOKENS)
+        del model, hf
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    rep = Reporter("model", ARGS.out)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        rep.report("cuda_available", False, "torch sees no CUDA device")
+        return rep.exit_code()
+    torch.set_float32_matmul_precision("highest")  # fp32 means fp32 (no TF32) for both models
+    for name, shape in SHAPES.items():
+        rep.guarded(name, lambda n=name, s=shape: check_shape(rep, n, s))
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rep.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

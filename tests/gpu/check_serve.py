@@ -1,0 +1,238 @@
+"""The serving processes on the GPU: `multiserve worker --device cuda`, and `multiserve serve` with a registry whose
+model has `device: cuda`, each answering chat requests over HTTP.
+
+The model is a tiny random-weight Llama written as GGUF with the tests' helper (tests/runtimes/llm/tiny.py); no
+real weights are needed. Each process runs on a free loopback port until /ready, then:
+
+* `worker`: a chat completion (greedy, 8 tokens, `ignore_eos`) and a streamed one; then SIGTERM, exit code 0.
+* `serve`: the gateway plans the registry onto the GPU (a timeslice placement with `memory_gib`, so the worker
+  caps its CUDA memory at the planned fraction) and starts the worker; a chat completion through the gateway;
+  then SIGTERM, exit code 0.
+
+On CUDA each also checks the device was used: GPU memory in use (nvidia-smi) rose by >= 200 MiB while the
+process ran, or its pid is among the GPU's compute processes. Logs of failed runs are kept in `$OUT/serve/`.
+`--device cpu` runs the same with `device: cpu`, to try the script without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.gpu.common import Reporter, fmt, free_port, parse_args, timed
+
+ARGS = parse_args(__doc__ or "")
+DEVICE = ARGS.device
+ROOT = Path(__file__).resolve().parents[2]
+LOGS = ARGS.out / "serve"
+READY_S = 60.0
+MAX_TOKENS = 8
+
+
+def write_model(path: Path) -> Path:
+    """A tiny random Llama (head_dim 64, GQA) as an F32 GGUF file."""
+    from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
+
+    model = hf_model(TinySpec(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                              max_position_embeddings=1024), seed=1)
+    if not hasattr(model.config, "rope_parameters"):  # transformers < 5 keeps rope_theta on the config itself
+        model.config.rope_parameters = {"rope_type": "default", "rope_theta": model.config.rope_theta}
+    return write_gguf(model, path)
+
+
+def gpu_memory_used_mib() -> int | None:
+    if DEVICE != "cuda":
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return sum(int(line.strip()) for line in out.splitlines() if line.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def gpu_pids() -> set[int]:
+    if DEVICE != "cuda":
+        return set()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {int(line) for line in out.split() if line.strip().isdigit()}
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def on_device(pids: list[int], before_mib: int | None) -> dict[str, object]:
+    """Evidence that `pids` use the GPU: their pids listed by nvidia-smi (not across pid namespaces), or memory."""
+    if DEVICE != "cuda":
+        return {"ok": True}
+    now = gpu_memory_used_mib()
+    delta = None if now is None or before_mib is None else now - before_mib
+    listed = sorted(set(pids) & gpu_pids())
+    return {"ok": bool(listed) or (delta is not None and delta >= 200), "pids_listed": listed,
+            "memory_used_delta_mib": delta}
+
+
+def http(method: str, url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_ready(base: str, proc: subprocess.Popen, log: Path) -> float:
+    with timed() as t:
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited with {proc.returncode} before /ready: {tail(log)}")
+            with contextlib.suppress(OSError):
+                if http("GET", f"{base}/ready", timeout=2)[0] == 200:
+                    break
+            time.sleep(0.25)
+        else:
+            raise RuntimeError(f"not ready after {READY_S:.0f} s: {tail(log)}")
+    return t["s"]
+
+
+def tail(path: Path, chars: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Start `argv` (its output to `log`); on exit SIGTERM it and wait, SIGKILL after 30 s."""
+    with log.open("wb") as handle:
+        proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def chat(base: str, model: str, stream: bool = False) -> dict[str, object]:
+    """One greedy chat completion; what came back, checked."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    with timed() as t:
+        status, raw = http("POST", f"{base}/v1/chat/completions", body)
+    result: dict[str, object] = {"status": status, "seconds": round(t["s"], 3)}
+    if status != 200:
+        return {**result, "ok": False, "body": raw.decode(errors="replace")[:1000]}
+    if not stream:
+        reply = json.loads(raw)
+        choice = reply["choices"][0]
+        tokens = reply["usage"]["completion_tokens"]
+        return {**result, "ok": tokens == MAX_TOKENS and choice["finish_reason"] == "length"
+                and isinstance(choice["message"]["content"], str), "completion_tokens": tokens,
+                "finish_reason": choice["finish_reason"], "content": choice["message"]["content"]}
+    events = [line[len(b"data: "):] for line in raw.splitlines() if line.startswith(b"data: ")]
+    chunks = [json.loads(e) for e in events if e != b"[DONE]"]
+    content = [c for c in chunks if c.get("choices") and c["choices"][0]["delta"].get("content") is not None]
+    usage = chunks[-1].get("usage") if chunks else None
+    return {**result, "ok": bool(events) and events[-1] == b"[DONE]" and usage is not None
+            and usage["completion_tokens"] == MAX_TOKENS, "chunks": len(chunks), "content_chunks": len(content),
+            "usage": usage}
+
+
+def check_worker(rep: Reporter, model_path: Path) -> None:
+    port = free_port()
+    log = LOGS / "worker.log"
+    before = gpu_memory_used_mib()
+    argv = [sys.executable, "-m", "multiserve", "worker", "--source", str(model_path), "--name", "tiny",
+            "--device", DEVICE, "--engine-json", '{"block_size": 16, "kv_cache_gib": 0.05, "max_num_seqs": 8}',
+            "--host", "127.0.0.1", "--port", str(port)]
+    with process(argv, log) as proc:
+        base = f"http://127.0.0.1:{port}"
+        ready_s = wait_ready(base, proc, log)
+        plain, streamed = chat(base, "tiny"), chat(base, "tiny", stream=True)
+        device = on_device([proc.pid], before)
+    ok = bool(plain["ok"] and streamed["ok"] and device["ok"]) and proc.returncode == 0
+    rep.report("worker", ok, fmt(ready_s=ready_s, chat=plain["status"], stream=streamed["status"],
+                                 on_device=device["ok"], exit_code=proc.returncode),
+               device=DEVICE, ready_s=ready_s, chat=plain, stream=streamed, on_device=device,
+               exit_code=proc.returncode, log_tail=None if ok else tail(log, 4000))
+
+
+REGISTRY = """\
+gateway: {{host: 127.0.0.1, port: {port}}}
+models:
+  - name: tiny-chat
+    aliases: [tiny]
+    type: chat
+    source: {{path: {model}}}
+    replicas: 1
+    device: {device}
+{placement}    engine: {{block_size: 16, kv_cache_gib: 0.05, max_model_len: 512, max_num_seqs: 8}}
+"""
+
+
+def check_serve(rep: Reporter, model_path: Path) -> None:
+    port = free_port()
+    registry = LOGS / "registry.yaml"
+    placement = "    placement: {isolation: timeslice, memory_gib: 4}\n" if DEVICE == "cuda" else ""
+    registry.write_text(REGISTRY.format(port=port, model=model_path, device=DEVICE, placement=placement))
+    log = LOGS / "gateway.log"
+    env = {"MULTISERVE_ADMIN_TOKEN": "gpu-check-admin-token", "MULTISERVE_LOG_DIR": str(LOGS / "workers")}
+    before = gpu_memory_used_mib()
+    argv = [sys.executable, "-m", "multiserve", "serve", "--config", str(registry)]
+    with process(argv, log, env) as proc:
+        base = f"http://127.0.0.1:{port}"
+        ready_s = wait_ready(base, proc, log)
+        plain = chat(base, "tiny-chat")
+        workers = children(proc.pid)
+        device = on_device(workers, before)
+    ok = bool(plain["ok"] and device["ok"] and workers) and proc.returncode == 0
+    worker_logs = {p.name: tail(p, 3000) for p in sorted((LOGS / "workers").glob("*.log"))} if not ok else None
+    rep.report("serve", ok, fmt(ready_s=ready_s, chat=plain["status"], workers=len(workers),
+                                on_device=device["ok"], exit_code=proc.returncode),
+               device=DEVICE, ready_s=ready_s, chat=plain, workers=workers, on_device=device,
+               exit_code=proc.returncode, gateway_log_tail=None if ok else tail(log, 4000), worker_logs=worker_logs)
+
+
+def main() -> int:
+    rep = Reporter("serve", ARGS.out)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    model_path = write_model(LOGS / "tiny.gguf")
+    rep.guarded("worker", lambda: check_worker(rep, model_path))
+    rep.guarded("serve", lambda: check_serve(rep, model_path))
+    return rep.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

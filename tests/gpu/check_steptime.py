@@ -1,0 +1,172 @@
+"""Decode step time of our engine against the HBM floor, bf16 (run by tests/gpu/run.sh).
+
+For the SmolLM2-135M shape and the full Llama-3-8B shape (all 32 layers, ~16 GB of bf16 weights) with random
+weights: `batch` requests of a 64-token prompt are prefilled, then `LLMEngine.step()` is timed over decode steps
+(wall clock, so the scheduler, the Python launch overhead and sampling count) at batch 1, 8 and 64.
+
+The floor is the weight bytes one decode step must read (every layer, the final norm and the LM head; not the
+embedding table, of which a step reads only its tokens' rows) divided by the device-to-device copy bandwidth
+measured here with a 1 GiB torch copy. `floor_with_kv_ms` adds the KV cache the step reads at its context length.
+A row passes when it was measured and is not faster than 0.8x the floor (faster means the measurement is wrong).
+The table goes into `$OUT/summary.json` as `decode_step_table`.
+
+`--device cpu`: two tiny shapes on CPU (fp32), to try the script without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from tests.gpu.common import Reporter, copy_bandwidth_gbs, fmt, parse_args, synchronize
+
+ARGS = parse_args(__doc__ or "")
+DEVICE = ARGS.device
+os.environ["TRITON_INTERPRET"] = "1" if DEVICE == "cpu" else "0"
+
+import torch  # noqa: E402
+
+from runtimes.llm.attention import select_attention  # noqa: E402
+from runtimes.llm.config import EngineConfig, ModelConfig  # noqa: E402
+from runtimes.llm.engine import LLMEngine  # noqa: E402
+from runtimes.llm.loader import LoadedModel  # noqa: E402
+from runtimes.llm.model import LlamaForCausalLM  # noqa: E402
+from runtimes.llm.sampling_params import SamplingParams  # noqa: E402
+from runtimes.llm.tokenizer import Tokenizer  # noqa: E402
+from tests.runtimes.llm.tiny import tokenizer_metadata  # noqa: E402
+
+BATCHES = (1, 8, 64)
+PROMPT_LEN = 64
+WARMUP_STEPS = 3
+TIMED_STEPS = 20 if DEVICE == "cuda" else 5
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+
+SHAPES = {
+    "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, True),
+    "llama3-8b": Shape(4096, 32, 32, 8, 14336, 128256, False),
+} if DEVICE == "cuda" else {
+    "tiny-tied": Shape(64, 2, 4, 2, 128, 512, True),
+    "tiny-untied": Shape(128, 3, 4, 1, 256, 1024, False),
+}
+
+
+def build(shape: Shape) -> LoadedModel:
+    """Our model with random weights made on the device (the loader's steps, without a checkpoint)."""
+    device = torch.device(DEVICE)
+    config = ModelConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_layers=shape.layers, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                         head_dim=shape.hidden // shape.heads, max_position_embeddings=4096,
+                         tie_word_embeddings=shape.tied)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, select_attention("auto", device))
+    model = model.to_empty(device=device).to(DTYPE)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5, generator=gen)
+            else:
+                param.normal_(0.0, 2 / math.sqrt(shape.hidden), generator=gen)
+    model.rotary.rebuild(device)
+    model = model.eval().requires_grad_(False)
+    meta = dict(tokenizer_metadata())
+    tokens = list(meta["tokenizer.ggml.tokens"])  # type: ignore[call-overload]
+    types = list(meta["tokenizer.ggml.token_type"])  # type: ignore[call-overload]
+    meta["tokenizer.ggml.tokens"] = tokens + [f"<t{i}>" for i in range(len(tokens), shape.vocab)]
+    meta["tokenizer.ggml.token_type"] = types + [1] * (shape.vocab - len(types))
+    return LoadedModel(model=model, config=config, tokenizer=Tokenizer.from_gguf_metadata(meta), name="random")
+
+
+def step_bytes(model: LlamaForCausalLM) -> int:
+    """Weight bytes a decode step reads: all parameters but the embedding table (only its rows are read), plus
+    the LM head, which is that table when tied."""
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    if model.lm_head is None:
+        total += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def decode_steps(loaded: LoadedModel, batch: int) -> tuple[list[float], int]:
+    """Wall times (ms) of TIMED_STEPS pure decode steps at `batch`, and the context length they ran at."""
+    config = loaded.config
+    steps = WARMUP_STEPS + TIMED_STEPS
+    tokens = batch * (PROMPT_LEN + steps + 16)
+    engine = LLMEngine(loaded, EngineConfig(block_size=16, max_num_seqs=max(BATCHES),
+                                            max_num_batched_tokens=max(PROMPT_LEN * max(BATCHES), 2048),
+                                            kv_cache_bytes=tokens * config.kv_bytes_per_token(DTYPE),
+                                            enable_prefix_caching=False))
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [rng.randrange(3, config.vocab_size) for _ in range(PROMPT_LEN)], params)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill (all prompts fit one step's token budget)
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    times = []
+    for _ in range(TIMED_STEPS):
+        synchronize(DEVICE)
+        start = time.perf_counter()
+        outputs = engine.step()
+        synchronize(DEVICE)
+        times.append((time.perf_counter() - start) * 1e3)
+        assert len(outputs) == batch, f"a decode step gave {len(outputs)} outputs for {batch} requests"
+    context = PROMPT_LEN + WARMUP_STEPS + TIMED_STEPS
+    for i in range(batch):
+        engine.abort_request(f"r{i}")
+    return times, context
+
+
+def main() -> int:
+    rep = Reporter("steptime", ARGS.out)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        rep.report("cuda_available", False, "torch sees no CUDA device")
+        return rep.exit_code()
+    bandwidth = copy_bandwidth_gbs(DEVICE)
+    rep.report("copy_bandwidth", bandwidth > 0, fmt(gbs=bandwidth), gbs=bandwidth)
+    for name, shape in SHAPES.items():
+        def run(name: str = name, shape: Shape = shape) -> None:
+            loaded = build(shape)
+            weight_bytes = step_bytes(loaded.model)
+            floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+            for batch in BATCHES:
+                times, context = decode_steps(loaded, batch)
+                step_ms = statistics.median(times)
+                kv_bytes = batch * context * loaded.config.kv_bytes_per_token(DTYPE)
+                floor_kv_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+                ok = math.isfinite(step_ms) and (DEVICE == "cpu" or step_ms >= 0.8 * floor_ms)
+                rep.report(f"{name}.b{batch}", ok,
+                           fmt(step_ms=step_ms, floor_ms=floor_ms, ratio=step_ms / floor_ms,
+                               tokens_per_s=batch / step_ms * 1e3),
+                           table="decode_step", model=name, dtype=str(DTYPE).removeprefix("torch."), batch=batch,
+                           layers=shape.layers, context=context, step_ms=step_ms, step_ms_min=min(times),
+                           step_ms_max=max(times), weight_bytes=weight_bytes, copy_gbs=bandwidth, floor_ms=floor_ms,
+                           floor_with_kv_ms=floor_kv_ms, ratio_to_floor=step_ms / floor_ms,
+                           tokens_per_s=batch / step_ms * 1e3)
+            del loaded
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+        rep.guarded(name, run)
+    return rep.exit_code()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
