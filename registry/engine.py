@@ -6,7 +6,7 @@ runtime config from these as they are (registry/launch.py carries them to it): t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
@@ -25,6 +25,9 @@ class EngineSpec(Frozen):
     # None: the partitioner's plan sizes it (a GPU), else the engine (1 GiB on a CPU)
     kv_cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
     enable_prefix_caching: bool = True
+    # how the weights are held: auto keeps a GGUF's own quantization on the CPU (bf16 on CUDA); q8 and q4 quantize
+    # to 8 or 4 bits on the CPU; fp32, bf16, fp16 dequantize (runtimes/llm/quant/weights.py)
+    weights: Literal["auto", "fp32", "bf16", "fp16", "q8", "q4"] = "auto"
 
     @field_validator("block_size")
     @classmethod

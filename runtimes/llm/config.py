@@ -115,6 +115,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on CUDA, fp32 on CPU)
+    # auto | fp32 | bf16 | fp16 | q8 | q4: how the weights are held (runtimes/llm/quant/weights.py); auto keeps a
+    # GGUF's own quantization on the CPU and is `dtype` on CUDA; fp32/bf16/fp16 set `dtype` when it is auto
+    weights: str = "auto"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
@@ -139,6 +142,8 @@ class EngineConfig:
             (0 < self.kv_cache_memory_fraction <= 1,
              f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
+            (self.weights in ("auto", "fp32", "bf16", "fp16", "q8", "q4"),
+             f"weights must be one of auto, fp32, bf16, fp16, q8, q4, got {self.weights!r}"),
             (self.attention_backend in ("auto", "torch", "cpu", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
             (self.scheduling in ("fcfs", "multilevel"),
@@ -165,12 +170,19 @@ class EngineConfig:
         return _build_options(MultiLevelConfig, self.multilevel, "multilevel")
 
     def resolve_device(self) -> torch.device:
+        """`device`; auto is CUDA when there is one, unless the weights are 4- or 8-bit (a CPU kernel)."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            cpu_only = self.weights in ("q8", "q4")
+            return torch.device("cuda" if torch.cuda.is_available() and not cpu_only else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the model's floating-point weights, activations and KV cache (block-format weights
+        compute in fp32 activations)."""
         if self.dtype == "auto":
+            named = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.weights)
+            if named is not None:
+                return named
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 

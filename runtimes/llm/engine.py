@@ -92,7 +92,8 @@ class LLMEngine:
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
         attention_fn = select_attention(config.attention_backend, device)
-        return cls(load_model(source, device, dtype, attention_fn), config, **kwargs)  # type: ignore[arg-type]
+        loaded = load_model(source, device, dtype, attention_fn, weights=config.weights)
+        return cls(loaded, config, **kwargs)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------------------------------ intake
 

@@ -9,7 +9,8 @@ interleaved RoPE works; our model uses Hugging Face's rotate-halves RoPE, so tho
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,11 @@ from tqdm import tqdm
 from registry.sources import resolve_model_path
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
+from runtimes.llm.quant.formats import BlockFormat
+from runtimes.llm.quant.weights import BlockTensor, as_blocks, as_float, block_formats, check_weights, swap_modules
 from runtimes.llm.tokenizer import Tokenizer
+
+Checkpoint = Iterable[tuple[str, "torch.Tensor | BlockTensor"]]
 
 
 @dataclass
@@ -38,40 +43,55 @@ def load_model(
     dtype: torch.dtype,
     attention_fn: AttentionFn | None = None,
     progress: bool = True,
+    weights: str | None = None,
 ) -> LoadedModel:
+    """Load a model onto `device`: every weight in `dtype`, or, with `weights` (`engine.weights`: auto, q8, q4 on
+    the CPU; see runtimes/llm/quant/weights.py), the projections, embedding and LM head in a block format."""
     path = resolve_model_path(source)
+    if weights is not None:
+        check_weights(weights, device)
     if path.is_dir():
         config = ModelConfig.from_hf_dir(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        tensors = _hf_tensors(path)
+        source_types: dict[str, int | None] = {}  # floating point throughout
         name = path.name
     else:
         reader, config, metadata = read_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
-        tensors = _gguf_tensors(reader, config)
+        source_types = {_hf_name(t.name): int(t.tensor_type) for t in reader.tensors}
         name = path.stem
+    formats = {} if weights is None else block_formats(weights, device, config.num_layers,
+                                                        config.tie_word_embeddings, source_types)
+    if path.is_dir():
+        tensors: Checkpoint = _hf_tensors(path)
+    else:
+        tensors = _gguf_tensors(reader, config, keep_blocks=lambda hf: _target_of(hf) in formats)
     if tokenizer.eos_token_ids and not config.eos_token_ids:
         config = replace(config, eos_token_ids=tokenizer.eos_token_ids)
-    model = load_state_dict(config, tensors, device, dtype, attention_fn, progress, desc=f"loading {name}")
+    model = load_state_dict(config, tensors, device, dtype, attention_fn, progress, desc=f"loading {name}",
+                            formats=formats)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name)
 
 
 def load_state_dict(
     config: ModelConfig,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Checkpoint,
     device: torch.device,
     dtype: torch.dtype,
     attention_fn: AttentionFn | None = None,
     progress: bool = False,
     desc: str = "loading",
+    formats: dict[str, BlockFormat] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model from (Hugging Face name, tensor) pairs without first initialising random weights. Its
-    parameters are allocated on `device` directly in `dtype` (never in fp32 first: that would double the peak)."""
+    parameters are allocated on `device` directly in `dtype` (never in fp32 first: that would double the peak), and
+    the weights `formats` names directly in their block format."""
     kwargs = {} if attention_fn is None else {"attention_fn": attention_fn}
     with torch.device("meta"):
         model = LlamaForCausalLM(config, **kwargs)
+    swap_modules(model, formats or {})
     model = model.to(dtype).to_empty(device=device)
-    _load_weights(model, tensors, config, device, dtype, progress, desc)
+    _load_weights(model, tensors, config, device, dtype, progress, desc, formats or {})
     model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
     if device.type == "cpu":
         _store_weights_transposed(model)
@@ -92,8 +112,9 @@ def pack_cpu_weights(model: LlamaForCausalLM) -> None:
     for module in model.modules():
         if isinstance(module, Linear):  # the projections the model declares packable: gate|up
             module.packed = _pack(module.weight)
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.packed_lm_head = _pack(head)
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    if isinstance(head, (torch.nn.Embedding, torch.nn.Linear)):  # not one kept in a block format
+        model.packed_lm_head = _pack(head.weight)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -108,7 +129,7 @@ def _store_weights_transposed(model: LlamaForCausalLM) -> None:
     step): all projections + LM head at batch 32, 1 thread 181 -> 135-146 ms, 2 threads 58 -> 54 ms;
     batch 1 and 512-token prefill unchanged. A tied embedding's lookups then read strided rows (negligible)."""
     matmul_weights: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if model.lm_head is None:  # tied: the embedding table is the LM head's weight
+    if model.lm_head is None and isinstance(model.embed_tokens, torch.nn.Embedding):  # tied: the table is the head
         matmul_weights.append(model.embed_tokens)
     for module in matmul_weights:
         weight = module.weight
@@ -121,16 +142,19 @@ def _store_weights_transposed(model: LlamaForCausalLM) -> None:
 
 def _load_weights(
     model: LlamaForCausalLM,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Checkpoint,
     config: ModelConfig,
     device: torch.device,
     dtype: torch.dtype,
     progress: bool,
     desc: str,
+    formats: dict[str, BlockFormat],
 ) -> None:
     """Copy checkpoint tensors (Hugging Face names) into the fused model; fail on anything missing or extra.
     Q, K and V (gate and up) go straight into their rows of the fused weight, so none is held back for a concat."""
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
+    params |= {name.removesuffix(".qweight") + ".weight": buffer for name, buffer in model.named_buffers()
+               if name.endswith(".qweight")}  # block-format weights: their buffers take the checkpoint's blocks
     loaded: set[str] = set()
     q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     fuse_parts = {  # checkpoint projection -> (fused weight, first row, rows)
@@ -145,12 +169,12 @@ def _load_weights(
         match = re.fullmatch(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", name)
         if match and match.group(3) in fuse_parts:
             target, start, rows = fuse_parts[match.group(3)]
-            _copy(params, f"layers.{match.group(1)}.{target}.weight", tensor, device, dtype, rows=(start, rows),
-                  what=name)
+            key = f"layers.{match.group(1)}.{target}.weight"
+            _copy(params, key, tensor, device, dtype, formats.get(key), rows=(start, rows), what=name)
         elif name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         else:
-            _copy(params, name, tensor, device, dtype)
+            _copy(params, name, tensor, device, dtype, formats.get(name))
         loaded.add(name)
     fused = ("qkv_proj.weight", "gate_up_proj.weight")
     parts = {f"layers.{i}.{target.split('.')[0]}.{part}.weight": f"layers.{i}.{target}.weight"
@@ -161,17 +185,30 @@ def _load_weights(
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def _copy(params: dict[str, torch.nn.Parameter], name: str, tensor: torch.Tensor, device: torch.device,
-          dtype: torch.dtype, rows: tuple[int, int] | None = None, what: str | None = None) -> None:
-    """`tensor` into the parameter `name`, or into its `rows` (first row, count) for one part of a fused weight."""
+def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor | BlockTensor, device: torch.device,
+          dtype: torch.dtype, fmt: BlockFormat | None = None, rows: tuple[int, int] | None = None,
+          what: str | None = None) -> None:
+    """`tensor` into the weight `name`, or into its `rows` (first row, count) for one part of a fused weight; a
+    weight kept in block format `fmt` takes the tensor's blocks, converted when the checkpoint stores others."""
     if name not in params:
         raise ValueError(f"checkpoint has an unexpected weight {what or name!r}")
     param = params[name] if rows is None else params[name].narrow(0, *rows)
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"weight {what or name!r} has shape {tuple(tensor.shape)}, model expects "
-                         f"{tuple(param.shape)}")
+    shape = tuple(tensor.shape)
+    fits = shape == tuple(param.shape) if fmt is None else (
+        shape[0] == param.shape[0] and fmt.packed_row_bytes(shape[1]) == param.shape[1])
+    if not fits:
+        expected = tuple(param.shape) if fmt is None else f"{param.shape[0]} {fmt.name} rows of {param.shape[1]} bytes"
+        raise ValueError(f"weight {what or name!r} has shape {shape}, model expects {expected}")
+    source = _from_numpy(as_blocks(tensor, fmt)) if fmt is not None else as_float(tensor)
     with torch.no_grad():
-        param.copy_(tensor.to(device=device, dtype=dtype))
+        param.copy_(source.to(device=device, dtype=param.dtype))
+
+
+def _from_numpy(array: np.ndarray) -> torch.Tensor:
+    """A tensor over `array`, which may be a read-only view of the memory map: it is only read (copied from)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -258,24 +295,46 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _gguf_tensors(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_name(gguf_name: str) -> str:
+    """A GGUF tensor's Hugging Face name (`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`)."""
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet")
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
+
+
+_FUSED_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                  "up_proj": "gate_up_proj"}
+
+
+def _target_of(hf_name: str) -> str:
+    """The model weight a checkpoint weight goes into (a part of a fused projection goes into the fused one)."""
+    head, _, tail = hf_name.rpartition(".")  # tail: "weight"
+    prefix, _, proj = head.rpartition(".")
+    return f"{prefix}.{_FUSED_TARGETS[proj]}.{tail}" if proj in _FUSED_TARGETS else hf_name
+
+
+def _gguf_tensors(reader: Any, config: ModelConfig,
+                  keep_blocks: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, tensor) for each GGUF tensor: dequantized to fp32, or, where `keep_blocks(name)`, its
+    blocks as the file stores them (`BlockTensor`, a view of the memory map). Q and K rows are un-permuted."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            raise ValueError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet")
+        name = _hf_name(tensor.name)
+        kind = name.rsplit(".", 2)[-2]
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(kind)
+        if keep_blocks(name):
+            blocks = tensor.data if heads is None else unpermute_qk(tensor.data, heads)
+            yield name, BlockTensor(blocks, int(tensor.tensor_type), int(tensor.shape[0]))
+            continue
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if heads is not None:
+            array = unpermute_qk(array, heads)
         if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
             array = array.copy()
-        if tensor.name in _GGUF_NAMES:
-            yield _GGUF_NAMES[tensor.name], torch.from_numpy(array)
-            continue
-        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", tensor.name)
-        if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
-            raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
-        kind = match.group(2)
-        if kind == "attn_q":
-            array = unpermute_qk(array, config.num_heads)
-        elif kind == "attn_k":
-            array = unpermute_qk(array, config.num_kv_heads)
-        yield f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[kind]}.weight", torch.from_numpy(array)
+        yield name, torch.from_numpy(array)

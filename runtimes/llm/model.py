@@ -16,6 +16,7 @@ from torch import nn
 
 from runtimes.llm.attention import AttentionMetadata, paged_attention_ref, write_kv
 from runtimes.llm.config import ModelConfig, RopeScaling
+from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
@@ -195,5 +196,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return packed_linear(hidden, weight, self.packed_lm_head).float()
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantEmbedding):  # a tied head kept in a block format
+            return head.project(hidden)
+        if isinstance(head, QuantLinear):
+            return head(hidden)
+        return packed_linear(hidden, head.weight, self.packed_lm_head).float()

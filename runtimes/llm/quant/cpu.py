@@ -1,0 +1,91 @@
+"""`QuantLinear`: a projection whose weight stays in a block format (`formats`), multiplied on CPU by our kernel
+(`cpu_quant.cpp`: activations quantized per block to int8 on the fly, integer dot products, weights read once per
+call). The kernel is compiled on first use like the attention kernel; without a C++ compiler the layer falls back
+to dequantizing its weight for each call (correct, slow) and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtimes.llm.quant.formats import BlockFormat, dequantize_rows
+
+_SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+log = structlog.get_logger(__name__)
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Build (or reuse the cached build of) the kernel and register `torch.ops.multiserve_quant`; False, logged,
+    when it cannot be built here."""
+    try:  # -march=native: the build is cached per machine; it picks AVX-512 VNNI / AVX-VNNI / AVX2 / scalar code
+        build_kernel("multiserve_quant", "native")
+    except Exception as exc:  # no compiler, no headers: the reference path still computes the same thing
+        log.warning("quantized_kernel_unavailable", error=repr(exc))
+        return False
+    return True
+
+
+def build_kernel(namespace: str, march: str) -> None:
+    """Compile the kernel for `-march=<march>` and register its op as `torch.ops.<namespace>.quant_linear` (tests
+    build the AVX2 and the scalar code this way, whatever this machine's CPU prefers)."""
+    from torch.utils.cpp_extension import load
+
+    load(name=f"multiserve_cpu_quant_{namespace}_{march.replace('-', '_')}", sources=[str(_SOURCE)],
+         extra_cflags=["-O3", f"-march={march}", "-fopenmp", f"-DMULTISERVE_QUANT_NS={namespace}"],
+         is_python_module=False, verbose=False)
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
+    """x `[M, K]` (fp32) @ W.T for W `[N, packed_row_bytes]`, packed rows of `fmt`."""
+    if x.is_cpu and kernel_available():
+        return torch.ops.multiserve_quant.quant_linear(x.float(), weight, fmt.bits, in_features)
+    return F.linear(x.float(), dequantize_rows(weight, fmt, in_features))
+
+
+class QuantLinear(nn.Module):
+    """A bias-free projection with its weight in a block format. The blocks are a buffer (state dicts carry them)."""
+
+    qweight: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, fmt: BlockFormat, qweight: torch.Tensor) -> None:
+        super().__init__()
+        if tuple(qweight.shape) != (out_features, fmt.packed_row_bytes(in_features)) or qweight.dtype != torch.uint8:
+            raise ValueError(f"{fmt.name} weight of {out_features} x {in_features} needs packed uint8 rows of shape "
+                             f"({out_features}, {fmt.packed_row_bytes(in_features)}), got {tuple(qweight.shape)} "
+                             f"{qweight.dtype}")
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.register_buffer("qweight", qweight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.qweight, self.fmt, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in a block format: a lookup dequantizes the rows it returns; `project` multiplies by
+    the table as a (tied) LM head."""
+
+    qweight: torch.Tensor
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, fmt: BlockFormat, qweight: torch.Tensor) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.fmt = num_embeddings, embedding_dim, fmt
+        self.register_buffer("qweight", qweight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.qweight.index_select(0, ids.reshape(-1)), self.fmt, self.embedding_dim)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return quant_linear(hidden, self.qweight, self.fmt, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt.name}"

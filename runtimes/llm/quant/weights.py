@@ -1,0 +1,143 @@
+"""Which weights a model keeps in a block format, and getting them there.
+
+`engine.weights` chooses per model: `fp32`, `bf16`, `fp16` run every weight in that dtype (GGUF blocks are
+dequantized at load); `q8` and `q4` keep the projections, the embedding table and the LM head in Q8_0 / a 4-bit
+format on the CPU kernel; `auto` keeps what a GGUF file has where the kernel computes on it as it is (Q8_0, Q4_0,
+Q4_1), requantizes its other quantized types (K-quants, Q5_*) to Q8_0, and leaves floating-point tensors (and a
+Hugging Face checkpoint) in floating point. On CUDA `auto` means bf16; the block formats run on the CPU only.
+Norms stay in floating point whatever the choice.
+
+The loader decides each weight's format before it allocates anything (`block_formats`), swaps the model's modules
+for block-format ones holding empty buffers of the final size (`swap_modules`), then copies each checkpoint tensor
+into its buffer, converted on the way when its own format differs (`as_blocks`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
+from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, format_of, pack, quantize
+
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q4")
+FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_GGML_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
+_FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+_PROJECTIONS = re.compile(r"layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)\.weight")
+
+
+@dataclass(frozen=True)
+class BlockTensor:
+    """A checkpoint weight as its file stores it: `[N, bytes per row]` in GGML type `ggml_type` (a view of the
+    memory-mapped file until it is copied), `in_features` values per row."""
+
+    blocks: np.ndarray
+    ggml_type: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.blocks.shape[0]), self.in_features
+
+
+def check_weights(weights: str, device: torch.device) -> None:
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
+    if weights in ("q8", "q4") and device.type != "cpu":
+        raise ValueError(f"weights {weights!r} run on the CPU kernel only; on {device.type} use bf16, fp16 or fp32")
+
+
+def weight_format(weights: str, ggml_type: int | None) -> BlockFormat | None:
+    """The block format one weight is kept in under `weights`, given the GGML type its file stores it in (None: a
+    floating-point checkpoint tensor); None keeps it in floating point."""
+    native = None if ggml_type is None else format_of(ggml_type)
+    if weights == "q8":
+        return Q8_0
+    if weights == "q4":
+        return native if native in (Q4_0, Q4_1) else Q4_1
+    if weights == "auto" and ggml_type is not None and ggml_type not in _GGML_FLOAT_TYPES:
+        return native or Q8_0
+    return None
+
+
+def block_formats(weights: str, device: torch.device, num_layers: int, tied: bool,
+                  source_types: Mapping[str, int | None]) -> dict[str, BlockFormat]:
+    """The model's weights (its own names) kept in a block format, and which. `source_types`: each checkpoint weight
+    (Hugging Face names) -> its GGML type, None for floating point. A fused weight whose parts would differ takes
+    Q8_0, which holds any of them."""
+    if device.type != "cpu" or weights in FLOAT_WEIGHTS:
+        return {}
+
+    def fmt(hf_name: str) -> BlockFormat | None:
+        return weight_format(weights, source_types.get(hf_name))
+
+    chosen: dict[str, BlockFormat | None] = {"embed_tokens.weight": fmt("embed_tokens.weight")}
+    if not tied:
+        chosen["lm_head.weight"] = fmt("lm_head.weight")
+    for i in range(num_layers):
+        for fused, parts in _FUSED.items():
+            group = fused.split(".")[0]
+            kinds = {fmt(f"layers.{i}.{group}.{part}.weight") for part in parts}
+            chosen[f"layers.{i}.{fused}.weight"] = kinds.pop() if len(kinds) == 1 else Q8_0
+        for single in ("self_attn.o_proj", "mlp.down_proj"):
+            chosen[f"layers.{i}.{single}.weight"] = fmt(f"layers.{i}.{single}.weight")
+    return {name: f for name, f in chosen.items() if f is not None}
+
+
+def swap_modules(model: nn.Module, formats: Mapping[str, BlockFormat]) -> None:
+    """Replace each module whose weight `formats` names by its block-format twin, its buffer empty on the model's
+    (meta) device: `to_empty` then allocates it at its final size, and the loader fills it."""
+    for name, fmt in formats.items():
+        path = name.removesuffix(".weight")
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, attr)
+        if isinstance(old, nn.Embedding):
+            rows, width = old.num_embeddings, old.embedding_dim
+            new: nn.Module = QuantEmbedding(rows, width, fmt, _empty_blocks(rows, width, fmt, old.weight.device))
+        elif isinstance(old, nn.Linear):
+            rows, width = old.out_features, old.in_features
+            new = QuantLinear(width, rows, fmt, _empty_blocks(rows, width, fmt, old.weight.device))
+        else:
+            raise TypeError(f"{name}: cannot keep a {type(old).__name__}'s weight in a block format")
+        setattr(parent, attr, new)
+
+
+def _empty_blocks(rows: int, width: int, fmt: BlockFormat, device: torch.device) -> torch.Tensor:
+    return torch.empty(rows, fmt.packed_row_bytes(width), dtype=torch.uint8, device=device)
+
+
+def is_block_weight(name: str) -> bool:
+    """Whether a model weight (its own name) is one `block_formats` may choose a format for."""
+    return name in ("embed_tokens.weight", "lm_head.weight") or _PROJECTIONS.fullmatch(name) is not None
+
+
+def as_blocks(tensor: BlockTensor | torch.Tensor, fmt: BlockFormat) -> np.ndarray:
+    """A checkpoint weight as the kernel's packed rows of `fmt`: its own blocks repacked when it is stored in `fmt`,
+    else dequantized (if it is quantized) and quantized to `fmt`."""
+    if isinstance(tensor, BlockTensor):
+        if tensor.ggml_type == fmt.ggml_id:
+            return pack(tensor.blocks, fmt)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(tensor.blocks, GGMLQuantizationType(tensor.ggml_type))
+        return quantize(np.asarray(values, dtype=np.float32).reshape(tensor.shape), fmt)
+    return quantize(tensor.detach().float().cpu().numpy(), fmt)
+
+
+def as_float(tensor: BlockTensor | torch.Tensor) -> torch.Tensor:
+    """A checkpoint weight in fp32 (dequantized when it is stored in blocks)."""
+    if not isinstance(tensor, BlockTensor):
+        return tensor
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(tensor.blocks, GGMLQuantizationType(tensor.ggml_type))
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(tensor.shape))

