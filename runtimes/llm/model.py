@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtimes.llm import fused
 from runtimes.llm.attention import AttentionMetadata, paged_attention_ref, write_kv
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
@@ -50,10 +51,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        if fused.applies(x):
+            return torch.ops.multiserve_fused.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and the next norm in one pass where the
+        fused operations apply (`residual` is then updated in place)."""
+        if fused.applies(x):
+            return torch.ops.multiserve_fused.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self.forward(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:  # [D/2]
@@ -128,7 +139,11 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # RoPE on q and k together, one pass over [T, Hq + KVH, D]
-        qk = self.rope.rotate(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if fused.applies(qkv):
+            torch.ops.multiserve_fused.rotary_(qk, rope[0].squeeze(1), rope[1].squeeze(1))  # in place, in qkv
+        else:
+            qk = self.rope.rotate(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -145,7 +160,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.applies(gate_up):
+            return self.down_proj(torch.ops.multiserve_fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -160,12 +178,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the add of the MLP output to the stream is
+        left to the next norm, which does it in the same pass (as vLLM's layers do)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -191,9 +216,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, H] final hidden states
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         head = self.embed_tokens if self.lm_head is None else self.lm_head

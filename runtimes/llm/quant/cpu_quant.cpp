@@ -71,11 +71,15 @@ struct Activations {
   int64_t nb, nbp;
   std::vector<int8_t> q, lo, hi;  // [M, nbp * 32] or 2 x [M, nbp * 16]
   std::vector<float> d, dsum;     // [M, nbp]: scale, scale * sum of the block's int8 values
+  std::vector<float> spread;      // [M, nbp * lanes]: each block's scale repeated over the int32 lanes its dot
+                                  // product fills (4-bit: 4, 8-bit: 8), to multiply whole vectors by
 };
 
 Activations quantize_activations(const float* x, int64_t M, int64_t K, bool four_bit) {
   const int64_t nb = K / QK, nbp = nb + (nb & 1);
-  Activations a{nb, nbp, {}, {}, {}, std::vector<float>(M * nbp, 0.f), std::vector<float>(M * nbp, 0.f)};
+  const int64_t lanes = four_bit ? 4 : 8;
+  Activations a{nb, nbp, {}, {}, {}, std::vector<float>(M * nbp, 0.f), std::vector<float>(M * nbp, 0.f),
+                std::vector<float>(M * nbp * lanes, 0.f)};
   if (four_bit) {
     a.lo.assign(M * nbp * QK / 2, 0);
     a.hi.assign(M * nbp * QK / 2, 0);
@@ -104,6 +108,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, bool four
       }
       a.d[at] = d;
       a.dsum[at] = d * static_cast<float>(total);
+      std::fill_n(a.spread.data() + at * lanes, lanes, d);
     }
   }
   return a;
@@ -116,9 +121,11 @@ inline float offsets(const uint16_t* c, const float* dsum, int64_t nb) {
   return total;
 }
 
-constexpr int64_t TILE = 4;  // activation rows per pass over a weight row
+constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead weight rows are prefetched
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+
+constexpr int64_t TILE = 8;  // activation rows per pass over a weight row (their sums stay in registers)
 
 // Lanes 4k..4k+3 <- element k: one block's scale over the four int32 lanes its 16 bytes sum into.
 inline __m512 spread4(__m128 v) {
@@ -159,13 +166,13 @@ void row4(const uint8_t* w, const Activations& a, int64_t m0, int64_t rows, floa
   for (; b + 4 <= nbp; b += 4) {
     const __m512i v = _mm512_loadu_si512(w + b * 16);
     const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-    const __m128 wd = halves4(d + b);
+    const __m512 wd = spread4(halves4(d + b));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = (m0 + r) * nbp + b;
       __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(a.lo.data() + at * 16));
       dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(a.hi.data() + at * 16));
-      const __m512 s = spread4(_mm_mul_ps(wd, _mm_loadu_ps(a.d.data() + at)));
-      acc[r] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot), acc[r]);
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(a.spread.data() + at * 4));
+      acc[r] = _mm512_fmadd_ps(scaled, wd, acc[r]);
     }
   }
   if (b < nbp) {  // two blocks left
@@ -173,13 +180,14 @@ void row4(const uint8_t* w, const Activations& a, int64_t m0, int64_t rows, floa
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     const float d0 = half_to_float(d[b]), d1 = half_to_float(d[b + 1]);
+    const __m256 wd = _mm256_setr_ps(d0, d0, d0, d0, d1, d1, d1, d1);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = (m0 + r) * nbp + b;
       __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + at * 16)));
       dot = _mm256_dpbusd_epi32(dot, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + at * 16)));
-      const float s0 = d0 * a.d[at], s1 = d1 * a.d[at + 1];
-      tail[r] = _mm256_fmadd_ps(_mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1), _mm256_cvtepi32_ps(dot), tail[r]);
+      const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(a.spread.data() + at * 4));
+      tail[r] = _mm256_fmadd_ps(scaled, wd, tail[r]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -200,14 +208,13 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, int64_t rows, floa
   for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nbp; b += 2) {
     const __m512i v = _mm512_loadu_si512(w + b * 32);
-    const __m128 wd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(d + b)));
+    const __m128 wd2 = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(d + b)));
+    const __m512 wd = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(wd2));
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t at = (m0 + r) * nbp + b;
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(a.q.data() + at * 32));
-      const __m128 s = _mm_mul_ps(wd, _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-                                          a.d.data() + at))));
-      acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(s)), _mm512_cvtepi32_ps(dot),
-                               acc[r]);
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(a.spread.data() + at * 8));
+      acc[r] = _mm512_fmadd_ps(scaled, wd, acc[r]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -216,6 +223,8 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, int64_t rows, floa
 }
 
 #elif defined(__AVX2__)
+
+constexpr int64_t TILE = 4;
 
 inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {  // acc + four-byte sums of u * s (u unsigned)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -304,6 +313,8 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, int64_t rows, floa
 
 #else
 
+constexpr int64_t TILE = 4;
+
 void row_scalar(const uint8_t* w, int bits, const Activations& a, int64_t m0, int64_t rows, float* y, int64_t ys) {
   const int64_t nbp = a.nbp, value_bytes = bits == 4 ? 16 : 32;
   const uint16_t* d = reinterpret_cast<const uint16_t*>(w + nbp * value_bytes);
@@ -355,6 +366,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t b
   float* y = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
+#if defined(__AVX2__)
+      if (n + PREFETCH_ROWS < end) {  // rows come from L3 or memory: ask for a later one while this one computes
+        const char* next = reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS) * row_bytes);
+        for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+      }
+#endif
       for (int64_t m = 0; m < M; m += TILE) {
         const int64_t rows = std::min(TILE, M - m);
         if (bits == 4) {

@@ -1,0 +1,58 @@
+"""The fused fp32 CPU operations against the PyTorch reference path they replace in the model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtimes.llm import fused
+from runtimes.llm.config import RopeScaling
+from runtimes.llm.model import RMSNorm, RotaryEmbedding
+
+OPS = torch.ops.multiserve_fused
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_norms_and_the_residual_add():
+    assert fused.available()
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(7, 96) * 4, torch.randn(7, 96)
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert _close(OPS.rms_norm(x, norm.weight, 1e-5), reference)
+    stream = residual.clone()
+    normed = OPS.add_rms_norm(x, stream, norm.weight, 1e-5)
+    assert torch.equal(stream, x + residual)  # updated in place, exactly the reference's sum
+    total = x + residual
+    assert _close(normed, norm.weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5)))
+    with torch.no_grad():
+        fused_pair = norm.add_forward(x, residual.clone())
+    assert _close(fused_pair[0], normed) and torch.equal(fused_pair[1], total)
+
+
+def test_rotary_in_place_on_the_fused_projection():
+    """q and k rotated inside the q|k|v output (a strided view), v untouched, as `RotaryEmbedding.rotate` does."""
+    torch.manual_seed(1)
+    rope = RotaryEmbedding(16, 64, 10000.0, RopeScaling())
+    qkv = torch.randn(5, (4 + 2 + 2) * 16)
+    positions = torch.tensor([0, 3, 9, 10, 63])
+    cos, sin = rope.lookup(positions)
+    qk_view = qkv[:, : 6 * 16].view(5, 6, 16)
+    expected = RotaryEmbedding.rotate(qk_view.clone(), cos, sin)
+    v_before = qkv[:, 6 * 16 :].clone()
+    OPS.rotary_(qk_view, cos.squeeze(1), sin.squeeze(1))
+    assert _close(qkv[:, : 6 * 16].view(5, 6, 16), expected) and torch.equal(qkv[:, 6 * 16 :], v_before)
+
+
+def test_silu_times_up():
+    gate_up = torch.randn(9, 2 * 40) * 5
+    gate, up = gate_up.split(40, dim=-1)
+    assert _close(OPS.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_other_dtypes_take_the_reference_path():
+    assert fused.applies(torch.zeros(2, 2)) and not fused.applies(torch.zeros(2, 2, dtype=torch.bfloat16))
