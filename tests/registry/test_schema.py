@@ -52,6 +52,13 @@ def test_a_launch_builds_an_engine_config():
     assert embedding_config(replica_launch(embedder, 0)).device == "cpu"
 
 
+def test_the_variants_example_serves_one_file_at_two_precisions():
+    registry = load_registry(DEFAULT_CONFIG.with_name("variants.yaml"))
+    full, quantized = registry.models
+    assert full.source == quantized.source and full.variants == {"internal": quantized.name}
+    assert (full.engine.weights, quantized.engine.weights) == ("fp32", "auto")
+
+
 def test_defaults_and_minimal_model():
     registry = parse_registry(registry_text(chat("m")), "x.yaml")
     spec = registry.models[0]
