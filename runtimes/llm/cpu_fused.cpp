@@ -6,6 +6,7 @@
 //   rms_norm(x, weight, eps):               x * rsqrt(mean(x^2) + eps) * weight
 //   rotary_(qk, positions, cos, sin):       rotate-halves RoPE in place over qk [T, heads, D]
 //   silu_mul(gate_up):                      silu(gate) * up, gate_up = [gate | up] per row
+//   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot
 //
 // Each is written as the reference computes it, element by element in the same order, and built with
 // -ffp-contract=off, so its results equal the reference path's.
@@ -18,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -108,6 +110,32 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, const at::Tensor& value,
+               const at::Tensor& slots) {
+  // caches: [num_blocks, block_size, KVH, D] contiguous; key, value: [T, KVH, D], unit stride in D (views into the
+  // fused q|k|v output); slots: [T] int64, a token's slot = block * block_size + offset
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "caches must be contiguous fp32");
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.stride(2) == 1 &&
+              value.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "key and value must be fp32 [T, KVH, D] with unit stride in D; slots int64");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2), row = heads * dim;
+  const int64_t num_slots = k_cache.numel() / row;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = sp[t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " is outside the cache (", num_slots, " slots)");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kc + slot * row + h * dim, kp + t * key.stride(0) + h * key.stride(1), dim * sizeof(float));
+      std::memcpy(vc + slot * row + h * dim, vp + t * value.stride(0) + h * value.stride(1), dim * sizeof(float));
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(multiserve_fused, m) {
@@ -115,8 +143,10 @@ TORCH_LIBRARY(multiserve_fused, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("write_kv_", c10::DispatchKey::CPU, TORCH_FN(write_kv_));
 }

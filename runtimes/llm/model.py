@@ -147,7 +147,10 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if fused.applies(k_cache):
+            torch.ops.multiserve_fused.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
+        else:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.attention_fn(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

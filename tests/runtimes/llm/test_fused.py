@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -56,3 +57,20 @@ def test_silu_times_up():
 
 def test_other_dtypes_take_the_reference_path():
     assert fused.applies(torch.zeros(2, 2)) and not fused.applies(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+def test_write_kv_from_views_of_the_fused_projection():
+    from runtimes.llm.attention import write_kv
+
+    torch.manual_seed(2)
+    qkv = torch.randn(3, (4 + 2 + 2) * 8)
+    k = qkv[:, 32:48].view(3, 2, 8)
+    v = qkv[:, 48:].view(3, 2, 8)
+    slots = torch.tensor([5, 0, 17])
+    fused_k, fused_v = torch.zeros(4, 6, 2, 8), torch.zeros(4, 6, 2, 8)
+    ref_k, ref_v = torch.zeros(4, 6, 2, 8), torch.zeros(4, 6, 2, 8)
+    OPS.write_kv_(fused_k, fused_v, k, v, slots)
+    write_kv(k, v, ref_k, ref_v, slots)
+    assert torch.equal(fused_k, ref_k) and torch.equal(fused_v, ref_v)
+    with pytest.raises(RuntimeError, match="slot 24 is outside the cache"):
+        OPS.write_kv_(fused_k, fused_v, k, v, torch.tensor([0, 1, 24]))
