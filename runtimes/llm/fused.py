@@ -1,11 +1,13 @@
-"""The fused fp32 CPU operations of a decoder layer (`cpu_fused.cpp`): RMSNorm with the residual add, RoPE in
-place, SiLU times up. The model uses them where they apply (`applies`) and its PyTorch reference path elsewhere
-(other dtypes, other devices, or no C++ compiler here). Compiled on first use, like the other CPU kernels."""
+"""The fused operations of a decoder layer: RMSNorm with the residual add, RoPE in place, SiLU times up (and, on
+the CPU, the KV-cache write). For fp32 on the CPU they are C++ (`cpu_fused.cpp`, compiled on first use like the
+other CPU kernels: `applies`); on CUDA they are Triton (`triton_fused.py`: `cuda_ops`). The model takes its
+PyTorch reference path everywhere else (other CPU dtypes, no compiler, no Triton)."""
 
 from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import ModuleType
 
 import structlog
 import torch
@@ -32,3 +34,18 @@ def available() -> bool:
 def applies(x: torch.Tensor) -> bool:
     """Whether the fused operations take `x`: fp32 on the CPU (the reference path takes everything else)."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and available()
+
+
+def cuda_ops(x: torch.Tensor) -> ModuleType | None:
+    """The Triton operations (`runtimes.llm.triton_fused`) for a CUDA tensor, None otherwise."""
+    return _triton_fused() if x.device.type == "cuda" else None
+
+
+@functools.cache
+def _triton_fused() -> ModuleType | None:
+    try:
+        from runtimes.llm import triton_fused
+    except ImportError as exc:  # no Triton: the reference path
+        log.warning("triton_fused_unavailable", error=repr(exc))
+        return None
+    return triton_fused

@@ -53,6 +53,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         if fused.applies(x):
             return torch.ops.multiserve_fused.rms_norm(x, self.weight, self.eps)
+        if (ops := fused.cuda_ops(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -63,6 +65,8 @@ class RMSNorm(nn.Module):
         fused operations apply (`residual` is then updated in place)."""
         if fused.applies(x):
             return torch.ops.multiserve_fused.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if (ops := fused.cuda_ops(x)) is not None:
+            return ops.add_rms_norm_(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return self.forward(residual), residual
 
@@ -142,6 +146,8 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if fused.applies(qkv):
             torch.ops.multiserve_fused.rotary_(qk, rope[0].squeeze(1), rope[1].squeeze(1))  # in place, in qkv
+        elif (ops := fused.cuda_ops(qkv)) is not None:
+            ops.rotary_(qk, rope[0].squeeze(1), rope[1].squeeze(1))
         else:
             qk = self.rope.rotate(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, KVH, D]
@@ -166,6 +172,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if fused.applies(gate_up):
             return self.down_proj(torch.ops.multiserve_fused.silu_mul(gate_up))
+        if (ops := fused.cuda_ops(gate_up)) is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
