@@ -96,7 +96,7 @@ def _gguf_file(path: Path) -> tuple[ModelConfig, int]:
     from runtimes.llm.loader import read_gguf
 
     reader, config, _ = read_gguf(path)
-    return config, sum(int(t.n_elements) for t in reader.tensors)
+    return config, sum(math.prod(t.shape) for t in reader.tensors)
 
 
 def _hf_directory(path: Path) -> tuple[ModelConfig, int]:

@@ -1,14 +1,15 @@
 """Load a Llama-family model from a GGUF file or a Hugging Face directory (config.json + *.safetensors).
 
-GGUF tensors are dequantized with gguf-py (llama.cpp's own, numpy-vectorized) to fp32 one at a time and cast to
-the engine's dtype as they are copied in: the model is allocated once, in its own dtype, and the load never holds
-more than one checkpoint tensor in fp32 besides it. llama.cpp's converter permutes the rows of Q and K so its
-interleaved RoPE works; our model uses Hugging Face's rotate-halves RoPE, so those permutations are undone here.
+A GGUF file is read through `gguf_file.GGUFFile` (a memory map). Its tensors are kept in their blocks
+(`quant/weights.py`) or dequantized with gguf-py (llama.cpp's own, numpy-vectorized) to fp32 one at a time and
+cast to the engine's dtype as they are copied in: the model is allocated once, in its own dtype, and the load
+never holds more than one checkpoint tensor in fp32 besides it. llama.cpp's converter permutes the rows of Q and K
+so its interleaved RoPE works; our model uses Hugging Face's rotate-halves RoPE, so those permutations are undone
+here.
 """
 
 from __future__ import annotations
 
-import gc
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 from registry.sources import resolve_model_path
 from runtimes.llm.config import ModelConfig, RopeScaling
+from runtimes.llm.gguf_file import GGUFFile
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
 from runtimes.llm.quant.formats import BlockFormat
 from runtimes.llm.quant.weights import BlockTensor, as_blocks, as_float, block_formats, check_weights, swap_modules
@@ -61,11 +63,6 @@ def load_model(
         tokenizer = Tokenizer.from_gguf_metadata(metadata)
         source_types = {_hf_name(t.name): int(t.tensor_type) for t in reader.tensors}
         name = path.stem
-        # gguf-py keeps small arrays for every metadata value (~160 MB for a 49k-token vocabulary): drop them
-        # before the model is allocated, or the heap keeps their pages (tensors are read through `reader.tensors`)
-        del metadata
-        reader.fields.clear()
-        gc.collect()
     formats = {} if weights is None else block_formats(weights, device, config.num_layers,
                                                         config.tie_word_embeddings, source_types)
     if path.is_dir():
@@ -232,15 +229,11 @@ def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 # ----------------------------------------------------------------------------------------------- GGUF
 
 
-def read_gguf(path: Path) -> tuple[Any, ModelConfig, dict[str, Any]]:
-    """A GGUF file's reader (it memory-maps the file: no tensor data is read yet), its model's config and its
-    metadata."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    metadata = {key: field.contents() for key, field in reader.fields.items()}
-    config = gguf_model_config(metadata, has_output=any(t.name == "output.weight" for t in reader.tensors))
-    return reader, config, metadata
+def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, Any]]:
+    """A GGUF file (its memory-mapped tensors: no tensor data is read yet), its model's config and its metadata."""
+    file = GGUFFile(path)
+    config = gguf_model_config(file.metadata, has_output=any(t.name == "output.weight" for t in file.tensors))
+    return file, config, file.metadata
 
 
 def gguf_model_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:

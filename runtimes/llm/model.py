@@ -212,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn = paged_attention_ref) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init: every loader overwrites the table (and a normal_ on the meta device, where the loader
+        # builds the model, costs a one-time ~1 s of torch imports)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, attention_fn) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -251,12 +251,11 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Read the tokenizer from a GGUF file (only its metadata; tensors stay memory-mapped, untouched)."""
-        import gguf  # imported here: only this path needs it
+        from runtimes.llm.gguf_file import GGUFFile
 
-        reader = gguf.GGUFReader(os.fspath(path))
-        return cls.from_gguf_metadata(
-            {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
-        )
+        metadata = GGUFFile(os.fspath(path)).metadata
+        return cls.from_gguf_metadata({name: value for name, value in metadata.items()
+                                       if name.startswith("tokenizer.")})
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:

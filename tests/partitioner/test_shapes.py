@@ -116,7 +116,7 @@ def test_only_models_without_a_shape_or_memory_size_are_estimated(tiny_models, t
     assert shapes["given"] is given and shapes["estimated"] == shapes["auto"] == estimate_shape(path)
     assert sorted(unknown) == ["broken", "cut", "elsewhere"]
     assert "absent.gguf" in unknown["elsewhere"] and "FileNotFoundError" in unknown["elsewhere"]
-    assert "GGUF magic invalid" in unknown["broken"]
+    assert "not a GGUF file" in unknown["broken"] and "truncated or corrupt GGUF file" in unknown["cut"]
 
 
 def planned(reg: Registry, tmp_path, inventory: Inventory | None = None, **shapes: ModelShape):
