@@ -25,9 +25,8 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass
 
-from tests.gpu.common import Reporter, fmt, parse_args, timed
+from tests.gpu.common import Reporter, Shape, fmt, parse_args, timed
 
 ARGS = parse_args(__doc__ or "")
 DEVICE = ARGS.device
@@ -50,17 +49,6 @@ from tests.runtimes.llm.tiny import tokenizer_metadata  # noqa: E402
 BLOCK_SIZE = 16
 
 
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool
-    rope_theta: float
-    max_positions: int = 8192
 
 
 if DEVICE == "cuda":

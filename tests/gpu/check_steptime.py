@@ -21,9 +21,8 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
-from tests.gpu.common import Reporter, copy_bandwidth_gbs, fmt, parse_args, synchronize
+from tests.gpu.common import Reporter, Shape, copy_bandwidth_gbs, fmt, parse_args, synchronize
 
 ARGS = parse_args(__doc__ or "")
 DEVICE = ARGS.device
@@ -47,15 +46,6 @@ TIMED_STEPS = 20 if DEVICE == "cuda" else 5
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 
 
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool
 
 
 SHAPES = {

@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,18 @@ def copy_bandwidth_gbs(device: str, nbytes: int | None = None) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), device, iters=20 if device == "cuda" else 3, reps=5, warmup=3)
     return 2 * nbytes / (ms / 1e3) / 1e9
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-family model's shape, for random-weight checks (the step-time check leaves RoPE at its defaults)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    rope_theta: float = 10000.0
+    max_positions: int = 8192
