@@ -157,3 +157,20 @@ def test_the_default_model_is_served_in_its_own_blocks():
     assert formats == {"QuantLinear:Q4_1", "QuantEmbedding:Q8_0"}
     held = sum(b.numel() for b in loaded.model.buffers() if b.dtype == torch.uint8)
     assert held < 1.1 * path.stat().st_size
+
+
+def test_k_quants_are_requantized_to_q8_under_auto(tmp_path):
+    """A GGUF of Q4_K / Q6_K blocks (which the kernel does not compute on as they are): `auto` takes every weight
+    to Q8_0 at load, and the logits stay close to the file's own values dequantized."""
+    from tests.runtimes.llm.test_model_vs_transformers import TOKENS, _our_logits, _random_k_blocks
+    from tests.runtimes.llm.tiny import write_gguf
+
+    spec = TinySpec(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2)  # K-quant rows: 256
+    path = write_gguf(hf_model(spec, seed=8), tmp_path / "tiny-Q4_K.gguf", "Q4_K", encode=_random_k_blocks)
+    dense = load_model(path, CPU, torch.float32, progress=False)
+    blocks = load_model(path, CPU, torch.float32, progress=False, weights="auto")
+    formats = {m.fmt.name for m in blocks.model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    assert formats == {"Q8_0"}
+    expected = _our_logits(dense.model, dense.config, TOKENS, [10, 7])
+    got = _our_logits(blocks.model, blocks.config, TOKENS, [10, 7])
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
