@@ -26,7 +26,15 @@ from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.gguf_file import GGUFFile
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
 from runtimes.llm.quant.formats import BlockFormat
-from runtimes.llm.quant.weights import BlockTensor, as_blocks, as_float, block_formats, check_weights, swap_modules
+from runtimes.llm.quant.weights import (
+    BlockTensor,
+    as_blocks,
+    as_float,
+    block_formats,
+    check_weights,
+    swap_modules,
+    target_of,
+)
 from runtimes.llm.tokenizer import Tokenizer
 
 Checkpoint = Iterable[tuple[str, "torch.Tensor | BlockTensor"]]
@@ -68,7 +76,7 @@ def load_model(
     if path.is_dir():
         tensors: Checkpoint = _hf_tensors(path)
     else:
-        tensors = _gguf_tensors(reader, config, keep_blocks=lambda hf: _target_of(hf) in formats)
+        tensors = _gguf_tensors(reader, config, keep_blocks=lambda hf: target_of(hf) in formats)
     if tokenizer.eos_token_ids and not config.eos_token_ids:
         config = replace(config, eos_token_ids=tokenizer.eos_token_ids)
     model = load_state_dict(config, tensors, device, dtype, attention_fn, progress, desc=f"loading {name}",
@@ -304,17 +312,6 @@ def _hf_name(gguf_name: str) -> str:
     if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     return f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
-
-
-_FUSED_TARGETS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-                  "up_proj": "gate_up_proj"}
-
-
-def _target_of(hf_name: str) -> str:
-    """The model weight a checkpoint weight goes into (a part of a fused projection goes into the fused one)."""
-    head, _, tail = hf_name.rpartition(".")  # tail: "weight"
-    prefix, _, proj = head.rpartition(".")
-    return f"{prefix}.{_FUSED_TARGETS[proj]}.{tail}" if proj in _FUSED_TARGETS else hf_name
 
 
 def _gguf_tensors(reader: Any, config: ModelConfig,

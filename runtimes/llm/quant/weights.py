@@ -14,7 +14,6 @@ into its buffer, converted on the way when its own format differs (`as_blocks`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -28,8 +27,11 @@ from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, format_of,
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q4")
 FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _GGML_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
-_FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
-_PROJECTIONS = re.compile(r"layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)\.weight")
+# a checkpoint's projection -> the model's fused projection that holds it
+FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+              "up_proj": "gate_up_proj"}
+_LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                  "mlp.up_proj", "mlp.down_proj")  # a layer's checkpoint weights that a block format may hold
 
 
 @dataclass(frozen=True)
@@ -74,20 +76,20 @@ def block_formats(weights: str, device: torch.device, num_layers: int, tied: boo
     if device.type != "cpu" or weights in FLOAT_WEIGHTS:
         return {}
 
-    def fmt(hf_name: str) -> BlockFormat | None:
-        return weight_format(weights, source_types.get(hf_name))
-
-    chosen: dict[str, BlockFormat | None] = {"embed_tokens.weight": fmt("embed_tokens.weight")}
-    if not tied:
-        chosen["lm_head.weight"] = fmt("lm_head.weight")
-    for i in range(num_layers):
-        for fused, parts in _FUSED.items():
-            group = fused.split(".")[0]
-            kinds = {fmt(f"layers.{i}.{group}.{part}.weight") for part in parts}
-            chosen[f"layers.{i}.{fused}.weight"] = kinds.pop() if len(kinds) == 1 else Q8_0
-        for single in ("self_attn.o_proj", "mlp.down_proj"):
-            chosen[f"layers.{i}.{single}.weight"] = fmt(f"layers.{i}.{single}.weight")
+    names = ["embed_tokens.weight", *([] if tied else ["lm_head.weight"])]
+    names += [f"layers.{i}.{weight}.weight" for i in range(num_layers) for weight in _LAYER_WEIGHTS]
+    kinds: dict[str, set[BlockFormat | None]] = {}
+    for hf_name in names:
+        kinds.setdefault(target_of(hf_name), set()).add(weight_format(weights, source_types.get(hf_name)))
+    chosen = {name: found.pop() if len(found) == 1 else Q8_0 for name, found in kinds.items()}
     return {name: f for name, f in chosen.items() if f is not None}
+
+
+def target_of(hf_name: str) -> str:
+    """The model weight a checkpoint weight goes into (a part of a fused projection goes into the fused one)."""
+    head, _, tail = hf_name.rpartition(".")  # tail: "weight"
+    prefix, _, proj = head.rpartition(".")
+    return f"{prefix}.{FUSED_INTO[proj]}.{tail}" if proj in FUSED_INTO else hf_name
 
 
 def swap_modules(model: nn.Module, formats: Mapping[str, BlockFormat]) -> None:
@@ -111,11 +113,6 @@ def swap_modules(model: nn.Module, formats: Mapping[str, BlockFormat]) -> None:
 
 def _empty_blocks(rows: int, width: int, fmt: BlockFormat, device: torch.device) -> torch.Tensor:
     return torch.empty(rows, fmt.packed_row_bytes(width), dtype=torch.uint8, device=device)
-
-
-def is_block_weight(name: str) -> bool:
-    """Whether a model weight (its own name) is one `block_formats` may choose a format for."""
-    return name in ("embed_tokens.weight", "lm_head.weight") or _PROJECTIONS.fullmatch(name) is not None
 
 
 def as_blocks(tensor: BlockTensor | torch.Tensor, fmt: BlockFormat) -> np.ndarray:
