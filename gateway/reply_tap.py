@@ -66,6 +66,7 @@ class ReplyTap:
         """(prompt, output, how they were had); a stream without usage gets `counted_prompt`: the replica's count."""
         if not self.stream and self.buffer:
             self._usage(self.buffer)
+            self.buffer = b""  # parsed: the rate limits and the traffic log both ask
         if self.output_tokens is not None:
             return self.prompt_tokens, self.output_tokens, "reported"
         if self.stream:

@@ -118,11 +118,11 @@ class TrafficMiddleware:
             await self.app(scope, receive, send)
             return
         start_s = self.wall_clock()
-        tap, send = request_context(scope).tap_reply(send)
+        context = request_context(scope)
+        tap, send = context.tap_reply(send)
         try:
             await self.app(scope, receive, send)
         finally:
-            context = request_context(scope)
             prompt, output, source = tap.counts(context.prompt_tokens)
             model = context.model
             lane = request_lane(context.payload, dict(scope.get("headers") or []), prompt, context.key_priority,

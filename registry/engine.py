@@ -52,14 +52,16 @@ _KV_ONLY = frozenset(EngineSpec.model_fields) - frozenset(EmbeddingEngineSpec.mo
 def engine_for_type(model_type: str, value: Any) -> EngineSpec | EmbeddingEngineSpec:
     """The `engine:` section of a model of `model_type`, validated as its kind; raises FieldProblems naming each
     field at fault (`block_size: not used by embedding models ...`)."""
+    kind: type[EngineSpec] | type[EmbeddingEngineSpec]
+    kind = EmbeddingEngineSpec if model_type == "embedding" else EngineSpec
+    if isinstance(value, kind):  # validated already (a launch built from a registry entry)
+        return value
     if isinstance(value, (EngineSpec, EmbeddingEngineSpec)):
         value = value.model_dump(exclude_unset=True)
     if value is None:
         value = {}
     if not isinstance(value, dict):
         raise FieldProblems([Problem("", f"must be a mapping of engine options, got {type(value).__name__}")])
-    kind: type[EngineSpec] | type[EmbeddingEngineSpec]
-    kind = EmbeddingEngineSpec if model_type == "embedding" else EngineSpec
     if kind is EmbeddingEngineSpec:
         unused = sorted(set(value) & _KV_ONLY)
         if unused:

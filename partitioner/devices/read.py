@@ -28,7 +28,7 @@ def read_inventory(backend: DeviceBackend, known_profiles: ProfileLookup | None 
         mps = backend.read_mps()
     finally:
         backend.close()
-    lookup = known_profiles or _shipped_profiles
+    lookup = known_profiles or known_mig_profiles
     notes = [] if devices else ["NVML found no GPU; everything plans onto the CPU"]
     for i, device in enumerate(devices):
         if device.mig_capable and not device.mig_profiles:
@@ -37,10 +37,6 @@ def read_inventory(backend: DeviceBackend, known_profiles: ProfileLookup | None 
                 devices[i] = replace(device, mig_profiles=profiles)
                 notes.append(f"GPU {device.index}: MIG profiles from {where} (NVML lists them only with MIG on)")
     return Inventory(devices=tuple(devices), source=backend.source, note="; ".join(notes), mps=mps)
-
-
-def _shipped_profiles(device: GpuDevice) -> tuple[tuple[MigProfile, ...], str]:
-    return known_mig_profiles(device)
 
 
 def load_host_inventory(inventory_file: str | None, env: Mapping[str, str]) -> Inventory:
