@@ -95,7 +95,7 @@ def _gguf_file(path: Path) -> tuple[ModelConfig, int]:
     """The loader's config of a GGUF file and its parameter count, from the header alone."""
     from runtimes.llm.loader import read_gguf
 
-    reader, config, _ = read_gguf(path)
+    reader, config = read_gguf(path)
     return config, sum(math.prod(t.shape) for t in reader.tensors)
 
 

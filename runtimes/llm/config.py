@@ -14,6 +14,7 @@ import torch
 from policies.admission import AdmissionLimits
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
+from runtimes.llm.quant.weights import CPU_ONLY_WEIGHTS, FLOAT_WEIGHTS, WEIGHT_CHOICES
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,8 @@ class EngineConfig:
             (0 < self.kv_cache_memory_fraction <= 1,
              f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"),
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
-            (self.weights in ("auto", "fp32", "bf16", "fp16", "q8", "q4"),
-             f"weights must be one of auto, fp32, bf16, fp16, q8, q4, got {self.weights!r}"),
+            (self.weights in WEIGHT_CHOICES,
+             f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}"),
             (self.attention_backend in ("auto", "torch", "cpu", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
             (self.scheduling in ("fcfs", "multilevel"),
@@ -172,7 +173,7 @@ class EngineConfig:
     def resolve_device(self) -> torch.device:
         """`device`; auto is CUDA when there is one, unless the weights are 4- or 8-bit (a CPU kernel)."""
         if self.device == "auto":
-            cpu_only = self.weights in ("q8", "q4")
+            cpu_only = self.weights in CPU_ONLY_WEIGHTS
             return torch.device("cuda" if torch.cuda.is_available() and not cpu_only else "cpu")
         return torch.device(self.device)
 
@@ -180,7 +181,7 @@ class EngineConfig:
         """The dtype of the model's floating-point weights, activations and KV cache (block-format weights
         compute in fp32 activations)."""
         if self.dtype == "auto":
-            named = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(self.weights)
+            named = FLOAT_WEIGHTS.get(self.weights)
             if named is not None:
                 return named
             return torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -29,7 +29,6 @@ from runtimes.llm.quant.formats import BlockFormat
 from runtimes.llm.quant.weights import (
     BlockTensor,
     as_blocks,
-    as_float,
     block_formats,
     check_weights,
     swap_modules,
@@ -67,8 +66,8 @@ def load_model(
         source_types: dict[str, int | None] = {}  # floating point throughout
         name = path.name
     else:
-        reader, config, metadata = read_gguf(path)
-        tokenizer = Tokenizer.from_gguf_metadata(metadata)
+        reader, config = read_gguf(path)
+        tokenizer = Tokenizer.from_gguf_metadata(reader.metadata)
         source_types = {_hf_name(t.name): int(t.tensor_type) for t in reader.tensors}
         name = path.stem
     formats = {} if weights is None else block_formats(weights, device, config.num_layers,
@@ -210,13 +209,17 @@ def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor | Blo
     if not fits:
         expected = tuple(param.shape) if fmt is None else f"{param.shape[0]} {fmt.name} rows of {param.shape[1]} bytes"
         raise ValueError(f"weight {what or name!r} has shape {shape}, model expects {expected}")
-    source = _from_numpy(as_blocks(tensor, fmt)) if fmt is not None else as_float(tensor)
+    if fmt is not None:
+        source = torch.from_numpy(as_blocks(tensor, fmt))
+    else:
+        assert isinstance(tensor, torch.Tensor), "blocks are only kept for a weight that takes them"
+        source = tensor
     with torch.no_grad():
         param.copy_(source.to(device=device, dtype=param.dtype))
 
 
 def _from_numpy(array: np.ndarray) -> torch.Tensor:
-    """A tensor over `array`, which may be a read-only view of the memory map: it is only read (copied from)."""
+    """A tensor over `array`, which may be a read-only view of the memory map: the loader only copies from it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array)
@@ -237,11 +240,11 @@ def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 # ----------------------------------------------------------------------------------------------- GGUF
 
 
-def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, Any]]:
-    """A GGUF file (its memory-mapped tensors: no tensor data is read yet), its model's config and its metadata."""
+def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig]:
+    """A GGUF file (its metadata, and its memory-mapped tensors: no tensor data is read yet) and its model's
+    config."""
     file = GGUFFile(path)
-    config = gguf_model_config(file.metadata, has_output=any(t.name == "output.weight" for t in file.tensors))
-    return file, config, file.metadata
+    return file, gguf_model_config(file.metadata, has_output=any(t.name == "output.weight" for t in file.tensors))
 
 
 def gguf_model_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
@@ -331,6 +334,4 @@ def _gguf_tensors(reader: Any, config: ModelConfig,
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if heads is not None:
             array = unpermute_qk(array, heads)
-        if not array.flags.writeable:  # F32 tensors come back as read-only views of the memory map
-            array = array.copy()
-        yield name, torch.from_numpy(array)
+        yield name, _from_numpy(array)  # F32 tensors come back as read-only views of the memory map

@@ -26,6 +26,7 @@ from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, format_of,
 
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q4")
 FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_ONLY_WEIGHTS = ("q8", "q4")  # the block formats' kernel is the CPU's
 _GGML_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 # a checkpoint's projection -> the model's fused projection that holds it
 FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -51,7 +52,7 @@ class BlockTensor:
 def check_weights(weights: str, device: torch.device) -> None:
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
-    if weights in ("q8", "q4") and device.type != "cpu":
+    if weights in CPU_ONLY_WEIGHTS and device.type != "cpu":
         raise ValueError(f"weights {weights!r} run on the CPU kernel only; on {device.type} use bf16, fp16 or fp32")
 
 
@@ -127,14 +128,3 @@ def as_blocks(tensor: BlockTensor | torch.Tensor, fmt: BlockFormat) -> np.ndarra
         values = dequantize(tensor.blocks, GGMLQuantizationType(tensor.ggml_type))
         return quantize(np.asarray(values, dtype=np.float32).reshape(tensor.shape), fmt)
     return quantize(tensor.detach().float().cpu().numpy(), fmt)
-
-
-def as_float(tensor: BlockTensor | torch.Tensor) -> torch.Tensor:
-    """A checkpoint weight in fp32 (dequantized when it is stored in blocks)."""
-    if not isinstance(tensor, BlockTensor):
-        return tensor
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    values = dequantize(tensor.blocks, GGMLQuantizationType(tensor.ggml_type))
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(tensor.shape))
