@@ -34,6 +34,10 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define MULTISERVE_VNNI512 1  // the 512-bit path, which scales by `spread`; the others scale by `d`
+#endif
+
 namespace {
 
 constexpr int64_t QK = 32;
@@ -77,9 +81,13 @@ struct Activations {
 
 Activations quantize_activations(const float* x, int64_t M, int64_t K, bool four_bit) {
   const int64_t nb = K / QK, nbp = nb + (nb & 1);
-  const int64_t lanes = four_bit ? 4 : 8;
-  Activations a{nb, nbp, {}, {}, {}, std::vector<float>(M * nbp, 0.f), std::vector<float>(M * nbp, 0.f),
-                std::vector<float>(M * nbp * lanes, 0.f)};
+  [[maybe_unused]] const int64_t lanes = four_bit ? 4 : 8;
+  Activations a{nb, nbp, {}, {}, {}, {}, std::vector<float>(M * nbp, 0.f), {}};
+#if defined(MULTISERVE_VNNI512)
+  a.spread.assign(M * nbp * lanes, 0.f);
+#else
+  a.d.assign(M * nbp, 0.f);
+#endif
   if (four_bit) {
     a.lo.assign(M * nbp * QK / 2, 0);
     a.hi.assign(M * nbp * QK / 2, 0);
@@ -106,9 +114,12 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, bool four
       } else {
         std::memcpy(a.q.data() + at * QK, block, QK);
       }
-      a.d[at] = d;
       a.dsum[at] = d * static_cast<float>(total);
+#if defined(MULTISERVE_VNNI512)
       std::fill_n(a.spread.data() + at * lanes, lanes, d);
+#else
+      a.d[at] = d;
+#endif
     }
   }
   return a;
@@ -123,7 +134,16 @@ inline float offsets(const uint16_t* c, const float* dsum, int64_t nb) {
 
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead weight rows are prefetched
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {  // the sum of a vector's eight lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+#if defined(MULTISERVE_VNNI512)
 
 constexpr int64_t TILE = 8;  // activation rows per pass over a weight row (their sums stay in registers)
 
@@ -191,10 +211,7 @@ void row4(const uint8_t* w, const Activations& a, int64_t m0, int64_t rows, floa
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(tail[r]), _mm256_extractf128_ps(tail[r], 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    t = _mm_add_ss(t, _mm_movehdup_ps(t));
-    y[r * ys] = _mm512_reduce_add_ps(add_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb)) + _mm_cvtss_f32(t);
+    y[r * ys] = _mm512_reduce_add_ps(add_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb)) + hsum(tail[r]);
   }
 }
 
@@ -234,13 +251,6 @@ inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {  // acc + four-byte s
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // The sum of acc's lanes plus the offset terms c_b * dsum_b of a row's nb blocks, eight at a time.
