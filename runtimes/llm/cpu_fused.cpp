@@ -4,7 +4,7 @@
 //
 //   add_rms_norm(x, residual, weight, eps): residual += x (in place), returns rms_norm(residual) * weight
 //   rms_norm(x, weight, eps):               x * rsqrt(mean(x^2) + eps) * weight
-//   rotary_(qk, positions, cos, sin):       rotate-halves RoPE in place over qk [T, heads, D]
+//   rotary_(qk, cos, sin):                  rotate-halves RoPE in place over qk [T, heads, D]
 //   silu_mul(gate_up):                      silu(gate) * up, gate_up = [gate | up] per row
 //   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot
 //

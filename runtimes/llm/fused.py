@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import structlog
 import torch
@@ -34,6 +35,12 @@ def available() -> bool:
 def applies(x: torch.Tensor) -> bool:
     """Whether the fused operations take `x`: fp32 on the CPU (the reference path takes everything else)."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and available()
+
+
+def ops_for(x: torch.Tensor) -> Any:
+    """The fused operations that take `x` (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`, the same signatures in
+    both): the C++ ones for fp32 on the CPU, the Triton ones on CUDA; None: the model's reference path."""
+    return torch.ops.multiserve_fused if applies(x) else cuda_ops(x)
 
 
 def cuda_ops(x: torch.Tensor) -> ModuleType | None:

@@ -51,9 +51,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
-        if fused.applies(x):
-            return torch.ops.multiserve_fused.rms_norm(x, self.weight, self.eps)
-        if (ops := fused.cuda_ops(x)) is not None:
+        if (ops := fused.ops_for(x)) is not None:
             return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
         x32 = x.float()
@@ -63,10 +61,8 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add and the next norm in one pass where the
         fused operations apply (`residual` is then updated in place)."""
-        if fused.applies(x):
-            return torch.ops.multiserve_fused.add_rms_norm(x, residual, self.weight, self.eps), residual
-        if (ops := fused.cuda_ops(x)) is not None:
-            return ops.add_rms_norm_(x, residual, self.weight, self.eps), residual
+        if (ops := fused.ops_for(x)) is not None:
+            return ops.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = x + residual
         return self.forward(residual), residual
 
@@ -111,11 +107,12 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for this step's positions, looked up once and shared by every layer: 2 x [T, 1, D/2]."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and sin for this step's positions, looked up once and shared by every layer: 2 x [T, D/2]."""
+        return self.cos[positions], self.sin[positions]
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over every head
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
@@ -136,7 +133,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of this step's positions: 2 x [T, 1, D/2]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of this step's positions: 2 x [T, D/2]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KVH, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -144,10 +141,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # RoPE on q and k together, one pass over [T, Hq + KVH, D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        if fused.applies(qkv):
-            torch.ops.multiserve_fused.rotary_(qk, rope[0].squeeze(1), rope[1].squeeze(1))  # in place, in qkv
-        elif (ops := fused.cuda_ops(qkv)) is not None:
-            ops.rotary_(qk, rope[0].squeeze(1), rope[1].squeeze(1))
+        if (ops := fused.ops_for(qkv)) is not None:
+            ops.rotary_(qk, *rope)  # in place, in qkv
         else:
             qk = self.rope.rotate(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, KVH, D]
@@ -170,9 +165,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         gate_up = self.gate_up_proj(x)
-        if fused.applies(gate_up):
-            return self.down_proj(torch.ops.multiserve_fused.silu_mul(gate_up))
-        if (ops := fused.cuda_ops(gate_up)) is not None:
+        if (ops := fused.ops_for(gate_up)) is not None:
             return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -1,6 +1,6 @@
 """A decoder layer's small operations fused for CUDA, in Triton: the counterpart of `cpu_fused.cpp`.
 
-* `add_rms_norm_(x, residual, weight, eps)`: residual += x in place, returns RMSNorm(residual) * weight;
+* `add_rms_norm(x, residual, weight, eps)`: residual += x in place, returns RMSNorm(residual) * weight;
   `rms_norm(x, weight, eps)`: the same without the residual. One program per row; the reduction is in fp32.
 * `rotary_(qk, cos, sin)`: rotate-halves RoPE in place over [T, heads, D] (a view into the fused q|k|v output).
 * `silu_mul(gate_up)`: silu(gate) * up for gate_up = [gate | up] per row.
@@ -80,7 +80,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place); returns rms_norm(residual) * weight."""
     _rows(x, "x")
     _rows(residual, "residual")

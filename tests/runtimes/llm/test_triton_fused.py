@@ -41,7 +41,7 @@ def test_norm_with_and_without_the_residual(dtype, width):
     residual = torch.randn(5, width, device=DEVICE).to(dtype)
     assert _close(triton_fused.rms_norm(x, weight, 1e-5), _reference_norm(x, weight, 1e-5), dtype)
     stream = residual.clone()
-    out = triton_fused.add_rms_norm_(x, stream, weight, 1e-5)
+    out = triton_fused.add_rms_norm(x, stream, weight, 1e-5)
     total = x + residual
     exact = dtype == torch.float32 or not INTERPRET  # the sum rounds as the reference's does (not truncated)
     assert torch.equal(stream, total) if exact else _close(stream, total, dtype)
@@ -70,7 +70,7 @@ def test_silu_times_up_across_column_blocks(dtype):
 
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="differ in shape"):
-        triton_fused.add_rms_norm_(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5)
+        triton_fused.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="unit stride"):
         triton_fused.rotary_(torch.zeros(2, 8, 3).transpose(1, 2), torch.zeros(2, 1), torch.zeros(2, 1))
 
