@@ -25,6 +25,9 @@ from partitioner.planning.plan import InfeasiblePlan
 
 if TYPE_CHECKING:
     from partitioner.devices.nvml_backend import NvmlBackend
+    from partitioner.planning.demand import ModelShape
+    from partitioner.planning.placement import PlanOptions
+    from registry.schema import Registry
 
 
 def add_apply_parser(actions: argparse._SubParsersAction, default_config: Path) -> None:
@@ -75,12 +78,18 @@ def run_apply(args: argparse.Namespace, out: TextIO | None = None, err: TextIO |
               env: Mapping[str, str] | None = None, runner: CommandRunner | None = None) -> int:
     """`partition apply`: plan, then reconcile the devices to it (or, with --dry-run, say how)."""
     out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
-    from partitioner.applying.applier import Applier, reconcile
-    from partitioner.planning.demand import replica_demands
-
     inputs = plan_inputs_or_exit_code(args, env, err)
     if isinstance(inputs, int):
         return inputs
+    return _apply(args, inputs, out, err, env, runner)
+
+
+def _apply(args: argparse.Namespace, inputs: tuple[Registry, dict[str, ModelShape], Inventory, PlanOptions],
+           out: TextIO, err: TextIO, env: Mapping[str, str], runner: CommandRunner | None) -> int:
+    """Reconcile the devices to the plan of `inputs` (what `plan_inputs` read) and report what was done."""
+    from partitioner.applying.applier import Applier, reconcile
+    from partitioner.planning.demand import replica_demands
+
     registry, shapes, inventory, options = inputs
     with tempfile.TemporaryDirectory() as scratch:
         mig, read, runner, state_path = _targets(args, inventory, env, runner, Path(scratch))
@@ -122,18 +131,19 @@ def prepare_devices(config: str | Path, mode: str, env: Mapping[str, str] | None
     from partitioner.planning.planner import plan
     from registry.errors import RegistryError
 
+    if mode == "no":
+        return 0
     args = argparse.Namespace(config=str(config), shapes=None, inventory=inventory_file, gpus=None, mig_fallback=None,
                               max_memory_fraction=PlanOptions().max_memory_fraction, dry_run=False,
                               state_file=DEFAULT_STATE_FILE, mps_log_root=DEFAULT_MPS_LOG_ROOT)
-    if mode == "no":
-        return 0
     try:
-        registry, shapes, inventory, options = plan_inputs(args, env)
+        inputs = plan_inputs(args, env)
     except (RegistryError, InventoryFileError, ValueError):
         return 0  # a bad registry: serve says what is wrong with it, as it does on a host without GPUs
     except DeviceError as exc:
         print(f"error: reading the devices: {exc}", file=err)
         return 1
+    registry, shapes, inventory, options = inputs
     try:
         actions = plan(inventory, replica_demands(registry, shapes), options).actions()
     except InfeasiblePlan:
@@ -145,7 +155,7 @@ def prepare_devices(config: str | Path, mode: str, env: Mapping[str, str] | None
         print("note: the plan needs MIG changes, which need root; not applying them (--apply-partition auto)",
               file=err)
         return 0
-    return run_apply(args, out=err, err=err, env=env, runner=runner)
+    return _apply(args, inputs, err, err, env, runner)  # what was read and planned above, not read again
 
 
 def _targets(args: argparse.Namespace, inventory: Inventory, env: Mapping[str, str], runner: CommandRunner | None,
