@@ -50,8 +50,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the worker gets SIGTERM if the gateway dies, even by SIGKILL, so no orphan keeps a port."""
+def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux (a `preexec_fn`): the child gets SIGTERM if its parent dies, even by SIGKILL, so no orphan keeps a
+    port."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -114,7 +115,7 @@ class LocalLauncher:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"{launch.model}-{launch.index}.log"
             stdout = log_path.open("ab")
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        preexec = die_with_parent if sys.platform.startswith("linux") else None
         process = subprocess.Popen(  # our own interpreter and module, no shell
             self.command(launch, port), env=env, stdout=stdout, stderr=subprocess.STDOUT,
             preexec_fn=preexec,

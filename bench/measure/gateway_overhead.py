@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import datetime
 import gc
 import json
 import os
 import pstats
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +49,7 @@ from bench.measure.timing import machine_info
 from bench.stats import nearest_rank
 from gateway.httpclient import KeepAliveClient
 from gateway.upstream import Timeouts
-from model_pool.launcher import free_port
+from model_pool.launcher import die_with_parent, free_port
 
 _REQUEST = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 BODY = {False: json.dumps(_REQUEST).encode(), True: json.dumps({**_REQUEST, "stream": True}).encode()}
@@ -76,14 +74,10 @@ class Samples:
     client_cpu_s: float = 0.0  # this process's: the load generator's client
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphan if we are killed
-
-
 def spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60.0) -> None:

@@ -35,12 +35,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
 import math
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -58,7 +56,7 @@ from tqdm import tqdm
 from bench.client import Target, send_streaming
 from bench.measure.timing import machine_info
 from bench.stats import RequestResult, percentiles
-from model_pool.launcher import free_port
+from model_pool.launcher import die_with_parent, free_port
 from registry.sources import resolve_model_path
 from runtimes.server.wire import REPLICA_TOKEN_ENV
 
@@ -157,7 +155,7 @@ class Server:
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -193,10 +191,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=30)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphan if we are killed
 
 
 @contextlib.contextmanager

@@ -28,7 +28,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.gpu.common import Reporter, fmt, free_port, parse_args, timed
+from model_pool.launcher import free_port
+from tests.gpu.common import Reporter, fmt, parse_args, timed
 
 ARGS = parse_args(__doc__ or "")
 DEVICE = ARGS.device
@@ -44,8 +45,6 @@ def write_model(path: Path) -> Path:
 
     model = hf_model(TinySpec(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
                               max_position_embeddings=1024), seed=1)
-    if not hasattr(model.config, "rope_parameters"):  # transformers < 5 keeps rope_theta on the config itself
-        model.config.rope_parameters = {"rope_type": "default", "rope_theta": model.config.rope_theta}
     return write_gguf(model, path)
 
 

@@ -102,14 +102,6 @@ def timed() -> Iterator[dict[str, float]]:
         result["s"] = time.perf_counter() - start
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def synchronize(device: str) -> None:
     import torch
 

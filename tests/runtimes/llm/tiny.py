@@ -123,7 +123,9 @@ def write_gguf(model, path: Path, qtype_name: str = "F32", encode=None) -> Path:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    # transformers >= 5 moves rope_theta into rope_parameters; older ones keep it on the config
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     meta = tokenizer_metadata()
