@@ -13,6 +13,8 @@ from typing import Any
 import structlog
 import torch
 
+from runtimes.cpu_extension import try_build
+
 _SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 log = structlog.get_logger(__name__)
 
@@ -20,16 +22,7 @@ log = structlog.get_logger(__name__)
 @functools.cache
 def available() -> bool:
     """Build (or reuse the cached build of) the fused operations; False, logged, when they cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        load(name="multiserve_cpu_fused", sources=[str(_SOURCE)],
-             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"], is_python_module=False,
-             verbose=False)
-    except Exception as exc:  # no compiler: the reference path computes the same thing
-        log.warning("fused_ops_unavailable", error=repr(exc))
-        return False
-    return True
+    return try_build("multiserve_cpu_fused", _SOURCE, ["-march=native", "-ffp-contract=off"])
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -9,37 +9,29 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtimes.cpu_extension import build, try_build
 from runtimes.llm.quant.formats import BlockFormat, dequantize_rows
 
 _SOURCE = Path(__file__).with_name("cpu_quant.cpp")
-log = structlog.get_logger(__name__)
 
 
 @functools.cache
 def kernel_available() -> bool:
     """Build (or reuse the cached build of) the kernel and register `torch.ops.multiserve_quant`; False, logged,
-    when it cannot be built here."""
-    try:  # -march=native: the build is cached per machine; it picks AVX-512 VNNI / AVX-VNNI / AVX2 / scalar code
-        build_kernel("multiserve_quant", "native")
-    except Exception as exc:  # no compiler, no headers: the reference path still computes the same thing
-        log.warning("quantized_kernel_unavailable", error=repr(exc))
-        return False
-    return True
+    when it cannot be built here (the layers then dequantize their weight for each call)."""
+    # -march=native picks AVX-512 VNNI / AVX-VNNI / AVX2 / scalar code for this machine
+    return try_build("multiserve_cpu_quant_multiserve_quant_native", _SOURCE, ["-march=native"])
 
 
 def build_kernel(namespace: str, march: str) -> None:
     """Compile the kernel for `-march=<march>` and register its op as `torch.ops.<namespace>.quant_linear` (tests
     build the AVX2 and the scalar code this way, whatever this machine's CPU prefers)."""
-    from torch.utils.cpp_extension import load
-
-    load(name=f"multiserve_cpu_quant_{namespace}_{march.replace('-', '_')}", sources=[str(_SOURCE)],
-         extra_cflags=["-O3", f"-march={march}", "-fopenmp", f"-DMULTISERVE_QUANT_NS={namespace}"],
-         is_python_module=False, verbose=False)
+    build(f"multiserve_cpu_quant_{namespace}_{march.replace('-', '_')}", _SOURCE,
+          [f"-march={march}", f"-DMULTISERVE_QUANT_NS={namespace}"])
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
