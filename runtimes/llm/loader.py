@@ -27,6 +27,7 @@ from runtimes.llm.gguf_file import GGUFFile
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
 from runtimes.llm.quant.formats import BlockFormat
 from runtimes.llm.quant.weights import (
+    FUSED_INTO,
     BlockTensor,
     as_blocks,
     block_formats,
@@ -166,31 +167,26 @@ def _load_weights(
     params |= {name.removesuffix(".qweight") + ".weight": buffer for name, buffer in model.named_buffers()
                if name.endswith(".qweight")}  # block-format weights: their buffers take the checkpoint's blocks
     loaded: set[str] = set()
-    q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    fuse_parts = {  # checkpoint projection -> (fused weight, first row, rows)
-        "q_proj": ("self_attn.qkv_proj", 0, q_rows), "k_proj": ("self_attn.qkv_proj", q_rows, kv_rows),
-        "v_proj": ("self_attn.qkv_proj", q_rows + kv_rows, kv_rows),
-        "gate_proj": ("mlp.gate_up_proj", 0, config.intermediate_size),
-        "up_proj": ("mlp.gate_up_proj", config.intermediate_size, config.intermediate_size),
-    }
+    q_rows, kv_rows, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.intermediate_size
+    rows_of = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows),
+               "gate_proj": (0, inter), "up_proj": (inter, inter)}  # a part's (first row, rows) in its fused weight
     total = 2 + (0 if config.tie_word_embeddings else 1) + 9 * config.num_layers
     for hf_name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not progress):
         name = hf_name.removeprefix("model.")
-        match = re.fullmatch(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", name)
-        if match and match.group(3) in fuse_parts:
-            target, start, rows = fuse_parts[match.group(3)]
-            key = f"layers.{match.group(1)}.{target}.weight"
-            _copy(params, key, tensor, device, dtype, formats.get(key), rows=(start, rows), what=name)
-        elif name == "lm_head.weight" and config.tie_word_embeddings:
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        else:
-            _copy(params, name, tensor, device, dtype, formats.get(name))
+        key = target_of(name)
+        rows = None if key == name else rows_of[name.rsplit(".", 2)[-2]]
+        _copy(params, key, tensor, device, dtype, formats.get(key), rows=rows, what=name)
         loaded.add(name)
-    fused = ("qkv_proj.weight", "gate_up_proj.weight")
-    parts = {f"layers.{i}.{target.split('.')[0]}.{part}.weight": f"layers.{i}.{target}.weight"
-             for i in range(config.num_layers) for part, (target, _, _) in fuse_parts.items()}
-    wanted = {n: n for n in params if not n.endswith(fused)} | {n: f"{n} (of {whole})" for n, whole in parts.items()}
-    missing = sorted(shown for name, shown in wanted.items() if name not in loaded)
+    expected: dict[str, str] = {}  # checkpoint name -> how a missing one is named
+    for name in params:
+        head, _, tail = name.rpartition(".")
+        prefix, _, proj = head.rpartition(".")
+        parts = [f"{prefix}.{part}.{tail}" for part, whole in FUSED_INTO.items() if whole == proj]
+        expected |= {part: f"{part} (of {name})" for part in parts} if parts else {name: name}
+    missing = sorted(shown for name, shown in expected.items() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
