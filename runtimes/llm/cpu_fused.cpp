@@ -7,14 +7,22 @@
 //   rotary_(qk, cos, sin):                  rotate-halves RoPE in place over qk [T, heads, D]
 //   silu_mul(gate_up):                      silu(gate) * up, gate_up = [gate | up] per row
 //   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot
+//   decode_layers(...):                     every decoder layer of a decode step (one new token per sequence)
 //
 // Each is written as the reference computes it, element by element in the same order, and built with
 // -ffp-contract=off, so its results equal the reference path's.
+//
+// decode_layers runs the whole layer stack in one call: the ops above, the projections (dense fp32, oneDNN's packed
+// copy, or our block-format kernel `multiserve_quant::quant_linear`) and the paged decode attention kernel
+// (`multiserve_cpu::paged_decode_attention`), the last two called through torch's dispatcher, so each kernel stays
+// in its own library. It does what model.py's layers do, in their order, without ~10 Python-level calls per layer.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -136,6 +144,76 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, 
   }
 }
 
+// A projection of decode_layers: its kernel by `bits` (0: dense fp32 weight, 4 or 8: packed blocks of that format).
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
+                   int64_t bits, int64_t in_features, int64_t packed_min_rows) {
+  if (bits != 0) {
+    static const auto quant = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("multiserve_quant::quant_linear", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+    return quant.call(x, weight, bits, in_features);
+  }
+  if (packed.has_value() && x.size(0) >= packed_min_rows) {
+    static const auto pointwise = c10::Dispatcher::singleton()
+        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                          c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+    return pointwise.call(x, *packed, c10::nullopt, "none", c10::List<c10::optional<at::Scalar>>(), "");
+  }
+  return at::linear(x, weight);
+}
+
+// x [B, H]: the step's embeddings, one token per sequence. Per layer l: norms[2l], norms[2l+1] (input and
+// post-attention RMSNorm weights); weights, packed, bits [4l .. 4l+3]: q|k|v, o, gate|up, down; k_caches[l], v_caches[l].
+// shape = (num_heads, num_kv_heads, head_dim, intermediate_size). Returns the last layer's (MLP output, residual),
+// the pair model.py's layers pass on, for the final norm.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms, at::TensorList weights,
+    const c10::List<c10::optional<at::Tensor>>& packed, at::IntArrayRef bits, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, at::IntArrayRef shape, double eps, double scale, int64_t packed_min_rows) {
+  check_rows(x, "x");
+  const int64_t num_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(shape.size() == 4, "shape must be (num_heads, num_kv_heads, head_dim, intermediate_size)");
+  const int64_t heads = shape[0], kv_heads = shape[1], dim = shape[2], intermediate = shape[3];
+  const int64_t tokens = x.size(0), hidden = x.size(1), q_size = heads * dim, kv_size = kv_heads * dim;
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == num_layers &&
+              static_cast<int64_t>(norms.size()) == 2 * num_layers &&
+              static_cast<int64_t>(weights.size()) == 4 * num_layers &&
+              static_cast<int64_t>(packed.size()) == 4 * num_layers &&
+              static_cast<int64_t>(bits.size()) == 4 * num_layers,
+              "decode_layers: per layer 2 norms, 4 weights (and packed, bits) and a K and V cache");
+  TORCH_CHECK(rows.size(0) == tokens && slots.size(0) == tokens, "decode_layers: one new token per sequence");
+  const int64_t in_features[4] = {hidden, q_size, hidden, intermediate};
+  static const auto attention = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("multiserve_cpu::paged_decode_attention", "")
+      .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                  const at::Tensor&, double, at::Tensor&)>();
+  at::Tensor residual = x.clone();
+  at::Tensor h = rms_norm(x, norms[0], eps);
+  at::Tensor out;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const auto proj = [&](int64_t i, const at::Tensor& in) {
+      const int64_t w = 4 * l + i;
+      return project(in, weights[w], packed.get(w), bits[w], in_features[i], packed_min_rows);
+    };
+    if (l > 0) h = add_rms_norm(out, residual, norms[2 * l], eps);
+    at::Tensor qkv = proj(0, h);  // [B, q + 2 kv]
+    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, dim});
+    rotary_(qk, cos, sin);
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    write_kv_(k_cache, v_cache, k, v, slots);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
+    at::Tensor attended = at::empty({tokens, heads, dim}, x.options());
+    attention.call(q, k_cache, v_cache, rows, block_tables, seq_lens, scale, attended);
+    h = add_rms_norm(proj(1, attended.view({tokens, q_size})), residual, norms[2 * l + 1], eps);
+    out = proj(3, silu_mul(proj(2, h)));
+  }
+  return {out, residual};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(multiserve_fused, m) {
@@ -144,9 +222,15 @@ TORCH_LIBRARY(multiserve_fused, m) {
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()");
+  m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor?[] packed, "
+        "int[] bits, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor rows, Tensor block_tables, "
+        "Tensor seq_lens, int[] shape, float eps, float scale, int packed_min_rows) -> (Tensor, Tensor)");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.impl("write_kv_", c10::DispatchKey::CPU, TORCH_FN(write_kv_));
+  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
+  // oneDNN's packed weights among the arguments make torch pick this key; the op is the same
+  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));
 }

@@ -33,23 +33,23 @@ def load_kernel() -> None:
 
 
 @dataclass(frozen=True)
-class _DecodeRows:
+class DecodeRows:
     rows: torch.Tensor  # [B] int64 query row of each decode sequence
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32
 
 
-def _decode_rows(meta: AttentionMetadata) -> _DecodeRows | None:
-    """The decode sequences' rows, tables and lengths, derived once per step."""
+def decode_rows(meta: AttentionMetadata) -> DecodeRows | None:
+    """The decode sequences' rows, tables and lengths, derived once per step (None: no decode rows)."""
     if "cpu.decode" in meta.derived:
         return meta.derived["cpu.decode"]
     seqs = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
     plan = None
     if len(seqs) == meta.num_seqs:
-        plan = _DecodeRows(meta.query_start_loc[:-1].long(), meta.block_tables, meta.seq_lens)
+        plan = DecodeRows(meta.query_start_loc[:-1].long(), meta.block_tables, meta.seq_lens)
     elif seqs:
         index = torch.tensor(seqs)
-        plan = _DecodeRows(meta.query_start_loc.index_select(0, index).long(),
+        plan = DecodeRows(meta.query_start_loc.index_select(0, index).long(),
                            meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index))
     meta.derived["cpu.decode"] = plan
     return plan
@@ -67,7 +67,7 @@ def paged_attention_cpu(
         return paged_attention_ref(query, k_cache, v_cache, meta, scale)
     load_kernel()
     out = torch.empty(query.shape, dtype=query.dtype)
-    decode = _decode_rows(meta)
+    decode = decode_rows(meta)
     if decode is not None:
         torch.ops.multiserve_cpu.paged_decode_attention(query, k_cache, v_cache, decode.rows, decode.block_tables,
                                                         decode.seq_lens, scale, out)

@@ -74,3 +74,65 @@ def test_write_kv_from_views_of_the_fused_projection():
     assert torch.equal(fused_k, ref_k) and torch.equal(fused_v, ref_v)
     with pytest.raises(RuntimeError, match="slot 24 is outside the cache"):
         OPS.write_kv_(fused_k, fused_v, k, v, torch.tensor([0, 1, 24]))
+
+
+@pytest.mark.parametrize("weights", [None, "q8", "q4"])
+@pytest.mark.parametrize("batch", [1, 9])  # 9: past PACKED_MIN_ROWS, where fp32's gate|up takes its packed copy
+def test_a_decode_step_in_one_call_equals_the_layers_one_by_one(tmp_path, monkeypatch, weights, batch):
+    """`decode_layers` (the whole layer stack of a decode step in C++) against the model's layers called from Python:
+    the same kernels in the same order, so bit-identical hidden states and KV caches, step after step."""
+    from runtimes.llm.attention import AttentionMetadata, select_attention
+    from runtimes.llm.loader import load_model
+    from runtimes.llm.model import LlamaForCausalLM
+    from runtimes.llm.model_runner import allocate_kv_caches
+    from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
+
+    cpu = torch.device("cpu")
+    path = save_hf_dir(hf_model(TinySpec(hidden_size=64, intermediate_size=96, num_layers=3)), tmp_path)
+    model = load_model(path, cpu, torch.float32, select_attention("auto", cpu), progress=False, weights=weights).model
+    one_call = LlamaForCausalLM._decode_natively
+    taken: list[bool] = []
+
+    def run(native: bool) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        def decide(self, *args):
+            out = one_call(self, *args) if native else None
+            taken.append(out is not None)
+            return out
+
+        monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", decide)
+        caches = allocate_kv_caches(model.config, 4 * batch, 8, torch.float32, cpu)
+        tables = [[4 * i + j for j in range(4)] for i in range(batch)]
+        generator = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, model.config.vocab_size, (batch, 20), generator=generator)
+        hidden = []
+        with torch.inference_mode():
+            meta = AttentionMetadata.build([12] * batch, [12] * batch, tables, 8)
+            model(ids[:, :12].reshape(-1), torch.arange(12).repeat(batch), caches, meta)  # prefill: the layers
+            for pos in range(12, 20):  # decode steps
+                meta = AttentionMetadata.build([1] * batch, [pos + 1] * batch, tables, 8)
+                hidden.append(model(ids[:, pos], torch.full((batch,), pos), caches, meta))
+        return hidden, caches
+
+    native_hidden, native_caches = run(True)
+    assert taken == [False] + [True] * 8  # the prefill took the layers; every decode step the one call
+    layer_hidden, layer_caches = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(native_hidden, layer_hidden, strict=True))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+               for a, b in zip(native_caches, layer_caches, strict=True))
+
+
+def test_the_one_call_is_not_taken_off_its_kernels(tmp_path):
+    """bf16 activations or the reference attention keep the layers' path (the one call only has fp32 CPU kernels)."""
+    from runtimes.llm.attention import AttentionMetadata, paged_attention_ref
+    from runtimes.llm.loader import load_model
+    from runtimes.llm.model_runner import allocate_kv_caches
+    from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
+
+    cpu = torch.device("cpu")
+    path = save_hf_dir(hf_model(TinySpec()), tmp_path)
+    meta = AttentionMetadata.build([1], [1], [[0]], 8)
+    for dtype, attention in ((torch.float32, paged_attention_ref), (torch.bfloat16, None)):
+        model = load_model(path, cpu, dtype, attention, progress=False).model
+        caches = allocate_kv_caches(model.config, 1, 8, dtype, cpu)
+        x = model.embed_tokens(torch.tensor([3]))
+        assert model._decode_natively(x, model.rotary.lookup(torch.tensor([0])), caches, meta) is None
