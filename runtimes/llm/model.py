@@ -7,6 +7,7 @@ serves each; the loaders split checkpoints' separate matrices into these.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import cast
@@ -22,6 +23,9 @@ from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear, kernel_available
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+# `decode_layers`' per-layer arguments: norm weights, projection weights, their packed copies, their kernels' bits
+DecodeWeights = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[int]]
 
 # Batches of at least this many rows use a CPU pre-packed weight where the loader made one (see `Linear`).
 PACKED_MIN_ROWS = 8
@@ -249,11 +253,27 @@ class LlamaForCausalLM(nn.Module):
         if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype == torch.float32
                 and layers[0].self_attn.attention_fn is paged_attention_cpu):
             return None
+        if (stack := self._decode_weights) is None:
+            return None
+        rows = decode_rows(meta)
+        assert rows is not None  # a pure decode step
+        cfg = self.config
+        k_caches, v_caches = zip(*kv_caches, strict=True)
+        return torch.ops.multiserve_fused.decode_layers(
+            x, *rope, *stack, list(k_caches), list(v_caches), meta.slot_mapping, rows.rows,
+            rows.block_tables, rows.seq_lens, [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size],
+            cfg.rms_norm_eps, layers[0].self_attn.scale, PACKED_MIN_ROWS)
+
+    @functools.cached_property
+    def _decode_weights(self) -> DecodeWeights | None:
+        """`decode_layers`' per-layer arguments (norm weights; projection weights, packed copies and kernels), or
+        None where a projection has no kernel there. Gathered on the first decode step (walking the modules costs
+        ~0.5 ms) and again after `.to()` and the like (`_apply`)."""
         norms: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
         packed: list[torch.Tensor | None] = []
         bits: list[int] = []
-        for layer in layers:
+        for layer in cast(list[DecoderLayer], self.layers):
             norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             attn, mlp = layer.self_attn, layer.mlp
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -267,14 +287,11 @@ class LlamaForCausalLM(nn.Module):
                     bits.append(0)
                 else:
                     return None
-        rows = decode_rows(meta)
-        assert rows is not None  # a pure decode step
-        cfg = self.config
-        k_caches, v_caches = zip(*kv_caches, strict=True)
-        return torch.ops.multiserve_fused.decode_layers(
-            x, *rope, norms, weights, packed, bits, list(k_caches), list(v_caches), meta.slot_mapping, rows.rows,
-            rows.block_tables, rows.seq_lens, [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size],
-            cfg.rms_norm_eps, layers[0].self_attn.scale, PACKED_MIN_ROWS)
+        return norms, weights, packed, bits
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(), ...: new tensors
+        self.__dict__.pop("_decode_weights", None)
+        return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
