@@ -74,7 +74,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:  # [D/2]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # on the CPU whatever the default device: arithmetic on meta tensors (where the loader builds the model) goes
+    # through torch's Python references, whose first use imports torch._dynamo and Triton (~65 MB resident)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
@@ -103,10 +105,11 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.rebuild()
+        self.rebuild(torch.device("cpu"))
 
-    def rebuild(self, device: torch.device | None = None) -> None:
-        """(Re)compute the fp32 tables, on `device` or the default one (the loader builds on meta, then here)."""
+    def rebuild(self, device: torch.device) -> None:
+        """(Re)compute the fp32 tables on `device` (the CPU at construction, wherever the model is built; the loader
+        then calls this with the model's device)."""
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]

@@ -15,24 +15,32 @@ _SCRIPT = """
 import re, torch
 from runtimes.llm.config import ModelConfig
 from runtimes.llm.loader import load_state_dict
-from runtimes.llm.model import LlamaForCausalLM
 
 def status(key):
     return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 
-cfg = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
-                  num_kv_heads=8, head_dim=64, max_position_embeddings=256, tie_word_embeddings=True)
-shapes = {"embed_tokens.weight": (4096, 512), "norm.weight": (512,)}
-for i in range(cfg.num_layers):
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        shapes[f"layers.{i}.{norm}.weight"] = (512,)
-    for proj in ("q", "k", "v", "o"):
-        shapes[f"layers.{i}.self_attn.{proj}_proj.weight"] = (512, 512)
-    for proj, shape in (("gate", (2048, 512)), ("up", (2048, 512)), ("down", (512, 2048))):
-        shapes[f"layers.{i}.mlp.{proj}_proj.weight"] = shape
-tensors = ((name, torch.randn(shape)) for name, shape in shapes.items())
-with torch.device("meta"):  # torch's one-time set-up (~150 MB) is not the loader's
-    LlamaForCausalLM(cfg)
+def checkpoint(cfg):
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"embed_tokens.weight": (cfg.vocab_size, h), "norm.weight": (h,)}
+    for n in range(cfg.num_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            shapes[f"layers.{n}.{norm}.weight"] = (h,)
+        for proj in ("q", "k", "v", "o"):
+            shapes[f"layers.{n}.self_attn.{proj}_proj.weight"] = (h, h)
+        for proj, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
+            shapes[f"layers.{n}.mlp.{proj}_proj.weight"] = shape
+    return ((name, torch.randn(shape)) for name, shape in shapes.items())
+
+def config(hidden, layers):
+    return ModelConfig(vocab_size=8 * hidden, hidden_size=hidden, intermediate_size=4 * hidden, num_layers=layers,
+                       num_heads=8, num_kv_heads=8, head_dim=hidden // 8, max_position_embeddings=256,
+                       tie_word_embeddings=True)
+
+# torch's one-time set-up (its kernels' first use, the allocator's first arenas) is not the loader's: a small model
+# first, through the same path
+load_state_dict(config(64, 1), checkpoint(config(64, 1)), torch.device("cpu"), torch.bfloat16)
+cfg = config(512, 8)
+tensors = checkpoint(cfg)
 torch.randn(2048, 512)
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
