@@ -60,3 +60,17 @@ def test_loading_in_bf16_never_holds_the_model_in_fp32():
     assert weights > 64 << 20  # ~71 MB of bf16 weights; fp32 would be twice that
     # The model once in bf16, plus one fp32 checkpoint tensor and one transposed copy in flight (a few MB).
     assert growth < 1.3 * weights, f"peak grew {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+
+
+def test_loading_does_not_pull_in_the_compiler_stack(tmp_path):
+    """A CPU load imports neither torch._dynamo nor Triton: together ~100 MB resident in every replica (arithmetic on
+    meta tensors, where the model is built, imports them through torch's Python references)."""
+    from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
+
+    path = save_hf_dir(hf_model(TinySpec()), tmp_path)
+    script = ("import sys, torch\nfrom runtimes.llm.loader import load_model\n"
+              f"load_model({str(path)!r}, torch.device('cpu'), torch.float32, progress=False)\n"
+              "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True,
+                          cwd=REPO_ROOT)
+    assert proc.stdout.split()[-1] == "[]", proc.stdout
