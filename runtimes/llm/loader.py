@@ -101,7 +101,9 @@ def load_state_dict(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, **kwargs)
     swap_modules(model, formats or {})
-    model = model.to(dtype).to_empty(device=device)
+    # `to_empty` on meta tensors goes through torch's Python reference of empty_like, which imports sympy (~40 MB
+    # resident in every replica); empty tensors of the same shapes are what it makes
+    model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     _load_weights(model, tensors, config, device, dtype, progress, desc, formats or {})
     model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
     if device.type == "cpu":

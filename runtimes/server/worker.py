@@ -8,6 +8,8 @@ runs; nothing is validated a second time here.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import signal
 import sys
@@ -111,9 +113,17 @@ def _load(launch: ReplicaLaunch, step_gate: StepGate | None = None) -> tuple[_En
     fraction = launch.placement.memory_fraction
     if fraction is not None:
         limit_process_memory(fraction, config.resolve_device())
-    if isinstance(config, EmbeddingConfig):
-        return _load_embedding(launch, config, step_gate)
-    return _load_llm(launch, config, step_gate)
+    loaded = (_load_embedding(launch, config, step_gate) if isinstance(config, EmbeddingConfig)
+              else _load_llm(launch, config, step_gate))
+    _return_freed_heap()
+    return loaded
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap the load freed (the checkpoint's metadata, repacking temporaries) back to the OS: glibc keeps
+    freed memory for reuse, so without this it stays resident for the replica's life (~4 MiB for SmolLM2)."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def run_worker(
