@@ -63,14 +63,14 @@ def test_loading_in_bf16_never_holds_the_model_in_fp32():
 
 
 def test_loading_does_not_pull_in_the_compiler_stack(tmp_path):
-    """A CPU load imports neither torch._dynamo nor Triton: together ~100 MB resident in every replica (arithmetic on
-    meta tensors, where the model is built, imports them through torch's Python references)."""
+    """A CPU load imports neither sympy nor torch._dynamo nor Triton: together ~130 MB resident in every replica
+    (operations on meta tensors, where the model is built, can import them through torch's Python references)."""
     from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
 
     path = save_hf_dir(hf_model(TinySpec()), tmp_path)
     script = ("import sys, torch\nfrom runtimes.llm.loader import load_model\n"
               f"load_model({str(path)!r}, torch.device('cpu'), torch.float32, progress=False)\n"
-              "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))")
+              "print(sorted(m for m in ('sympy', 'torch._dynamo', 'triton') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True,
                           cwd=REPO_ROOT)
     assert proc.stdout.split()[-1] == "[]", proc.stdout
