@@ -18,7 +18,9 @@
 // multiplied by the activations rearranged to match (each block's first and second halves, contiguous per block).
 // Each thread takes a range of weight rows and runs all activation rows against a weight row, a tile of them at a
 // time (8 with AVX-512 VNNI, else 4; the count a compile-time constant, see `with_rows`), while
-// it is in registers and L1: the weights are read from memory once per call whatever M is.
+// it is in registers and L1: the weights are read from memory once per call whatever M is. With AVX-512 a full tile
+// of eight rows ends with one transposed reduction and one vector of offset terms for all eight (`finish_tile`).
+// Activations are quantized with AVX2 where there is AVX2 (bit-identical to the scalar rounding), rows in parallel.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,6 +45,12 @@
 namespace {
 
 constexpr int64_t QK = 32;
+// activation rows per pass over a weight row (their sums stay in registers)
+#if defined(MULTISERVE_VNNI512)
+constexpr int64_t TILE = 8;
+#else
+constexpr int64_t TILE = 4;
+#endif
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -79,14 +87,52 @@ struct Activations {
   std::vector<float> d, dsum;     // [M, nbp]: scale, scale * sum of the block's int8 values
   std::vector<float> spread;      // [M, nbp * lanes]: each block's scale repeated over the int32 lanes its dot
                                   // product fills (4-bit: 4, 8-bit: 8), to multiply whole vectors by
+  std::vector<float> dsum_t;      // [nb, M]: dsum transposed, a block's values for a tile of rows side by side
+  int64_t rows = 0;               // M
 };
+
+// A block's scale: its largest |value| / 127.
+inline float block_scale(const float* src) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(src[i]));
+  return amax / 127.f;
+}
+
+// A block of 32 values as int8 at scale d (rounded to nearest, ties to even, as nearbyint does), into q; returns
+// their sum.
+inline int32_t quantize_block(const float* src, float d, int8_t* q) {
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+#if defined(__AVX2__)
+  const __m256 scale = _mm256_set1_ps(inv);
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i), scale));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  // packs work within 128-bit lanes: the permute puts the 32 bytes back in order
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  return _mm_cvtsi128_si32(s);
+#else
+  int32_t total = 0;
+  for (int64_t i = 0; i < QK; ++i) {
+    const int v = static_cast<int>(std::nearbyint(src[i] * inv));
+    q[i] = static_cast<int8_t>(v);
+    total += v;
+  }
+  return total;
+#endif
+}
 
 Activations quantize_activations(const float* x, int64_t M, int64_t K, bool four_bit) {
   const int64_t nb = K / QK, nbp = nb + (nb & 1);
   [[maybe_unused]] const int64_t lanes = four_bit ? 4 : 8;
-  Activations a{nb, nbp, {}, {}, {}, {}, std::vector<float>(M * nbp, 0.f), {}};
+  Activations a{nb, nbp, {}, {}, {}, {}, std::vector<float>(M * nbp, 0.f), {}, {}, M};
 #if defined(MULTISERVE_VNNI512)
   a.spread.assign(M * nbp * lanes, 0.f);
+  if (M >= TILE) a.dsum_t.assign(nb * M, 0.f);
 #else
   a.d.assign(M * nbp, 0.f);
 #endif
@@ -96,34 +142,31 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, bool four
   } else {
     a.q.assign(M * nbp * QK, 0);
   }
-  int8_t block[QK];
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* src = x + m * K + b * QK;
-      float amax = 0.f;
-      for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int32_t total = 0;
-      for (int64_t i = 0; i < QK; ++i) {
-        const int v = static_cast<int>(std::nearbyint(src[i] * inv));
-        block[i] = static_cast<int8_t>(v);
-        total += v;
-      }
-      const int64_t at = m * nbp + b;
-      if (four_bit) {
-        std::memcpy(a.lo.data() + at * QK / 2, block, QK / 2);
-        std::memcpy(a.hi.data() + at * QK / 2, block + QK / 2, QK / 2);
-      } else {
-        std::memcpy(a.q.data() + at * QK, block, QK);
-      }
-      a.dsum[at] = d * static_cast<float>(total);
+  // rows are independent: a few per thread
+  at::parallel_for(0, M, 4, [&](int64_t m_begin, int64_t m_end) {
+    alignas(32) int8_t block[QK];
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* src = x + m * K + b * QK;
+        const float d = block_scale(src);
+        const int32_t total = quantize_block(src, d, block);
+        const int64_t at = m * nbp + b;
+        if (four_bit) {
+          std::memcpy(a.lo.data() + at * QK / 2, block, QK / 2);
+          std::memcpy(a.hi.data() + at * QK / 2, block + QK / 2, QK / 2);
+        } else {
+          std::memcpy(a.q.data() + at * QK, block, QK);
+        }
+        a.dsum[at] = d * static_cast<float>(total);
 #if defined(MULTISERVE_VNNI512)
-      std::fill_n(a.spread.data() + at * lanes, lanes, d);
+        std::fill_n(a.spread.data() + at * lanes, lanes, d);
+        if (M >= TILE) a.dsum_t[b * M + m] = a.dsum[at];
 #else
-      a.d[at] = d;
+        a.d[at] = d;
 #endif
+      }
     }
-  }
+  });
   return a;
 }
 
@@ -147,7 +190,6 @@ inline float hsum(__m256 v) {  // the sum of a vector's eight lanes
 
 #if defined(MULTISERVE_VNNI512)
 
-constexpr int64_t TILE = 8;  // activation rows per pass over a weight row (their sums stay in registers)
 
 // Lanes 4k..4k+3 <- element k: one block's scale over the four int32 lanes its 16 bytes sum into.
 inline __m512 spread4(__m128 v) {
@@ -172,6 +214,38 @@ inline __m512 add_offsets(__m512 acc, const uint16_t* c, const float* dsum, int6
                           acc);
   }
   return acc;
+}
+
+// A full tile's results: y[r * ys] = (the sum of acc[r]'s sixteen lanes) + sum_b c_b dsum_b for r < 8. The eight
+// vectors are folded into one in three shuffle-and-add steps, and the offset terms of the eight rows are one vector
+// of multiply-adds over the blocks (dsum transposed), instead of a horizontal sum and an offsets pass per row.
+inline void finish_tile(const __m512* acc, const uint16_t* c, const Activations& a, int64_t m0, float* y, int64_t ys) {
+  __m512 pairs[4];  // 128-bit lanes 0-1: partial sums of row 2i, lanes 2-3: of row 2i + 1
+  for (int i = 0; i < 4; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // 128-bit lane j: four partial sums of row j (lo) or of row 4 + j (hi)
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2], pairs[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(pairs[2], pairs[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 sums = _mm512_add_ps(_mm512_unpacklo_ps(lo, hi), _mm512_unpackhi_ps(lo, hi));
+  sums = _mm512_add_ps(sums, _mm512_shuffle_ps(sums, sums, _MM_SHUFFLE(1, 0, 3, 2)));  // lane 4j: row j, 4j+1: 4+j
+  const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0);
+  __m256 total = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
+  const float* dsum_t = a.dsum_t.data() + m0;
+  for (int64_t b0 = 0; b0 < a.nb; b0 += 16) {
+    const int64_t count = std::min<int64_t>(16, a.nb - b0);
+    alignas(64) float cf[16];
+    _mm512_store_ps(cf, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), c + b0)));
+    for (int64_t j = 0; j < count; ++j) {
+      total = _mm256_fmadd_ps(_mm256_set1_ps(cf[j]), _mm256_loadu_ps(dsum_t + (b0 + j) * a.rows), total);
+    }
+  }
+  alignas(32) float out[8];
+  _mm256_store_ps(out, total);
+  for (int r = 0; r < 8; ++r) y[r * ys] = out[r];
 }
 
 // y[r * ys] = w . x[m0 + r] for r < rows, one 4-bit weight row: four blocks per 512-bit step (64 bytes of values),
@@ -213,6 +287,10 @@ void row4(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t 
       tail[r] = _mm256_fmadd_ps(scaled, wd, tail[r]);
     }
   }
+  if constexpr (rows == TILE) {
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(tail[r]));
+    return finish_tile(acc, c, a, m0, y, ys);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     y[r * ys] = _mm512_reduce_add_ps(add_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb)) + hsum(tail[r]);
   }
@@ -238,6 +316,7 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t 
       acc[r] = _mm512_fmadd_ps(scaled, wd, acc[r]);
     }
   }
+  if constexpr (rows == TILE) return finish_tile(acc, c, a, m0, y, ys);
   for (int64_t r = 0; r < rows; ++r) {
     y[r * ys] = _mm512_reduce_add_ps(add_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb));
   }
@@ -245,7 +324,6 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t 
 
 #elif defined(__AVX2__)
 
-constexpr int64_t TILE = 4;
 
 inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {  // acc + four-byte sums of u * s (u unsigned)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -329,7 +407,6 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t 
 
 #else
 
-constexpr int64_t TILE = 4;
 
 void row_scalar(const uint8_t* w, int bits, const Activations& a, int64_t m0, int64_t rows, float* y, int64_t ys) {
   const int64_t nbp = a.nbp, value_bytes = bits == 4 ? 16 : 32;
