@@ -26,7 +26,7 @@ class EngineSpec(Frozen):
     kv_cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
     enable_prefix_caching: bool = True
     # how the weights are held: auto keeps a GGUF's own quantization on the CPU (bf16 on CUDA); q8 and q4 quantize
-    # to 8 or 4 bits on the CPU; fp32, bf16, fp16 dequantize (runtimes/llm/quant/weights.py)
+    # to 8 or 4 bits (CPU or CUDA); fp32, bf16, fp16 dequantize (runtimes/llm/quant/weights.py)
     weights: Literal["auto", "fp32", "bf16", "fp16", "q8", "q4"] = "auto"
 
     @field_validator("block_size")

@@ -223,7 +223,7 @@ class ModelSpec(Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
-        problems = [*self._launcher_problems(), *self._embedding_problems(), *self._weights_problems(),
+        problems = [*self._launcher_problems(), *self._embedding_problems(),
                     *_duplicates("aliases", self.aliases)]
         problems += _duplicates("fallbacks", self.fallbacks)
         problems += _duplicates("context_window_fallbacks", self.context_window_fallbacks)
@@ -245,14 +245,6 @@ class ModelSpec(Frozen):
                        ("max_queue_wait_s", self.policy.max_queue_wait_s is not None)]
         return [Problem(f"policy.{name}", "not supported for embedding models (they batch first come, first "
                                           "served)") for name, given in unsupported if given]
-
-    def _weights_problems(self) -> list[Problem]:
-        """4- and 8-bit weights run on the CPU kernel only (`device: auto` then means the CPU)."""
-        weights = getattr(self.engine, "weights", "auto")
-        if self.device == "cuda" and weights in ("q8", "q4"):
-            return [Problem("engine.weights", f"{weights!r} runs on the CPU only; with device 'cuda' use auto, "
-                                              f"bf16, fp16 or fp32")]
-        return []
 
     def _launcher_problems(self) -> list[Problem]:
         if self.launcher != "url":

@@ -14,7 +14,7 @@ import torch
 from policies.admission import AdmissionLimits
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
-from runtimes.llm.quant.weights import CPU_ONLY_WEIGHTS, FLOAT_WEIGHTS, WEIGHT_CHOICES
+from runtimes.llm.quant.weights import FLOAT_WEIGHTS, WEIGHT_CHOICES
 
 
 @dataclass(frozen=True)
@@ -171,15 +171,14 @@ class EngineConfig:
         return _build_options(MultiLevelConfig, self.multilevel, "multilevel")
 
     def resolve_device(self) -> torch.device:
-        """`device`; auto is CUDA when there is one, unless the weights are 4- or 8-bit (a CPU kernel)."""
+        """`device`; auto is CUDA when there is one."""
         if self.device == "auto":
-            cpu_only = self.weights in CPU_ONLY_WEIGHTS
-            return torch.device("cuda" if torch.cuda.is_available() and not cpu_only else "cpu")
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype of the model's floating-point weights, activations and KV cache (block-format weights
-        compute in fp32 activations)."""
+        """The dtype of the model's floating-point weights, activations and KV cache (on the CPU, block-format
+        weights compute in fp32 activations; on CUDA in this dtype)."""
         if self.dtype == "auto":
             named = FLOAT_WEIGHTS.get(self.weights)
             if named is not None:

@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H] final hidden states
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a block-format table dequantizes to fp32
         rope = self.rotary.lookup(positions)
         if (native := self._decode_natively(x, rope, kv_caches, meta)) is not None:
             return self.norm.add_forward(*native)[0]
@@ -299,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, QuantEmbedding):  # a tied head kept in a block format
-            return head.project(hidden)
+            return head.project(hidden).float()
         if isinstance(head, QuantLinear):
-            return head(hidden)
+            return head(hidden).float()
         return packed_linear(hidden, head.weight, self.packed_lm_head).float()

@@ -10,7 +10,7 @@
 #    from the checkout (PYTHONPATH). Then every import the checks need is tried.
 # 2. the checks, each under its own timeout and all within GPU_CHECK_BUDGET_S (default 470 s): attention (Triton
 #    kernels), model (parity with transformers), serve (worker and gateway on cuda), steptime (decode step time
-#    against the HBM floor), partitioner (NVML/MPS, read-only).
+#    against the HBM floor), quant (the 4/8-bit weight-only matmul), partitioner (NVML/MPS, read-only).
 # 3. $OUT/summary.json gathers every result; the exit code is 1 if anything failed.
 #
 # Each result is one line, `PASS name ...` or `FAIL name ...`; each check's stdout, stderr and JSON lines stay in
@@ -135,6 +135,7 @@ run_check attention 80 tests/gpu/check_attention.py
 run_check model 110 tests/gpu/check_model.py
 run_check serve 80 tests/gpu/check_serve.py
 run_check steptime 60 tests/gpu/check_steptime.py
+run_check quant 40 tests/gpu/check_quant.py
 if [[ $device == cuda ]]; then
     run_check partitioner 100 tests/gpu/check_partitioner.py  # read-only: no MIG, clock or setting changes
 fi

@@ -35,7 +35,12 @@ def build_kernel(namespace: str, march: str) -> None:
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
-    """x `[M, K]` (fp32) @ W.T for W `[N, packed_row_bytes]`, packed rows of `fmt`."""
+    """x `[M, K]` @ W.T for W `[N, packed_row_bytes]`, packed rows of `fmt`: on CUDA the Triton kernel (y in x's
+    dtype), on the CPU this one (y in fp32)."""
+    if x.is_cuda:
+        from runtimes.llm.quant.triton_matmul import quant_matmul
+
+        return quant_matmul(x, weight, fmt, in_features)
     if x.is_cpu and kernel_available():
         return torch.ops.multiserve_quant.quant_linear(x.float(), weight, fmt.bits, in_features)
     return F.linear(x.float(), dequantize_rows(weight, fmt, in_features))

@@ -36,7 +36,7 @@ class BlockFormat:
 
     def packed_row_bytes(self, in_features: int) -> int:
         """Bytes of one packed row of `in_features` values: values, scales and offsets of its padded blocks."""
-        return _padded_blocks(in_features) * (BLOCK * self.bits // 8 + 4)
+        return padded_blocks(in_features) * (BLOCK * self.bits // 8 + 4)
 
 
 Q8_0 = BlockFormat("Q8_0", 8, 34, 8)
@@ -86,7 +86,7 @@ def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, in_features: int) ->
     """Packed rows -> fp32 `[R, in_features]`, in torch: the embedding lookup, and the reference the kernel is
     tested against."""
     nb = in_features // BLOCK
-    nbp, value_bytes = _padded_blocks(in_features), BLOCK * fmt.bits // 8
+    nbp, value_bytes = padded_blocks(in_features), BLOCK * fmt.bits // 8
     rows = packed.shape[0]
     values = packed[:, : nbp * value_bytes].reshape(rows, nbp, value_bytes)[:, :nb]
     scales = nbp * value_bytes
@@ -96,7 +96,8 @@ def dequantize_rows(packed: torch.Tensor, fmt: BlockFormat, in_features: int) ->
     return (d * u.float() + c).reshape(rows, in_features)
 
 
-def _padded_blocks(in_features: int) -> int:
+def padded_blocks(in_features: int) -> int:
+    """Blocks per packed row: K / 32 padded to an even count (the CPU kernel reads blocks in pairs)."""
     nb = in_features // BLOCK
     return nb + nb % 2
 

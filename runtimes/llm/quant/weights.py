@@ -4,7 +4,8 @@
 dequantized at load); `q8` and `q4` keep the projections, the embedding table and the LM head in Q8_0 / a 4-bit
 format on the CPU kernel; `auto` keeps what a GGUF file has where the kernel computes on it as it is (Q8_0, Q4_0,
 Q4_1), requantizes its other quantized types (K-quants, Q5_*) to Q8_0, and leaves floating-point tensors (and a
-Hugging Face checkpoint) in floating point. On CUDA `auto` means bf16; the block formats run on the CPU only.
+Hugging Face checkpoint) in floating point. On CUDA `auto` means bf16, and `q8` / `q4` run on the Triton kernel
+(`triton_matmul.py`), which dequantizes the same blocks inside the matmul.
 Norms stay in floating point whatever the choice.
 
 The loader decides each weight's format before it allocates anything (`block_formats`), swaps the model's modules
@@ -26,7 +27,7 @@ from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, format_of,
 
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q4")
 FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CPU_ONLY_WEIGHTS = ("q8", "q4")  # the block formats' kernel is the CPU's
+BLOCK_DEVICES = ("cpu", "cuda")  # where the block formats have a kernel
 _GGML_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 # a checkpoint's projection -> the model's fused projection that holds it
 FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -52,8 +53,9 @@ class BlockTensor:
 def check_weights(weights: str, device: torch.device) -> None:
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
-    if weights in CPU_ONLY_WEIGHTS and device.type != "cpu":
-        raise ValueError(f"weights {weights!r} run on the CPU kernel only; on {device.type} use bf16, fp16 or fp32")
+    if weights not in FLOAT_WEIGHTS and device.type not in BLOCK_DEVICES:
+        raise ValueError(f"weights {weights!r} have kernels on the CPU and CUDA only; on {device.type} use bf16, fp16 "
+                         f"or fp32")
 
 
 def weight_format(weights: str, ggml_type: int | None) -> BlockFormat | None:
@@ -74,7 +76,7 @@ def block_formats(weights: str, device: torch.device, num_layers: int, tied: boo
     """The model's weights (its own names) kept in a block format, and which. `source_types`: each checkpoint weight
     (Hugging Face names) -> its GGML type, None for floating point. A fused weight whose parts would differ takes
     Q8_0, which holds any of them."""
-    if device.type != "cpu" or weights in FLOAT_WEIGHTS:
+    if weights in FLOAT_WEIGHTS or (weights == "auto" and device.type != "cpu"):  # auto on CUDA: bf16
         return {}
 
     names = ["embed_tokens.weight", *([] if tied else ["lm_head.weight"])]

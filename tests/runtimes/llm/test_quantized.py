@@ -16,7 +16,7 @@ from runtimes.llm.loader import load_model
 from runtimes.llm.model_runner import allocate_kv_caches
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear, build_kernel, kernel_available
 from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, dequantize_rows, pack
-from runtimes.llm.quant.weights import check_weights
+from runtimes.llm.quant.weights import block_formats, check_weights
 from tests.runtimes.llm.conftest import SMOLLM2_FILE, smollm2_dir
 from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
 
@@ -139,13 +139,17 @@ def test_a_float_choice_keeps_every_weight_in_floating_point():
 def test_weight_choices_are_checked_where_they_are_made():
     with pytest.raises(ValueError, match="weights must be one of auto, fp32, bf16, fp16, q8, q4, got 'int3'"):
         EngineConfig(weights="int3")
-    with pytest.raises(ValueError, match="run on the CPU kernel only"):
-        check_weights("q4", torch.device("cuda", 0))
-    assert EngineConfig(weights="q8").resolve_device() == CPU  # device auto: where the kernel is
+    with pytest.raises(ValueError, match="have kernels on the CPU and CUDA only; on mps use bf16"):
+        check_weights("q4", torch.device("mps"))
+    check_weights("q4", torch.device("cuda", 0))  # the Triton kernel (test_triton_quant.py)
     assert EngineConfig(weights="bf16").resolve_dtype(CPU) == torch.bfloat16
-    with pytest.raises(ValueError, match=r"engine\.weights: 'q8' runs on the CPU only"):
-        ModelSpec.model_validate({"name": "m", "type": "chat", "source": {"path": "/m.gguf"}, "device": "cuda",
-                                  "engine": {"weights": "q8"}})
+    # auto on CUDA is bf16; a 4- or 8-bit choice keeps its blocks there too
+    assert block_formats("auto", torch.device("cuda", 0), 1, True, {"embed_tokens.weight": 8}) == {}
+    assert block_formats("q8", torch.device("cuda", 0), 1, True, {"embed_tokens.weight": 8}) == {
+        "embed_tokens.weight": Q8_0, **{f"layers.0.{w}.weight": Q8_0 for w in (
+            "self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}}
+    ModelSpec.model_validate({"name": "m", "type": "chat", "source": {"path": "/m.gguf"}, "device": "cuda",
+                              "engine": {"weights": "q8"}})
 
 
 def test_the_default_model_is_served_in_its_own_blocks():
