@@ -9,8 +9,9 @@
 //   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot
 //   decode_layers(...):                     every decoder layer of a decode step (one new token per sequence)
 //
-// Each is written as the reference computes it, element by element in the same order, and built with
-// -ffp-contract=off, so its results equal the reference path's.
+// Each is written as the reference computes it, in the same order, and built with -ffp-contract=off, so its results
+// equal the reference path's to float rounding: with AVX-512 the norm's sum of squares (in double) is taken sixteen
+// at a time and silu's exp is a polynomial within 2 ulp of expf (`exp16`).
 //
 // decode_layers runs the whole layer stack in one call: the ops above, the projections (dense fp32, oneDNN's packed
 // copy, or our block-format kernel `multiserve_quant::quant_linear`) and the paged decode attention kernel
@@ -29,6 +30,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -38,10 +43,40 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 void norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
   double sum = 0.0;  // torch's CPU mean reduces in higher precision than the float values; so does this
-  for (int64_t i = 0; i < n; ++i) sum += double(x[i]) * double(x[i]);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+  for (; i + 16 <= n; i += 16) {
+    const __m512d a = _mm512_cvtps_pd(_mm256_loadu_ps(x + i)), b = _mm512_cvtps_pd(_mm256_loadu_ps(x + i + 8));
+    acc0 = _mm512_add_pd(acc0, _mm512_mul_pd(a, a));
+    acc1 = _mm512_add_pd(acc1, _mm512_mul_pd(b, b));
+  }
+  sum = _mm512_reduce_add_pd(_mm512_add_pd(acc0, acc1));
+#endif
+  for (; i < n; ++i) sum += double(x[i]) * double(x[i]);
   const float scale = 1.f / std::sqrt(float(sum / double(n)) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * scale);
+  for (i = 0; i < n; ++i) y[i] = w[i] * (x[i] * scale);
 }
+
+#if defined(__AVX512F__)
+// exp(x), sixteen at a time: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-7 polynomial (within 2 ulp of
+// expf), times 2^k. x is clamped to +-88.38, beyond which float's exp over- or underflows anyway.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts, for an exact reduction
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, k);
+}
+#endif
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
@@ -112,7 +147,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * 2 * n;
-      for (int64_t i = 0; i < n; ++i) op[r * n + i] = g[i] / (1.f + std::exp(-g[i])) * g[n + i];
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 gate = _mm512_loadu_ps(g + i);
+        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+        _mm512_storeu_ps(op + r * n + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + n + i)));
+      }
+#endif
+      for (; i < n; ++i) op[r * n + i] = g[i] / (1.f + std::exp(-g[i])) * g[n + i];
     }
   });
   return out;
