@@ -28,6 +28,9 @@ class EngineSpec(Frozen):
     # how the weights are held: auto keeps a GGUF's own quantization on the CPU (bf16 on CUDA); q8 and q4 quantize
     # to 8 or 4 bits (CPU or CUDA); fp32, bf16, fp16 dequantize (runtimes/llm/quant/weights.py)
     weights: Literal["auto", "fp32", "bf16", "fp16", "q8", "q4"] = "auto"
+    # the KV cache's dtype: auto is the model's; fp16 on the CPU halves the cache's memory and the bytes its
+    # attention reads (on CUDA the cache stays in the model's dtype)
+    kv_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
 
     @field_validator("block_size")
     @classmethod

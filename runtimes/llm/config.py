@@ -119,6 +119,9 @@ class EngineConfig:
     # auto | fp32 | bf16 | fp16 | q8 | q4: how the weights are held (runtimes/llm/quant/weights.py); auto keeps a
     # GGUF's own quantization on the CPU and is `dtype` on CUDA; fp32/bf16/fp16 set `dtype` when it is auto
     weights: str = "auto"
+    # auto | fp32 | bf16 | fp16: the KV cache's dtype; auto is the model's. On the CPU an fp16 cache halves the bytes
+    # the decode attention reads (its kernel widens them to fp32); on CUDA the cache stays in the model's dtype
+    kv_dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
@@ -145,6 +148,8 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
             (self.weights in WEIGHT_CHOICES,
              f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}"),
+            (self.kv_dtype == "auto" or self.kv_dtype in FLOAT_WEIGHTS,
+             f"kv_dtype must be one of auto, {', '.join(FLOAT_WEIGHTS)}, got {self.kv_dtype!r}"),
             (self.attention_backend in ("auto", "torch", "cpu", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
             (self.scheduling in ("fcfs", "multilevel"),
@@ -185,6 +190,16 @@ class EngineConfig:
                 return named
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype for `EngineConfig.kv_dtype` (auto: the model's). On CUDA the Triton attention reads the
+    cache in the model's dtype, so another one is refused there by name."""
+    chosen = model_dtype if kv_dtype == "auto" else FLOAT_WEIGHTS[kv_dtype]
+    if device.type == "cuda" and chosen != model_dtype:
+        raise ValueError(f"kv_dtype {kv_dtype!r} on CUDA: the cache must be in the model's dtype ({model_dtype}); "
+                         f"use auto")
+    return chosen
 
 
 def _build_options(options_type: Any, options: Mapping[str, Any], what: str) -> Any:

@@ -6,7 +6,7 @@
 //   rms_norm(x, weight, eps):               x * rsqrt(mean(x^2) + eps) * weight
 //   rotary_(qk, cos, sin):                  rotate-halves RoPE in place over qk [T, heads, D]
 //   silu_mul(gate_up):                      silu(gate) * up, gate_up = [gate | up] per row
-//   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot
+//   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot (fp32 or fp16)
 //   decode_layers(...):                     every decoder layer of a decode step (one new token per sequence)
 //
 // Each is written as the reference computes it, in the same order, and built with -ffp-contract=off, so its results
@@ -162,29 +162,42 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, const at::Tensor& value,
-               const at::Tensor& slots) {
-  // caches: [num_blocks, block_size, KVH, D] contiguous; key, value: [T, KVH, D], unit stride in D (views into the
-  // fused q|k|v output); slots: [T] int64, a token's slot = block * block_size + offset
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "caches must be contiguous fp32");
-  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.stride(2) == 1 &&
-              value.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "key and value must be fp32 [T, KVH, D] with unit stride in D; slots int64");
+template <typename T>
+void write_rows(T* kc, T* vc, const at::Tensor& key, const at::Tensor& value, const int64_t* sp, int64_t num_slots) {
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2), row = heads * dim;
-  const int64_t num_slots = k_cache.numel() / row;
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* kp = key.data_ptr<float>();
   const float* vp = value.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t slot = sp[t];
     TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " is outside the cache (", num_slots, " slots)");
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + slot * row + h * dim, kp + t * key.stride(0) + h * key.stride(1), dim * sizeof(float));
-      std::memcpy(vc + slot * row + h * dim, vp + t * value.stride(0) + h * value.stride(1), dim * sizeof(float));
+      const float* ks = kp + t * key.stride(0) + h * key.stride(1);
+      const float* vs = vp + t * value.stride(0) + h * value.stride(1);
+      T* kd = kc + slot * row + h * dim;
+      T* vd = vc + slot * row + h * dim;
+      for (int64_t d = 0; d < dim; ++d) kd[d] = static_cast<T>(ks[d]), vd[d] = static_cast<T>(vs[d]);
     }
+  }
+}
+
+void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, const at::Tensor& value,
+               const at::Tensor& slots) {
+  // caches: [num_blocks, block_size, KVH, D] contiguous, fp32 or fp16 (values rounded to nearest, as torch's
+  // conversion does); key, value: fp32 [T, KVH, D], unit stride in D (views into the fused q|k|v output);
+  // slots: [T] int64, a token's slot = block * block_size + offset
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == type &&
+              (type == at::kFloat || type == at::kHalf), "caches must be contiguous fp32 or fp16");
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.stride(2) == 1 &&
+              value.stride(2) == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "key and value must be fp32 [T, KVH, D] with unit stride in D; slots int64");
+  const int64_t num_slots = k_cache.numel() / (key.size(1) * key.size(2));
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  if (type == at::kHalf) {
+    write_rows(reinterpret_cast<_Float16*>(k_cache.data_ptr<at::Half>()),
+               reinterpret_cast<_Float16*>(v_cache.data_ptr<at::Half>()), key, value, sp, num_slots);
+  } else {
+    write_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), key, value, sp, num_slots);
   }
 }
 

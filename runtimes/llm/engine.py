@@ -20,7 +20,7 @@ from policies.admission import RateMeter, retry_after_s
 from runtimes.cuda_memory import default_kv_bytes
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
 from runtimes.llm.attention import select_attention
-from runtimes.llm.config import EngineConfig
+from runtimes.llm.config import EngineConfig, resolve_kv_dtype
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.loader import LoadedModel, load_model
@@ -65,7 +65,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         budget = config.kv_cache_bytes or _default_kv_bytes(device, config.kv_cache_memory_fraction)
-        num_blocks = num_blocks_for_budget(loaded.config, budget, config.block_size, dtype)
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, device)
+        num_blocks = num_blocks_for_budget(loaded.config, budget, config.block_size, kv_dtype)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={budget} is too small for one block of {config.block_size} tokens")
         self.kv = KVCacheManager(num_blocks, config.block_size)
@@ -73,7 +74,7 @@ class LLMEngine:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             policy if policy is not None else _queue_policy(config, clock),
         )
-        kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, dtype, device)
+        kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, kv_dtype, device)
         sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.runner = ModelRunner(loaded.model, kv_caches, config.block_size, device, sampler)
         self._sequences: dict[str, _Sequence] = {}  # internal (child) request id -> state

@@ -30,6 +30,11 @@ def applies(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and available()
 
 
+def writes_kv(key: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether `write_kv_` takes these keys (fp32 on the CPU) into this cache (fp32 or fp16)."""
+    return applies(key) and k_cache.dtype in (torch.float32, torch.float16)
+
+
 def ops_for(x: torch.Tensor) -> Any:
     """The fused operations that take `x` (`rms_norm`, `add_rms_norm`, `rotary_`, `silu_mul`, the same signatures in
     both): the C++ ones for fp32 on the CPU, the Triton ones on CUDA; None: the model's reference path."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from runtimes.llm import fused
 from runtimes.llm.attention import AttentionMetadata, paged_attention_ref, write_kv
-from runtimes.llm.attention.cpu_paged import decode_rows, paged_attention_cpu
+from runtimes.llm.attention.cpu_paged import KERNEL_CACHE_DTYPES, decode_rows, paged_attention_cpu
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear, kernel_available
 
@@ -157,7 +157,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        if fused.applies(k_cache):
+        if fused.writes_kv(k, k_cache):
             torch.ops.multiserve_fused.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
         else:
             write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -251,9 +251,10 @@ class LlamaForCausalLM(nn.Module):
         """A decode step's whole layer stack in one C++ call (`decode_layers` in cpu_fused.cpp): the same kernels in
         the same order as `DecoderLayer.forward`, so the same result, without its Python dispatch (at batch 1 about a
         third of the step). Returns (last MLP output, residual), or None where that call does not apply: a step with
-        a prefill, anything but fp32 on the CPU with the C++ attention kernel, a projection it has no kernel for."""
+        a prefill, anything but fp32 activations on the CPU with the C++ attention kernel (over an fp32 or fp16 cache),
+        a projection it has no kernel for."""
         layers = cast(list[DecoderLayer], self.layers)
-        if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype == torch.float32
+        if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype in KERNEL_CACHE_DTYPES
                 and layers[0].self_attn.attention_fn is paged_attention_cpu):
             return None
         if (stack := self._decode_weights) is None:

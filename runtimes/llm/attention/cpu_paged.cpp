@@ -1,4 +1,5 @@
-// Decode attention over the paged KV cache on CPU, fp32: one new query token per sequence.
+// Decode attention over the paged KV cache on CPU: fp32 queries, an fp32 or fp16 cache, one new query token per
+// sequence (an fp16 cache halves the bytes read; its values are widened to fp32 as they are read).
 //
 // The PyTorch reference gathers every sequence's blocks into a padded copy (written, then read again by
 // SDPA); here each sequence walks its block table and reads each cached key and value once, serving all
@@ -14,6 +15,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -57,19 +62,20 @@ struct Shape {
 // weighted sum of the values. Walking tokens in cache order, each token's K (then V) row of all KV heads
 // is read once, front to back, which the hardware prefetcher follows within a block. `q` points at head
 // h0's query, `out` at its output row; `scores` holds num_q x len floats, `acc` num_q x head_dim.
-void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t len,
+template <typename T>
+void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t len,
             int64_t h0, int64_t num_q, const Shape& s, float scale, float* scores, float* acc, float* out) {
   const int64_t D = s.head_dim, row = s.num_kv_heads * D;  // floats between consecutive cached tokens
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t kv0 = (h0 / group) * D;  // offset of the first KV head this call reads within a token row
   for_each_slot(table, len, s.block_size, row, kv0, [&](int64_t t, int64_t offset) {
-    const float* k = k_cache + offset;
+    const T* k = k_cache + offset;
     for (int64_t h = 0; h < num_q; ++h) {
       const float* qh = q + h * s.q_head_stride;
-      const float* kh = k + (h / group) * D;
+      const T* kh = k + (h / group) * D;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<float>(kh[d]);
       scores[h * len + t] = dot * scale;
     }
   });
@@ -87,13 +93,13 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   }
   std::fill(acc, acc + num_q * D, 0.f);
   for_each_slot(table, len, s.block_size, row, kv0, [&](int64_t t, int64_t offset) {
-    const float* v = v_cache + offset;
+    const T* v = v_cache + offset;
     for (int64_t h = 0; h < num_q; ++h) {
       const float p = scores[h * len + t];
-      const float* vh = v + (h / group) * D;
+      const T* vh = v + (h / group) * D;
       float* a = acc + h * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += p * vh[d];
+      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vh[d]);
     }
   });
   for (int64_t h = 0; h < num_q; ++h)
@@ -103,8 +109,33 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
 // The same for one KV head and its G query heads, with D and G known at compile time (the common shapes:
 // head_dim 64 or 128, groups of 1-8). The queries (pre-scaled) and the G output accumulators then live in
 // registers through the token loops instead of being reloaded and stored for every token.
-template <int D, int G>
-void attend_kv_head(const float* q, int64_t q_head_stride, const float* k_cache, const float* v_cache,
+// A cached row of D values as floats: the row itself in an fp32 cache; from an fp16 one, widened into `buf` with
+// vcvtph2ps (a scalar conversion per value would cost more than the bytes it saves).
+template <int D>
+inline const float* as_floats(const float* row, float*) {
+  return row;
+}
+
+template <int D>
+inline const float* as_floats(const _Float16* row, float* buf) {
+#if defined(__AVX512F__)
+  static_assert(D % 16 == 0);
+  for (int d = 0; d < D; d += 16) {
+    _mm512_storeu_ps(buf + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d))));
+  }
+#elif defined(__F16C__)
+  static_assert(D % 8 == 0);
+  for (int d = 0; d < D; d += 8) {
+    _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+  }
+#else
+  for (int d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
+#endif
+  return buf;
+}
+
+template <typename T, int D, int G>
+void attend_kv_head(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                     const int32_t* table, int64_t len, int64_t kv_off, int64_t row, int64_t block_size, float scale,
                     float* scores, float* out) {
   float qs[G][D];
@@ -112,8 +143,9 @@ void attend_kv_head(const float* q, int64_t q_head_stride, const float* k_cache,
     for (int d = 0; d < D; ++d) qs[g][d] = q[g * q_head_stride + d] * scale;
   float mx[G];
   for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
+  alignas(64) float wide[D];
   for_each_slot(table, len, block_size, row, kv_off, [&](int64_t t, int64_t offset) {
-    const float* k = k_cache + offset;
+    const float* k = as_floats<D>(k_cache + offset, wide);
     for (int g = 0; g < G; ++g) {
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -135,7 +167,7 @@ void attend_kv_head(const float* q, int64_t q_head_stride, const float* k_cache,
   }
   float acc[G][D] = {};
   for_each_slot(table, len, block_size, row, kv_off, [&](int64_t t, int64_t offset) {
-    const float* v = v_cache + offset;
+    const float* v = as_floats<D>(v_cache + offset, wide);
     for (int g = 0; g < G; ++g) {
       const float p = scores[g * len + t];
 #pragma omp simd
@@ -146,27 +178,29 @@ void attend_kv_head(const float* q, int64_t q_head_stride, const float* k_cache,
     for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv_sum[g];
 }
 
-using KvHeadFn = void (*)(const float*, int64_t, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
+template <typename T>
+using KvHeadFn = void (*)(const float*, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t,
                           int64_t, float, float*, float*);
 
-template <int D>
-KvHeadFn kv_head_fn_for_group(int64_t group) {
+template <typename T, int D>
+KvHeadFn<T> kv_head_fn_for_group(int64_t group) {
   switch (group) {
-    case 1: return attend_kv_head<D, 1>;
-    case 2: return attend_kv_head<D, 2>;
-    case 3: return attend_kv_head<D, 3>;
-    case 4: return attend_kv_head<D, 4>;
-    case 6: return attend_kv_head<D, 6>;
-    case 8: return attend_kv_head<D, 8>;
+    case 1: return attend_kv_head<T, D, 1>;
+    case 2: return attend_kv_head<T, D, 2>;
+    case 3: return attend_kv_head<T, D, 3>;
+    case 4: return attend_kv_head<T, D, 4>;
+    case 6: return attend_kv_head<T, D, 6>;
+    case 8: return attend_kv_head<T, D, 8>;
     default: return nullptr;
   }
 }
 
 // The specialized kernel for (head_dim, group), or nullptr: then `attend` (any shape) serves it.
-KvHeadFn kv_head_fn(int64_t head_dim, int64_t group) {
+template <typename T>
+KvHeadFn<T> kv_head_fn(int64_t head_dim, int64_t group) {
   switch (head_dim) {
-    case 64: return kv_head_fn_for_group<64>(group);
-    case 128: return kv_head_fn_for_group<128>(group);
+    case 64: return kv_head_fn_for_group<T, 64>(group);
+    case 128: return kv_head_fn_for_group<T, 128>(group);
     default: return nullptr;
   }
 }
@@ -174,13 +208,35 @@ KvHeadFn kv_head_fn(int64_t head_dim, int64_t group) {
 // query [T, H, D] (contiguous in D), out [T, H, D] contiguous; k_cache, v_cache [num_blocks, block_size, KVH, D];
 // rows [B] int64 (the query row of each sequence); block_tables [B, max_blocks] int32; seq_lens [B] int32.
 // Writes out[rows[i]] only.
+template <typename T>
+void decode(const at::Tensor& query, const T* kc, const T* vc, const at::Tensor& k_cache, const at::Tensor& rows,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out);
+
+// The cache's element type: float, or _Float16 (GCC and Clang's half type: widened with F16C's vcvtph2ps, which the
+// compiler vectorizes) for an fp16 cache.
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, at::Tensor& out) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention: fp32 only");
-  TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "paged_decode_attention: fp32 queries over an fp32 or fp16 cache");
+  TORCH_CHECK(v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: the V cache must be contiguous and shaped as the K cache");
+  if (k_cache.scalar_type() == at::kHalf) {
+    decode(query, reinterpret_cast<const _Float16*>(k_cache.data_ptr<at::Half>()),
+           reinterpret_cast<const _Float16*>(v_cache.data_ptr<at::Half>()), k_cache, rows, block_tables, seq_lens,
+           scale, out);
+  } else {
+    decode(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, rows, block_tables, seq_lens, scale,
+           out);
+  }
+}
+
+template <typename T>
+void decode(const at::Tensor& query, const T* kc, const T* vc, const at::Tensor& k_cache, const at::Tensor& rows,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+  TORCH_CHECK(query.stride(2) == 1 && out.is_contiguous() && k_cache.is_contiguous(),
               "paged_decode_attention: out and caches must be contiguous, query contiguous in head_dim");
   TORCH_CHECK(rows.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
                   seq_lens.scalar_type() == at::kInt && block_tables.stride(1) == 1,
@@ -195,8 +251,6 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const int64_t splits = num_seqs >= at::get_num_threads() ? 1 : s.num_kv_heads;
   const int64_t heads_per_item = s.num_heads / splits, num_items = num_seqs * splits;
   const float* q = query.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
   const int64_t* row_ids = rows.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -204,7 +258,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const float fscale = static_cast<float>(scale);
   // Sequences differ in length, so items are handed out one at a time rather than in equal ranges.
   const int64_t group = s.num_heads / s.num_kv_heads, row = s.num_kv_heads * s.head_dim;
-  const KvHeadFn fast = kv_head_fn(s.head_dim, group);
+  const KvHeadFn<T> fast = kv_head_fn<T>(s.head_dim, group);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc(heads_per_item * s.head_dim);

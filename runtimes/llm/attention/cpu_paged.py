@@ -2,8 +2,8 @@
 
 The reference path copies every decode sequence's blocks into a padded tensor and SDPA reads that copy
 again; at batch 32 that copy and the padding cost as much as the attention itself. The kernel walks
-each sequence's block table and reads every cached key and value once (fp32, any head_dim, GQA). Rows
-with several new tokens (prefill, chunked prefill) and other dtypes go to the reference.
+each sequence's block table and reads every cached key and value once (fp32 queries over an fp32 or fp16 cache,
+any head_dim, GQA). Rows with several new tokens (prefill, chunked prefill) and other dtypes go to the reference.
 
 The kernel is compiled on first use with torch's extension loader (about 15 s on 2 cores, then cached
 under torch's extension directory, `TORCH_EXTENSIONS_DIR`); `load_kernel()` raises when there is no C++
@@ -30,6 +30,9 @@ def load_kernel() -> None:
     """Build (or reuse the cached build of) the kernel and register `torch.ops.multiserve_cpu`."""
     # AVX-512 where the CPU has it, with 512-bit vectors preferred (6-8% faster here than GCC's default 256)
     build("multiserve_cpu_paged", _SOURCE, ["-march=native", "-mprefer-vector-width=512"])
+
+
+KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)  # the kernel's cache types (its queries are fp32)
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ def paged_attention_cpu(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Drop-in for `paged_attention_ref` on CPU: decode rows by the kernel, prefill rows by the reference."""
-    if not (query.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and query.device.type == "cpu"):
+    if not (query.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KERNEL_CACHE_DTYPES
+            and query.device.type == "cpu"):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale)
     load_kernel()
     out = torch.empty(query.shape, dtype=query.dtype)

@@ -27,9 +27,12 @@ def _case(query_lens: list[int], seq_lens: list[int], block_size: int, num_heads
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize(("block_size", "num_heads", "num_kv_heads", "head_dim"),
                          [(16, 9, 3, 64), (4, 4, 4, 32), (8, 8, 2, 128)])
-def test_matches_reference(scenario: str, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])  # fp16: widened as it is read
+def test_matches_reference(scenario: str, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           cache_dtype: torch.dtype) -> None:
     query_lens, seq_lens = SCENARIOS[scenario]
     query, k_cache, v_cache, meta, valid = _case(query_lens, seq_lens, block_size, num_heads, num_kv_heads, head_dim)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = head_dim**-0.5
     out = paged_attention_cpu(query, k_cache, v_cache, meta, scale)
     # The reference gathers whole blocks and pads decodes to the longest, so it must not see NaN.

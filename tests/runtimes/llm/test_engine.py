@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from runtimes.llm.config import EngineConfig
+from runtimes.llm.config import EngineConfig, resolve_kv_dtype
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.request_errors import InvalidRequestError
@@ -197,3 +198,26 @@ def test_max_tokens_defaults_to_context_left(engine_for):
     got = run_to_completion(engine, {"a": (_prompt(1, 20), SamplingParams(temperature=0.0, max_tokens=None,
                                                                            ignore_eos=True))})["a"]
     assert len(got.token_ids) == 12 and got.finish_reason == "length"
+
+
+def test_an_fp16_cache_holds_twice_the_tokens_and_decodes_alike(engine_for):
+    """kv_dtype fp16 on an fp32 model: the same budget gives twice the blocks, the cache is fp16, and the batch's
+    greedy outputs stay those of the fp32 cache (the tiny model's logits are far from ties)."""
+    requests = {name: (prompt, GREEDY) for name, (prompt, _) in _mixed_requests(6).items()}
+    wide, half = engine_for(), engine_for(kv_dtype="fp16")
+    assert half.kv.num_blocks == 2 * wide.kv.num_blocks
+    assert half.runner.kv_caches[0][0].dtype == torch.float16
+    expected, got = run_to_completion(wide, requests), run_to_completion(half, requests)
+    same = sum(got[name].token_ids == expected[name].token_ids for name in requests)
+    assert same >= len(requests) - 1, (same, len(requests))
+    _assert_no_leak(half)
+
+
+def test_kv_dtype_is_checked_where_it_is_chosen():
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp32, bf16, fp16, got 'fp8'"):
+        EngineConfig(kv_dtype="fp8")
+    cuda = torch.device("cuda", 0)
+    assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    with pytest.raises(ValueError, match=r"kv_dtype 'fp16' on CUDA: the cache must be in the model's dtype"):
+        resolve_kv_dtype("fp16", torch.bfloat16, cuda)
+    assert resolve_kv_dtype("fp16", torch.float32, torch.device("cpu")) == torch.float16

@@ -76,11 +76,17 @@ def test_write_kv_from_views_of_the_fused_projection():
     assert torch.equal(fused_k, ref_k) and torch.equal(fused_v, ref_v)
     with pytest.raises(RuntimeError, match="slot 24 is outside the cache"):
         OPS.write_kv_(fused_k, fused_v, k, v, torch.tensor([0, 1, 24]))
+    half_k, half_v = torch.zeros(4, 6, 2, 8, dtype=torch.float16), torch.zeros(4, 6, 2, 8, dtype=torch.float16)
+    ref_k, ref_v = torch.zeros_like(half_k), torch.zeros_like(half_v)
+    OPS.write_kv_(half_k, half_v, k, v, slots)  # an fp16 cache: rounded to nearest, as torch converts
+    write_kv(k, v, ref_k, ref_v, slots)
+    assert torch.equal(half_k, ref_k) and torch.equal(half_v, ref_v)
 
 
-@pytest.mark.parametrize("weights", [None, "q8", "q4"])
+@pytest.mark.parametrize(("weights", "cache_dtype"),
+                         [(None, torch.float32), ("q8", torch.float32), ("q4", torch.float32), ("q4", torch.float16)])
 @pytest.mark.parametrize("batch", [1, 9])  # 9: past PACKED_MIN_ROWS, where fp32's gate|up takes its packed copy
-def test_a_decode_step_in_one_call_equals_the_layers_one_by_one(tmp_path, monkeypatch, weights, batch):
+def test_a_decode_step_in_one_call_equals_the_layers_one_by_one(tmp_path, monkeypatch, weights, cache_dtype, batch):
     """`decode_layers` (the whole layer stack of a decode step in C++) against the model's layers called from Python:
     the same kernels in the same order, so bit-identical hidden states and KV caches, step after step."""
     from runtimes.llm.attention import AttentionMetadata, select_attention
@@ -102,7 +108,7 @@ def test_a_decode_step_in_one_call_equals_the_layers_one_by_one(tmp_path, monkey
             return out
 
         monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", decide)
-        caches = allocate_kv_caches(model.config, 4 * batch, 8, torch.float32, cpu)
+        caches = allocate_kv_caches(model.config, 4 * batch, 8, cache_dtype, cpu)
         tables = [[4 * i + j for j in range(4)] for i in range(batch)]
         generator = torch.Generator().manual_seed(3)
         ids = torch.randint(0, model.config.vocab_size, (batch, 20), generator=generator)
