@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.measure.timing import hardware_peaks, machine_info, medians, pct_ms
+from bench.measure.timing import cpu_math_libraries, hardware_peaks, machine_info, medians, pct_ms
 from bench.prompts import SENTENCES
 from registry.sources import resolve_model_path
 from runtimes.llm.async_engine import AsyncLLMEngine
@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     d = derived(args, results, engine)
     print(report(args, results, d))
     record = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads()),
+              "machine": machine_info(torch=torch.__version__, torch_threads=torch.get_num_threads(),
+                                      math=cpu_math_libraries()),
               "model": MODEL, "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "results": results, "runs": runs, "derived": d}
     args.out.parent.mkdir(parents=True, exist_ok=True)

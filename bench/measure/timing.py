@@ -3,6 +3,7 @@ was measured on (numbers only mean something next to a baseline measured in the 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,27 @@ def medians(runs: list[dict[str, float]]) -> dict[str, float]:
 def machine_info(**extra: Any) -> dict[str, Any]:
     """The commit and the machine a result was measured on, plus what the script adds (library versions...)."""
     return {**git_commit(), **host_info(), **extra}
+
+
+def cpu_math_libraries() -> dict[str, Any]:
+    """Which libraries torch's CPU math runs on here, from torch's own build and runtime reports: the instruction set
+    its kernels dispatch to, the BLAS an fp32 `F.linear` calls (MKL in the PyPI wheels, which takes a slower path on
+    some AMD CPUs), oneDNN (the packed weights) and the thread pools. Recorded with each result, so that two machines'
+    numbers can be told apart by more than the CPU model."""
+    import torch
+
+    build = torch.__config__.show()
+    runtime = torch.__config__.parallel_info()
+
+    def after(text: str, key: str) -> str | None:
+        found = re.search(re.escape(key) + r"\s*([^,\n]+)", text)
+        return found.group(1).strip() if found else None
+
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "blas": after(build, "BLAS_INFO="),
+            "mkl": after(runtime, "Intel(R) oneAPI Math Kernel Library Version") if torch.backends.mkl.is_available()
+            else None,
+            "onednn": after(build, "Intel(R) MKL-DNN") if torch.backends.mkldnn.is_available() else None,
+            "openmp": after(runtime, "OpenMP"), "threads": torch.get_num_threads()}
 
 
 def hardware_peaks() -> dict[str, float]:

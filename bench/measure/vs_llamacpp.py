@@ -54,7 +54,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.client import Target, send_streaming
-from bench.measure.timing import machine_info
+from bench.measure.timing import cpu_math_libraries, machine_info
 from bench.stats import RequestResult, percentiles
 from model_pool.launcher import die_with_parent, free_port
 from registry.sources import resolve_model_path
@@ -443,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(rows))
     print(f"\noutput tokens per request: {args.output_tokens}, requests per stream: {args.requests_per_stream}, "
           f"repeats: {args.repeats}. Only the ratios are meaningful (side by side, this machine, this run).")
+    math = cpu_math_libraries()
+    print(f"{cpu_model() or 'unknown CPU'}; torch's CPU math: {math['cpu_capability']} kernels, BLAS {math['blas']}, "
+          f"oneDNN {str(math['onednn']).split()[0]}, {math['threads']} threads")
     if note:
         print(note)
     for flag in flags:
@@ -451,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [sys.executable, "-m", "bench.measure.vs_llamacpp", *(sys.argv[1:] if argv is None else argv)]
         record = {"command": shlex.join(command), "args": {k: str(v) if isinstance(v, Path) else v
                                                            for k, v in vars(args).items()},
-                  "machine": machine_info(cpu_model=cpu_model()), "model": str(gguf),
+                  "machine": machine_info(cpu_model=cpu_model(), math=math), "model": str(gguf),
                   "servers": {name: server.command for name, server in servers.items()}, "log_dir": str(log_dir),
                   "prompt": PROMPT, "summary": rows, "flags": flags, "prompt_tokens_note": note, "runs": runs}
         args.out.write_text(json.dumps(_finite(record), indent=2) + "\n")

@@ -176,3 +176,16 @@ def test_the_closed_loop_keeps_exactly_streams_requests_in_flight():
     assert wall_s > 0 and cpu_s == {"a": 2.5}
     assert bodies[0]["ignore_eos"] and bodies[0]["stream_options"] == {"include_usage": True}
     assert (bodies[0]["temperature"], bodies[0]["max_tokens"], bodies[0]["stream"]) == (0.0, 4, True)
+
+
+def test_the_cpu_math_libraries_are_recorded():
+    """What torch's CPU math runs on, as its build and runtime report it (recorded with every result)."""
+    import torch
+
+    from bench.measure.timing import cpu_math_libraries
+
+    math = cpu_math_libraries()
+    assert math["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert math["threads"] == torch.get_num_threads() >= 1
+    assert math["blas"] in {"mkl", "open", "openblas", "accelerate", "blis", "generic", "eigen"}  # torch's BLAS_INFO
+    assert (math["mkl"] is not None) == torch.backends.mkl.is_available()
