@@ -14,6 +14,7 @@ import structlog
 import torch
 
 from runtimes.cpu_extension import try_build
+from runtimes.llm.attention.cpu_paged import KERNEL_CACHE_DTYPES
 
 _SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 log = structlog.get_logger(__name__)
@@ -32,7 +33,7 @@ def applies(x: torch.Tensor) -> bool:
 
 def writes_kv(key: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `write_kv_` takes these keys (fp32 on the CPU) into this cache (fp32 or fp16)."""
-    return applies(key) and k_cache.dtype in (torch.float32, torch.float16)
+    return applies(key) and k_cache.dtype in KERNEL_CACHE_DTYPES
 
 
 def ops_for(x: torch.Tensor) -> Any:

@@ -106,9 +106,6 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int32_t* t
     for (int64_t d = 0; d < D; ++d) out[h * D + d] = acc[h * D + d] * inv_sum[h];
 }
 
-// The same for one KV head and its G query heads, with D and G known at compile time (the common shapes:
-// head_dim 64 or 128, groups of 1-8). The queries (pre-scaled) and the G output accumulators then live in
-// registers through the token loops instead of being reloaded and stored for every token.
 // A cached row of D values as floats: the row itself in an fp32 cache; from an fp16 one, widened into `buf` with
 // vcvtph2ps (a scalar conversion per value would cost more than the bytes it saves).
 template <int D>
@@ -134,6 +131,9 @@ inline const float* as_floats(const _Float16* row, float* buf) {
   return buf;
 }
 
+// The same for one KV head and its G query heads, with D and G known at compile time (the common shapes:
+// head_dim 64 or 128, groups of 1-8). The queries (pre-scaled) and the G output accumulators then live in
+// registers through the token loops instead of being reloaded and stored for every token.
 template <typename T, int D, int G>
 void attend_kv_head(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                     const int32_t* table, int64_t len, int64_t kv_off, int64_t row, int64_t block_size, float scale,
@@ -205,34 +205,7 @@ KvHeadFn<T> kv_head_fn(int64_t head_dim, int64_t group) {
   }
 }
 
-// query [T, H, D] (contiguous in D), out [T, H, D] contiguous; k_cache, v_cache [num_blocks, block_size, KVH, D];
-// rows [B] int64 (the query row of each sequence); block_tables [B, max_blocks] int32; seq_lens [B] int32.
-// Writes out[rows[i]] only.
-template <typename T>
-void decode(const at::Tensor& query, const T* kc, const T* vc, const at::Tensor& k_cache, const at::Tensor& rows,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out);
-
-// The cache's element type: float, or _Float16 (GCC and Clang's half type: widened with F16C's vcvtph2ps, which the
-// compiler vectorizes) for an fp16 cache.
-void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale, at::Tensor& out) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
-              "paged_decode_attention: fp32 queries over an fp32 or fp16 cache");
-  TORCH_CHECK(v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
-              "paged_decode_attention: the V cache must be contiguous and shaped as the K cache");
-  if (k_cache.scalar_type() == at::kHalf) {
-    decode(query, reinterpret_cast<const _Float16*>(k_cache.data_ptr<at::Half>()),
-           reinterpret_cast<const _Float16*>(v_cache.data_ptr<at::Half>()), k_cache, rows, block_tables, seq_lens,
-           scale, out);
-  } else {
-    decode(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, rows, block_tables, seq_lens, scale,
-           out);
-  }
-}
-
+// paged_decode_attention over a cache of T (kc, vc: the caches' data).
 template <typename T>
 void decode(const at::Tensor& query, const T* kc, const T* vc, const at::Tensor& k_cache, const at::Tensor& rows,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -279,6 +252,28 @@ void decode(const at::Tensor& query, const T* kc, const T* vc, const at::Tensor&
       }
     }
   });
+}
+
+// query [T, H, D] (contiguous in D), out [T, H, D] contiguous; k_cache, v_cache [num_blocks, block_size, KVH, D], fp32
+// or fp16 (as _Float16, GCC and Clang's half type; rows widened by `as_floats`); rows [B] int64 (the query row of each
+// sequence); block_tables [B, max_blocks] int32; seq_lens [B] int32. Writes out[rows[i]] only.
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, at::Tensor& out) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "paged_decode_attention: fp32 queries over an fp32 or fp16 cache");
+  TORCH_CHECK(v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: the V cache must be contiguous and shaped as the K cache");
+  if (k_cache.scalar_type() == at::kHalf) {
+    decode(query, reinterpret_cast<const _Float16*>(k_cache.data_ptr<at::Half>()),
+           reinterpret_cast<const _Float16*>(v_cache.data_ptr<at::Half>()), k_cache, rows, block_tables, seq_lens,
+           scale, out);
+  } else {
+    decode(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, rows, block_tables, seq_lens, scale,
+           out);
+  }
 }
 
 }  // namespace

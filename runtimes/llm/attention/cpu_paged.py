@@ -32,7 +32,9 @@ def load_kernel() -> None:
     build("multiserve_cpu_paged", _SOURCE, ["-march=native", "-mprefer-vector-width=512"])
 
 
-KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)  # the kernel's cache types (its queries are fp32)
+# the cache types the CPU kernels take (this decode attention, and the fused KV write and decode_layers in
+# runtimes/llm/cpu_fused.cpp); their queries and keys are fp32
+KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,6 @@ inline float hsum(__m256 v) {  // the sum of a vector's eight lanes
 
 #if defined(MULTISERVE_VNNI512)
 
-
 // Lanes 4k..4k+3 <- element k: one block's scale over the four int32 lanes its 16 bytes sum into.
 inline __m512 spread4(__m128 v) {
   const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -324,7 +323,6 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t 
 
 #elif defined(__AVX2__)
 
-
 inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {  // acc + four-byte sums of u * s (u unsigned)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
@@ -406,7 +404,6 @@ void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t 
 }
 
 #else
-
 
 void row_scalar(const uint8_t* w, int bits, const Activations& a, int64_t m0, int64_t rows, float* y, int64_t ys) {
   const int64_t nbp = a.nbp, value_bytes = bits == 4 ? 16 : 32;

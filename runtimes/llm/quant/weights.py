@@ -27,6 +27,7 @@ from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, format_of,
 
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q4")
 FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BLOCK_WEIGHTS = ("q8", "q4")  # always in a block format, on any device
 BLOCK_DEVICES = ("cpu", "cuda")  # where the block formats have a kernel
 _GGML_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 # a checkpoint's projection -> the model's fused projection that holds it
@@ -53,7 +54,7 @@ class BlockTensor:
 def check_weights(weights: str, device: torch.device) -> None:
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
-    if weights not in FLOAT_WEIGHTS and device.type not in BLOCK_DEVICES:
+    if weights in BLOCK_WEIGHTS and device.type not in BLOCK_DEVICES:
         raise ValueError(f"weights {weights!r} have kernels on the CPU and CUDA only; on {device.type} use bf16, fp16 "
                          f"or fp32")
 
