@@ -9,7 +9,7 @@ every part run, and nobody fails.
 
 One offender among B items costs about 2·log2(B) extra runs, on the failure path only. The caller must make a
 rerun harmless: the LLM engine's progress is counted (a rerun recomputes the same KV into the same slots) and it
-puts seeded generators back before each rerun (`before_rerun`).
+keys seeded noise by position, so a rerun draws the same (`before_rerun` is for callers with other state).
 """
 
 from __future__ import annotations

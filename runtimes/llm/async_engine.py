@@ -32,6 +32,7 @@ class _Add:
     arrival_time: float
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
+    resume_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -51,19 +52,21 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
         prompt: str | Sequence[int],
         params: SamplingParams,
         priority: int = 0,
+        resume_token_ids: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs (all `n` samples interleaved) until every one finishes.
 
         Invalid requests raise InvalidRequestError from the first iteration, and refused ones (queue full, or
         waited past `max_queue_wait_s` without starting) OverloadedError. A request the engine failed to serve
         (a fault it alone caused) raises RequestFailedError, at any point. Closing the iterator early (a client
-        went away) aborts the request and frees its blocks.
+        went away) aborts the request and frees its blocks. `resume_token_ids`: see `LLMEngine.add_request`.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         # Stamped now, not when the engine thread picks the command up, so TTFT includes that wait.
-        self._commands.put(_Add(request_id, prompt, params, priority, self.engine.clock(), sink, loop))
+        self._commands.put(_Add(request_id, prompt, params, priority, self.engine.clock(), sink, loop,
+                                resume_token_ids))
         remaining = params.n
         try:
             while remaining:
@@ -122,7 +125,7 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                        arrival_time=command.arrival_time)
+                                        arrival_time=command.arrival_time, resume_token_ids=command.resume_token_ids)
             except (InvalidRequestError, OverloadedError) as exc:  # refused: report to its caller only
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 continue

@@ -105,19 +105,39 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
-        """Validate and queue a request; raises InvalidRequestError naming the field and limit."""
+        """Validate and queue a request; raises InvalidRequestError naming the field and limit.
+
+        `resume_token_ids` continues a request another replica started (n = 1 only): the tokens it had generated
+        count as this request's first outputs (for max_tokens, min_tokens, penalties, stop strings and the seeded
+        noise's positions), are computed like a prompt, and are not output again; generation picks up after them.
+        Greedy and seeded requests so produce what the undisturbed run would have.
+        """
         params = params or SamplingParams()
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate(prompt_ids, params)
+        resumed = self._validate_resume(list(resume_token_ids), params, max_tokens)
         self._admit(priority)
         self._enqueue(request_id, prompt_ids, params, max_tokens, priority,
-                      self.clock() if arrival_time is None else arrival_time)
+                      self.clock() if arrival_time is None else arrival_time, resumed)
+
+    def _validate_resume(self, resumed: list[int], params: SamplingParams, max_tokens: int) -> list[int]:
+        if not resumed:
+            return resumed
+        param = "resume.token_ids"
+        if params.n != 1:
+            raise InvalidRequestError(f"a resumed request must have n = 1, got n = {params.n}", param=param)
+        check_token_ids(resumed, self.model_config.vocab_size, param)
+        if len(resumed) >= max_tokens:
+            raise InvalidRequestError(f"{len(resumed)} tokens already generated leave nothing of max_tokens="
+                                      f"{max_tokens} to resume", param=param)
+        return resumed
 
     def _enqueue(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-                 priority: int, arrival: float) -> None:
+                 priority: int, arrival: float, resumed: Sequence[int] = ()) -> None:
         """Queue a validated request: every sample is built before any state changes, so a failure leaves none."""
         namespace = self.model_name if self.config.enable_prefix_caching else None
         if namespace is None and params.n > 1:
@@ -127,10 +147,15 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = None if params.seed is None else params.seed + index
             request = Request(child_id, prompt_ids, params, max_tokens, arrival, priority,
-                              self.model_config.eos_token_ids, namespace, seed)
+                              self.model_config.eos_token_ids, namespace, seed, resumed)
             detok = IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
             )
+            for token in resumed:  # the text they made was streamed already: only its state is wanted
+                detok.add(token)
+            if detok.finished:
+                raise InvalidRequestError(f"the resumed tokens already end in the stop string {detok.stopped_by!r}",
+                                          param="resume.token_ids")
             sequences.append(_Sequence(request, request_id, index, detok))
         for seq in sequences:
             self._sequences[seq.request.request_id] = seq
@@ -237,10 +262,10 @@ class LLMEngine:
 
     def _execute(self, plan: SchedulerOutput) -> tuple[StepResult, list[tuple[ScheduledRequest, Exception]]]:
         """Run the plan; a request that makes it fail is left out (with its error) and the rest run without it."""
-        saved = _GeneratorStates(plan.scheduled)
+        # A rerun is harmless: progress is counted, and seeded noise is keyed by position (runtimes/llm/sampler.py).
         outcome = run_isolating(
             lambda part: self.runner.execute(SchedulerOutput(scheduled=list(part)), self.kv.block_tables),
-            plan.scheduled, saved.restore)
+            plan.scheduled)
         if len(outcome.parts) == 1:
             return outcome.parts[0][1], outcome.faults
         result = StepResult()
@@ -332,21 +357,6 @@ class LLMEngine:
             if leader is None or leader.request.num_computed_tokens >= leader.request.num_prompt_tokens:
                 for request in self._staged.pop(parent_id):
                     self.scheduler.add_request(request)
-
-
-class _GeneratorStates:
-    """Each seeded request's generator state before a step (~1 µs per seeded request). A rerun after a fault puts
-    them back, so its samples are the ones an undisturbed step would have drawn."""
-
-    def __init__(self, items: Sequence[ScheduledRequest]) -> None:
-        self._states = {item.request.request_id: (generator, generator.get_state()) for item in items
-                        if (generator := item.request.generator) is not None}
-
-    def restore(self, items: Sequence[ScheduledRequest]) -> None:
-        for item in items:
-            saved = self._states.get(item.request.request_id)
-            if saved is not None:
-                saved[0].set_state(saved[1])
 
 
 def _queue_policy(config: EngineConfig, clock: Callable[[], float]) -> QueuePolicy:

@@ -81,7 +81,7 @@ class ModelRunner:
                         params=request.params,
                         prompt_token_ids=request.prompt_token_ids,
                         output_token_ids=request.output_token_ids,
-                        generator=request.generator,
+                        seed=request.seed,
                         eos_token_ids=request.eos_token_ids,
                     )
                 )

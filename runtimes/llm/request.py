@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import enum
-
-import torch
+from collections.abc import Sequence
 
 from runtimes.llm.sampling_params import SamplingParams
 
@@ -31,9 +30,9 @@ class Request:
     """
 
     __slots__ = (
-        "arrival_time", "block_hashes", "cache_namespace", "eos_token_ids", "generator", "max_tokens",
+        "arrival_time", "block_hashes", "cache_namespace", "eos_token_ids", "max_tokens",
         "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens", "params",
-        "priority", "request_id", "status", "stop_reason", "token_ids",
+        "priority", "request_id", "seed", "status", "stop_reason", "token_ids",
     )
 
     def __init__(
@@ -47,9 +46,11 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         cache_namespace: str | None = None,
         seed: int | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
-        self.token_ids: list[int] = list(prompt_token_ids)  # prompt, then outputs
+        # prompt, then outputs; a resumed request starts with the outputs another replica already produced
+        self.token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens
@@ -58,7 +59,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         # Prefix-cache key space; None disables caching for this request.
         self.cache_namespace = cache_namespace
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.seed = seed  # keys the sampling noise of each output position (runtimes/llm/sampler.py)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0

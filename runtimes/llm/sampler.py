@@ -13,12 +13,14 @@ One call samples one token for every row of a `[B, V]` logits batch, each row wi
 4. greedy rows take the argmax; random rows divide by temperature, apply top-k, top-p and min-p masks,
    and sample with the exponential race: `argmax(probs / q)`, `q ~ Exp(1)` (equivalent to Gumbel-max).
 
-Noise: unseeded rows draw `q` in one batched call from the engine-wide generator; a row with its own
-generator (request `seed`) draws one `[V]` vector from it per sampled token, so its tokens do not depend
-on the rest of the batch or on its position in it. Noise is drawn on the generator's device (a CPU
-generator gives CPU noise) and then moved to `logits.device`; greedy rows draw no noise. Exp(1) is drawn as
--log(1 - U), U uniform in [0, 1): on the CPU torch's `exponential_` took 1.09 ms for SmolLM2's 49,152 values and
-this 0.24 ms, a tenth of a batch-1 decode step.
+Noise: unseeded rows draw `q` in one batched call from the engine-wide generator. A seeded row (request `seed`)
+draws its `[V]` vector from a generator seeded with a hash of (seed, output position): its token at each position
+is a pure function of the seed, the position and the logits, so it depends neither on the rest of the batch, nor on
+its place in it, nor on what ran before on this replica. A request resumed elsewhere with its first k tokens given
+(runtimes/llm/engine.py) samples token k + 1 exactly as the undisturbed run did, and a step rerun after a fault
+draws the same noise again. Noise is drawn on the CPU and moved to `logits.device`; greedy rows draw none.
+Exp(1) is drawn as -log(1 - U), U uniform in [0, 1): on the CPU torch's `exponential_` took 1.09 ms for SmolLM2's
+49,152 values and this 0.24 ms, a tenth of a batch-1 decode step.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    # Per-request generator (caller creates it with torch.Generator().manual_seed(seed) when
-    # params.seed is set); advances one [V] draw per token sampled at temperature > 0.
-    generator: torch.Generator | None
+    # The sequence's seed (the request's `seed`, plus the sample's index when n > 1), or None: unseeded. Its noise
+    # for the next token is keyed by (seed, len(output_token_ids)).
+    seed: int | None
     # Suppressed with params.stop_token_ids while len(output_token_ids) < params.min_tokens
     # (EOS is not suppressed when params.ignore_eos, as in vLLM: it does not stop the sequence then).
     eos_token_ids: tuple[int, ...] = ()
@@ -89,6 +91,7 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
+        self._keyed = torch.Generator()  # reseeded per seeded row and position
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` `[B, V]` (any float dtype, any device), one `SamplingRow` per batch row."""
@@ -172,16 +175,34 @@ class Sampler:
     def _exponential(
         self, rows: Sequence[SamplingRow], shape: torch.Size, device: torch.device
     ) -> torch.Tensor:
-        """Exp(1) noise `[R, V]`: one batched draw for unseeded rows, one `[V]` draw per seeded row."""
+        """Exp(1) noise `[R, V]`: one batched draw for unseeded rows, one keyed `[V]` draw per seeded row."""
         q = torch.empty(shape, device=device)  # [R, V]
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        unseeded = [i for i, r in enumerate(rows) if r.seed is None]
         if unseeded:
             gen = self.generator
             q[unseeded] = _exp1((len(unseeded), shape[1]), gen, gen.device if gen is not None else device).to(device)
         for i, r in enumerate(rows):
-            if r.generator is not None:
-                q[i] = _exp1((shape[1],), r.generator, r.generator.device).to(device)
+            if r.seed is not None:
+                self._keyed.manual_seed(position_seed(r.seed, len(r.output_token_ids)))
+                q[i] = _exp1((shape[1],), self._keyed, self._keyed.device).to(device)
         return q.clamp_min_(_TINY)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64's output function: a bijection on 64-bit integers that mixes every bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for a seeded sequence's token at output `position` (0 for the first generated token):
+    nearby seeds and positions give unrelated streams."""
+    return _splitmix64((seed & _MASK64) ^ _splitmix64(position))
 
 
 def _exp1(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

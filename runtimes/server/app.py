@@ -30,11 +30,12 @@ from runtimes.server.errors import APIError
 from runtimes.server.generation import Choice, Generation
 from runtimes.server.intake import wrong_endpoint
 from runtimes.server.metrics import ServerMetrics
-from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
+from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from runtimes.server.replica import ProbeFailed
 from runtimes.server.replica_app import DEFAULT_MAX_BODY_BYTES, ReplicaEndpoints, assemble_app
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_body, completion_body
-from runtimes.server.streaming import SSEResponse, chat_events, completion_events, sse_stream
+from runtimes.server.streaming import Event, SSEResponse, chat_events, completion_events, sse_stream
+from runtimes.server.wire import RESUMABLE_HEADER
 
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
 log = structlog.get_logger(__name__)
@@ -87,11 +88,14 @@ class _Server(ReplicaEndpoints):
         if isinstance(prompt, str):
             prompt = await anyio.to_thread.run_sync(self.engine.engine.tokenizer.encode, prompt)
         lane = self._lane(request, body.priority, prompt, params)
-        gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock)
+        gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock,
+                         body.resume_token_ids)
         logprobs = self.logprobs if params.logprobs is not None else None
+        # a resumed stream's logprob offsets go on from the text its first part showed
+        offset = sum(len(self.logprobs.token(t)) for t in body.resume_token_ids) if logprobs is not None else 0
         return await self._respond(
-            request, gen, body.model, body.stream,
-            lambda meta: completion_events(gen, meta, body.include_usage, logprobs),
+            request, gen, body,
+            lambda meta: completion_events(gen, meta, body.include_usage, logprobs, offset),
             lambda meta, choices: completion_body(meta, choices, gen.num_prompt_tokens, logprobs))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -99,12 +103,14 @@ class _Server(ReplicaEndpoints):
         params = body.to_sampling_params(self.vocab_size)
         prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
         lane = self._lane(request, body.priority, prompt, params)
-        gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock)
+        gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock,
+                         body.resume_token_ids)
         logprobs = self.logprobs if params.logprobs is not None else None
         num_top = body.top_logprobs or 0
+        resumed = body.multiserve_resume is not None
         return await self._respond(
-            request, gen, body.model, body.stream,
-            lambda meta: chat_events(gen, meta, body.include_usage, logprobs, num_top),
+            request, gen, body,
+            lambda meta: chat_events(gen, meta, body.include_usage, logprobs, num_top, resumed),
             lambda meta, choices: chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top))
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -128,16 +134,20 @@ class _Server(ReplicaEndpoints):
         except ValueError as err:
             raise APIError(400, str(err), param="priority") from err
 
-    async def _respond(self, request: Request, gen: Generation, model: str, stream: bool,
-                       events: Callable[[ResponseMeta], AsyncGenerator[dict[str, Any], None]],
+    async def _respond(self, request: Request, gen: Generation, body: SamplingFields,
+                       events: Callable[[ResponseMeta], AsyncGenerator[Event, None]],
                        whole: Callable[[ResponseMeta, list[Choice]], dict[str, Any]]) -> Response:
         """Submit `gen` and answer with the stream of its `events` once its first output is in, or with its `whole`
         body. A refused request raises here (400, 429); a client that leaves first (while it is queued, in prefill
-        or, not streamed, at any point) gets 499 and its request is aborted, not run for nobody."""
+        or, not streamed, at any point) gets 499 and its request is aborted, not run for nobody. A continuation
+        (`multiserve_resume`) keeps the first stream's id and creation time."""
+        resume, stream = body.multiserve_resume, body.stream
 
         async def started() -> ResponseMeta:
             await gen.start()
-            return ResponseMeta(gen.request_id, int(self.wall_clock()), model)
+            if resume is not None:
+                return ResponseMeta(resume.id, resume.created, body.model)
+            return ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
 
         async def collected() -> dict[str, Any]:
             meta = await started()
@@ -146,11 +156,12 @@ class _Server(ReplicaEndpoints):
         if stream:
             meta = await until_disconnect(request, started)
             if meta is not None:
-                return SSEResponse(sse_stream(events(meta), gen), gen.num_prompt_tokens)
+                with_token_ids = request.headers.get(RESUMABLE_HEADER) == "1"
+                return SSEResponse(sse_stream(events(meta), gen, with_token_ids), gen.num_prompt_tokens)
         else:
-            body = await until_disconnect(request, collected)
-            if body is not None:
-                return JSONResponse(body)
+            reply = await until_disconnect(request, collected)
+            if reply is not None:
+                return JSONResponse(reply)
         await gen.aclose()
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 

@@ -51,9 +51,13 @@ class Generation:
         priority: int,
         metrics: ServerMetrics,
         clock: Callable[[], float],
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
+        """`resume_token_ids`: what another replica streamed of this request (n = 1); they count in its usage, and
+        generation goes on after them."""
         self.request_id = request_id
         self.choices = [Choice(i) for i in range(params.n)]
+        self.choices[0].token_ids.extend(resume_token_ids)
         self.num_prompt_tokens = 0
         self._metrics = metrics
         self._clock = clock
@@ -62,7 +66,8 @@ class Generation:
         self._pending: RequestOutput | None = None
         self._closed = False
         # generate() is an async generator (annotated as an iterator): aclose() is what aborts the request.
-        self._stream = cast(AsyncGenerator[RequestOutput, None], engine.generate(request_id, prompt, params, priority))
+        self._stream = cast(AsyncGenerator[RequestOutput, None], engine.generate(request_id, prompt, params, priority,
+                                                                                  resume_token_ids))
 
     @property
     def num_completion_tokens(self) -> int:

@@ -28,6 +28,16 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResumeFields(_Strict):
+    """A continuation (`multiserve_resume`, sent by the gateway): the request as first sent, plus what another replica
+    had streamed of it. The stream that answers keeps the first one's `id` and `created` and goes on after `token_ids`
+    (runtimes/llm/engine.py `add_request`)."""
+
+    token_ids: list[int] = Field(min_length=1, max_length=1 << 20)
+    id: str = Field(min_length=1, max_length=128)
+    created: int = Field(ge=0, le=1 << 40)
+
+
 class SamplingFields(_Strict):
     """Fields shared by both endpoints: OpenAI's sampling knobs plus vLLM's extras."""
 
@@ -54,6 +64,7 @@ class SamplingFields(_Strict):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    multiserve_resume: ResumeFields | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -80,6 +91,13 @@ class SamplingFields(_Strict):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(
                 f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})", param="best_of")
+        if self.multiserve_resume is not None and not (self.stream and self.n == 1):
+            raise InvalidRequestError("multiserve_resume continues a stream of one choice: it needs stream true and "
+                                      "n = 1", param="multiserve_resume")
+
+    @property
+    def resume_token_ids(self) -> list[int]:
+        return [] if self.multiserve_resume is None else self.multiserve_resume.token_ids
 
     @property
     def include_usage(self) -> bool:

@@ -9,7 +9,7 @@ against `http.disconnect` (runtimes/server/disconnect.py).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -20,10 +20,11 @@ from starlette.types import Receive, Scope, Send
 from runtimes.server.errors import LOGGED_WHERE_RAISED, error_payload
 from runtimes.server.generation import Generation
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
-from runtimes.server.wire import PROMPT_TOKENS_HEADER
+from runtimes.server.wire import PROMPT_TOKENS_HEADER, TOKENS_COMMENT
 
 log = structlog.get_logger(__name__)
 DONE = "data: [DONE]\n\n"
+Event = tuple[dict[str, Any], Sequence[int]]  # a chunk and the ids of the tokens it carries
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -50,14 +51,19 @@ class SSEResponse(StreamingResponse):
             await self._events.aclose()
 
 
-async def sse_stream(events: AsyncGenerator[dict[str, Any], None],
-                     generation: Generation) -> AsyncGenerator[str, None]:
+async def sse_stream(events: AsyncGenerator[Event, None], generation: Generation,
+                     with_token_ids: bool = False) -> AsyncGenerator[str, None]:
     """Encode `events` as SSE, then `[DONE]`; a failure midway becomes a final error event (the status line
-    has been sent already, so OpenAI and vLLM report it in-band)."""
+    has been sent already, so OpenAI and vLLM report it in-band). `with_token_ids`: each event that carries tokens
+    is preceded by a comment line with their ids (runtimes/server/wire.py TOKENS_COMMENT), for a gateway that
+    may have to resume the stream elsewhere."""
     try:
         try:
-            async for event in events:
-                yield sse(event)
+            async for event, token_ids in events:
+                if with_token_ids and token_ids:
+                    yield f"{TOKENS_COMMENT}{','.join(map(str, token_ids))}\n{sse(event)}"
+                else:
+                    yield sse(event)
         except Exception as exc:
             if not isinstance(exc, LOGGED_WHERE_RAISED):
                 log.exception("stream failed", request_id=generation.request_id)
@@ -69,35 +75,36 @@ async def sse_stream(events: AsyncGenerator[dict[str, Any], None],
 
 
 async def completion_events(gen: Generation, meta: ResponseMeta, include_usage: bool,
-                            logprobs: LogprobFormatter | None) -> AsyncGenerator[dict[str, Any], None]:
-    """`text_completion` chunks: one per engine output, then the usage chunk if asked."""
-    offsets = [0] * len(gen.choices)
+                            logprobs: LogprobFormatter | None, text_offset: int = 0) -> AsyncGenerator[Event, None]:
+    """`text_completion` chunks: one per engine output, then the usage chunk if asked. `text_offset`: where the
+    first token's logprob offset starts (a resumed stream's goes on from the first one's)."""
+    offsets = [text_offset] * len(gen.choices)
     async with aclosing(gen.outputs()) as outputs:
         async for out in outputs:
             lp = None
             if logprobs is not None:
                 lp, offsets[out.index] = logprobs.completion(out.logprobs or (), offsets[out.index])
-            yield completion_chunk(meta, out, lp, include_usage)
+            yield completion_chunk(meta, out, lp, include_usage), out.new_token_ids
     if include_usage:
-        yield usage_chunk(meta, "text_completion", gen.num_prompt_tokens, gen.num_completion_tokens)
+        yield usage_chunk(meta, "text_completion", gen.num_prompt_tokens, gen.num_completion_tokens), ()
 
 
 async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, logprobs: LogprobFormatter | None,
-                      num_top: int) -> AsyncGenerator[dict[str, Any], None]:
-    """`chat.completion.chunk`s: the role for each choice, content deltas (the last carries finish_reason),
-    then the usage chunk if asked."""
+                      num_top: int, resumed: bool = False) -> AsyncGenerator[Event, None]:
+    """`chat.completion.chunk`s: the role for each choice (unless `resumed`: the first stream sent it), content
+    deltas (the last carries finish_reason), then the usage chunk if asked."""
     # The role chunks go out with the first token, not before: a client's (and the gateway's) first byte then
     # marks the first token (TTFT), and a replica that fails during prefill can still be retried elsewhere.
-    started = False
+    started = resumed
     async with aclosing(gen.outputs()) as outputs:
         async for out in outputs:
             if not started:
                 started = True
                 for choice in gen.choices:
                     yield chat_chunk(meta, choice.index, {"role": "assistant", "content": ""},
-                                     include_usage=include_usage)
+                                     include_usage=include_usage), ()
             lp = None if logprobs is None else logprobs.chat(out.logprobs or (), num_top)
             yield chat_chunk(meta, out.index, {"content": out.text}, lp, out.finish_reason, out.stop_reason,
-                             include_usage)
+                             include_usage), out.new_token_ids
     if include_usage:
-        yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens)
+        yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens), ()

@@ -11,3 +11,13 @@ PROMPT_TOKENS_HEADER = "x-multiserve-prompt-tokens"
 
 # In a launched worker's environment: the token every request to it must carry (runtimes/server/replica_auth.py).
 REPLICA_TOKEN_ENV = "MULTISERVE_REPLICA_TOKEN"
+
+# On a generation the gateway may have to continue elsewhere: asks the replica to put, before each streamed event
+# that carries tokens, an SSE comment line `: multiserve-tokens 12,345` with their ids. Clients ignore comment lines;
+# the gateway strips them anyway, and keeps the ids to resume the stream on another replica if this one fails.
+RESUMABLE_HEADER = "x-multiserve-resumable"
+TOKENS_COMMENT = ": multiserve-tokens "
+
+# In the body of a continuation (runtimes/server/protocol.py ResumeFields): the tokens already streamed, and the id
+# and creation time the continued stream keeps.
+RESUME_FIELD = "multiserve_resume"

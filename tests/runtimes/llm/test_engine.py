@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runtimes.llm.config import EngineConfig, resolve_kv_dtype
+from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.request_errors import InvalidRequestError
@@ -221,3 +222,71 @@ def test_kv_dtype_is_checked_where_it_is_chosen():
     with pytest.raises(ValueError, match=r"kv_dtype 'fp16' on CUDA: the cache must be in the model's dtype"):
         resolve_kv_dtype("fp16", torch.bfloat16, cuda)
     assert resolve_kv_dtype("fp16", torch.float32, torch.device("cpu")) == torch.float16
+
+
+# --- resuming a request another replica started ------------------------------------------------------------
+
+
+def _streamed(engine: LLMEngine, params: SamplingParams, tokens: list[int]) -> str:
+    """The text a stream had shown after `tokens` (a character split over tokens shows once it is whole)."""
+    detokenizer = IncrementalDetokenizer(engine.tokenizer, stop=params.stop)
+    return "".join(detokenizer.add(t) for t in tokens)
+
+
+def _resume(engine: LLMEngine, prompt: list[int], params: SamplingParams, done: list[int]):
+    engine.add_request("resumed", prompt, params, resume_token_ids=done)
+    return run_to_completion(engine, {})["resumed"]
+
+
+@pytest.mark.parametrize("params", [
+    GREEDY,
+    SEEDED,
+    SamplingParams(temperature=1.1, seed=3, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
+                   min_tokens=15, max_tokens=18, stop_token_ids=(5, 6, 7)),
+], ids=["greedy", "seeded", "penalties-min-tokens"])
+def test_resumed_request_continues_exactly(engine_for, params):
+    """Given the first k tokens as already generated, a request produces exactly the rest of the undisturbed run:
+    its tokens, its text (and none of the first k's), its finish reason; the usage it reports counts all of them."""
+    prompt = _prompt(7, 23)
+    whole = run_to_completion(engine_for(), {"w": (prompt, params)})["w"]
+    assert len(whole.token_ids) >= 10
+    for k in (1, 6, len(whole.token_ids) - 1):
+        engine = engine_for()
+        rest = _resume(engine, prompt, params, whole.token_ids[:k])
+        assert rest.token_ids == whole.token_ids[k:], k
+        assert rest.finish_reason == whole.finish_reason
+        assert _streamed(engine, params, whole.token_ids[:k]) + rest.text == whole.text
+        _assert_no_leak(engine)
+
+
+def test_resume_keeps_a_stop_string_that_spans_the_break(engine_for):
+    prompt = _prompt(14, 19)
+    engine = engine_for()
+    free = run_to_completion(engine, {"f": (prompt, GREEDY)})["f"]
+    cut = 12
+    shown = len(_streamed(engine, GREEDY, free.token_ids[:cut]))
+    stop = free.text[shown - 2 : shown + 2]  # half before the break, half after
+    assert free.text.index(stop) == shown - 2  # its first match is there
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=(stop,))
+    whole = run_to_completion(engine_for(), {"w": (prompt, params)})["w"]
+    assert whole.finish_reason == "stop" and whole.text == free.text[: shown - 2]
+    rest = _resume(engine, prompt, params, free.token_ids[:cut])
+    assert rest.finish_reason == "stop" and rest.stop_reason == stop
+    # the first run had held back the stop string's possible start; the resumed one releases exactly the rest
+    assert _streamed(engine, params, free.token_ids[:cut]) + rest.text == whole.text
+    _assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"n": 2}, "n = 1"),
+    ({"max_tokens": 3}, "leave nothing"),
+])
+def test_resume_refusals_name_the_field(engine_for, change, message):
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 10, **change})  # type: ignore[arg-type]
+    engine = engine_for()
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        engine.add_request("x", _prompt(1, 5), params, resume_token_ids=[5, 6, 7])
+    assert info.value.param == "resume.token_ids"
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        engine.add_request("y", _prompt(1, 5), GREEDY, resume_token_ids=[10**6])
+    _assert_no_leak(engine)

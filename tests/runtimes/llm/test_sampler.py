@@ -18,8 +18,7 @@ def row(
     **params: object,
 ) -> SamplingRow:
     p = SamplingParams(**params)  # type: ignore[arg-type]
-    gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-    return SamplingRow(p, list(prompt), list(output), gen, eos)
+    return SamplingRow(p, list(prompt), list(output), p.seed, eos)
 
 
 def probs_logits(probs: list[float], batch: int = 1) -> torch.Tensor:
@@ -106,8 +105,27 @@ def test_different_seeds_give_different_sequences() -> None:
     runs = []
     for seed in (1, 2):
         r = row(seed=seed)
-        runs.append([Sampler()(logits, [r]).token_ids[0] for _ in range(20)])
+        tokens = []
+        for _ in range(20):
+            tokens.append(Sampler()(logits, [r]).token_ids[0])
+            r.output_token_ids.append(tokens[-1])  # type: ignore[attr-defined]
+        runs.append(tokens)
     assert runs[0] != runs[1]
+    assert len(set(runs[0])) > 10  # each position draws fresh noise: not one token over and over
+
+
+def test_seeded_token_is_a_function_of_seed_and_position_only() -> None:
+    """What makes a resumed request exact: the token at output position k depends on the seed, k and the logits,
+    not on the earlier outputs' values, nor on the sampler (a fresh one on another replica) or its history."""
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(11))
+    used = Sampler(torch.Generator().manual_seed(1))
+    for _ in range(3):
+        used(logits, [row(seed=7, temperature=0.9)])  # some history on this sampler
+    first = used(logits, [row(seed=7, temperature=0.9, output=(1, 2, 3))]).token_ids[0]
+    assert Sampler()(logits, [row(seed=7, temperature=0.9, output=(9, 9, 9))]).token_ids[0] == first
+    at_positions = [Sampler()(logits, [row(seed=7, temperature=0.9, output=(0,) * k)]).token_ids[0]
+                    for k in range(12)]
+    assert len(set(at_positions)) > 6  # positions draw unrelated noise
 
 
 # --- top-k / top-p / min-p ---------------------------------------------------------------------------
