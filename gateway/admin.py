@@ -102,9 +102,17 @@ async def scale_model(request: Request) -> JSONResponse:
 
 def _replica_action(drain: bool):
     async def endpoint(request: Request) -> JSONResponse:
+        """drain: no new requests from now on; with `{"migrate": true}` (the body is optional) its streams that can
+        go on elsewhere move to other replicas at once, so it empties in about a step instead of after its longest
+        request. undrain: takes requests again."""
         state = _state(request)
         replica_id = request.path_params["replica_id"]
-        replica = state.pool.drain(replica_id) if drain else state.pool.undrain(replica_id)
+        migrate = False
+        if drain and await request.body():
+            migrate = (await _json_body(request, "migrate")).get("migrate", False)
+            if not isinstance(migrate, bool):
+                raise APIError(400, f"migrate must be true or false, got {migrate!r}", param="migrate")
+        replica = state.pool.drain(replica_id, migrate) if drain else state.pool.undrain(replica_id)
         if replica is None:
             raise APIError(404, f"replica {replica_id!r} does not exist", param="replica_id")
         return JSONResponse(replica.snapshot())

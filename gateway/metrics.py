@@ -88,6 +88,12 @@ class GatewayMetrics:
                                ["model"], registry=self.registry)
         self.failovers = Counter(f"{PREFIX}_failovers", "Requests served by a fallback model.",
                                  ["model", "fallback"], registry=self.registry)
+        self.migrations = Counter(f"{PREFIX}_stream_migrations", "Streams continued on another replica mid-way, by "
+                                  "cause: replica_failed (it died, broke off or stalled) or drained (drain with "
+                                  "migrate).", ["model", "cause"], registry=self.registry)
+        self.resumed_tokens = Counter(f"{PREFIX}_resumed_tokens", "Tokens already streamed that continuations handed "
+                                      "to another replica (it computes them again, like a prompt).", ["model"],
+                                      registry=self.registry)
         self.registry.register(_PoolCollector(pool))
 
     def add_time_shares(self, source: SharesSource) -> None:

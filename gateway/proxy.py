@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway.context import request_context
 from gateway.metrics import GatewayMetrics
 from gateway.request_body import request_payload
+from gateway.resume import Moved, Pump, StreamTracker
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica
@@ -25,7 +26,7 @@ from policies.retry import Backoff
 from registry.schema import ModelSpec
 from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.errors import APIError, error_payload
-from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER
+from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER, RESUMABLE_HEADER
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +47,7 @@ class ProxySettings:
     backoff_max_s: float = 0.5
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
+    resume_wait_s: float = 30.0  # how long a broken stream waits for a ready replica to go on on
 
 
 class ReplicaFailure(Exception):
@@ -183,9 +185,14 @@ class Forwarder:
             content = body if target.name == payload["model"] else json.dumps({**payload, "model": target.name}
                                                                                ).encode()
             key = routing_key(target, request, payload)
+            resume = None
+            if stream and endpoint != "embeddings" and payload.get("n", 1) == 1:
+                options = payload.get("stream_options")
+                include_usage = isinstance(options, dict) and options.get("include_usage") is True
+                resume = _Resume(group, ENDPOINTS[endpoint][0], {**payload, "model": target.name}, include_usage)
             try:
                 response = await self._try_group(request, group, endpoint, content, stream,
-                                                 _Call(start, spec.name, key, deadline))
+                                                 _Call(start, spec.name, key, deadline, resume))
             except ReplicaFailure as failure:
                 outcome.timed_out = failure.timeout
                 continue
@@ -232,31 +239,38 @@ class Forwarder:
         lane = request.headers.get("x-priority") or context.key_priority
         if lane is not None:
             headers["x-priority"] = str(lane)
-        url = replica.base_url + ENDPOINTS[endpoint][0]
+        resumable = call.resume is not None
+        if resumable:
+            headers[RESUMABLE_HEADER] = "1"
         lease = self.pool.lease(replica)
         handed_over = False
         try:
-            response = await self._open(url, content, headers, lease)
+            response = await self._open(replica.base_url + ENDPOINTS[endpoint][0], content, headers, lease)
             if not stream or response.status_code != 200:
                 data = await self._read_all(response, lease)
                 lease.succeeded()
                 return Response(data, status_code=response.status_code,
                                 media_type=response.headers.get("content-type", "application/json"))
-            chunks = response.aiter_raw()
-            try:
-                first = await anext(chunks, b"")
-            except UpstreamError as err:
-                await response.aclose()
-                raise self._fail(lease, f"stream broke before the first byte: {err!r}") from err
+            chunks, first = await self._first_bytes(response, lease)
             handed_over = True
             prompt_tokens = response.headers.get(PROMPT_TOKENS_HEADER, "")
             if prompt_tokens.isdigit() and len(prompt_tokens) < 12:  # for the key's token limit and the traffic log
                 context.prompt_tokens = int(prompt_tokens)
-            return StreamingResponse(self._relay(first, chunks, response, lease, call),
+            leg = _Leg(replica, response, lease, Pump(chunks))
+            resume = call.resume if resumable and response.headers.get(RESUMABLE_HEADER) == "1" else None
+            return StreamingResponse(self._relay(request, first, leg, call, resume, headers),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
         finally:
             if not handed_over:
                 lease.release()
+
+    async def _first_bytes(self, response: UpstreamReply, lease: Lease) -> tuple[AsyncIterator[bytes], bytes]:
+        chunks = response.aiter_raw()
+        try:
+            return chunks, await anext(chunks, b"")
+        except UpstreamError as err:
+            await response.aclose()
+            raise self._fail(lease, f"stream broke before the first byte: {err!r}") from err
 
     async def _open(self, url: str, content: bytes, headers: dict[str, str], lease: Lease) -> UpstreamReply:
         try:
@@ -287,35 +301,132 @@ class Forwarder:
         log.warning("replica_request_failed", replica=lease.replica.replica_id, cause=cause)
         return ReplicaFailure(lease.replica, cause, timeout)
 
-    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], response: UpstreamReply, lease: Lease,
-                     call: _Call) -> AsyncIterator[bytes]:
-        """Pass the replica's SSE bytes through as they come; a break midway or the request's deadline ends
-        the stream with an error event (closing the upstream connection aborts the request on the replica)."""
+    async def _relay(self, request: Request, first: bytes, leg: _Leg, call: _Call, resume: _Resume | None,
+                     headers: dict[str, str]) -> AsyncIterator[bytes]:
+        """Pass the replica's SSE bytes through as they come. A resumable stream (`resume`) that breaks off midway
+        (the replica fails or stalls, or is drained with migration) goes on on another replica of the model, on the
+        same connection (gateway/resume.py); any other break, or the request's deadline, ends the stream with an
+        error event (closing the upstream connection aborts the request on the replica)."""
         model = call.model
+        tracker = None if resume is None else StreamTracker(resume.include_usage)
+        tried = {leg.replica.replica_id}
         try:
             self.metrics.ttft.labels(model).observe(self.clock() - call.start)
-            yield first
+            yield first if tracker is None else tracker.feed(first)
             while True:
-                if call.deadline is None:
-                    chunk = await anext(chunks, None)
-                else:
-                    chunk = await asyncio.wait_for(anext(chunks, None), max(call.deadline - self.clock(), 0.0))
-                if chunk is None:
-                    break
-                yield chunk
-            lease.succeeded()
-        except UpstreamError as err:
-            self._fail(lease, f"stream broke midway: {err!r}")
-            failure = APIError(503, f"model {model!r}: the replica failed while streaming; the reply is incomplete",
-                               code="stream_interrupted")
-            yield _error_event(failure)
+                if tracker is not None:
+                    leg.lease.movable(leg.pump.stop)
+                try:
+                    while (chunk := await self._next(leg, call)) is not None:
+                        yield chunk if tracker is None else tracker.feed(chunk)
+                    leg.lease.succeeded()
+                    return
+                except (UpstreamError, Moved) as err:
+                    moved = isinstance(err, Moved)
+                    if moved:
+                        leg.lease.succeeded()
+                    else:
+                        self._fail(leg.lease, f"stream broke midway: {err!r}")
+                    await leg.close()
+                    if tracker is None or resume is None or not (tracker.resumable or tracker.finished):
+                        if not (tracker is not None and (tracker.done or tracker.failed)):
+                            yield _error_event(_interrupted(model))
+                        return
+                    if tracker.finished:  # only the usage chunk and [DONE] were missing
+                        yield tracker.ending(request_context(request.scope).prompt_tokens)
+                        return
+                    cause = "drained" if moved else "replica_failed"
+                    next_leg = await self._continuation(request, resume, tracker, call, headers, tried)
+                    if next_leg is None:
+                        yield _error_event(_interrupted(model))
+                        return
+                    self.metrics.migrations.labels(model, cause).inc()
+                    self.metrics.resumed_tokens.labels(model).inc(len(tracker.token_ids))
+                    log.info("stream_resumed", model=model, cause=cause, replica=next_leg.replica.replica_id,
+                             from_replica=leg.replica.replica_id, tokens_sent=len(tracker.token_ids))
+                    leg = next_leg
+                    yield tracker.feed(next_leg.first)
         except TimeoutError:
             assert call.deadline is not None
             yield _error_event(_timeout(model, call.deadline - call.start))
         finally:
-            lease.release()
-            await response.aclose()
+            await leg.close()
             self.metrics.e2e.labels(model).observe(self.clock() - call.start)
+
+    async def _next(self, leg: _Leg, call: _Call) -> bytes | None:
+        if call.deadline is None:
+            return await leg.pump.get()
+        return await asyncio.wait_for(leg.pump.get(), max(call.deadline - self.clock(), 0.0))
+
+    async def _continuation(self, request: Request, resume: _Resume, tracker: StreamTracker, call: _Call,
+                            headers: dict[str, str], tried: set[str]) -> _Leg | None:
+        """Open the rest of a broken stream on another ready replica of the model, waiting (with backoff, within
+        the request's deadline and `resume_wait_s`) for one to be ready; None if none could take it."""
+        body = tracker.continuation(resume.payload)
+        give_up = self.clock() + self.settings.resume_wait_s
+        if call.deadline is not None:
+            give_up = min(give_up, call.deadline)
+        for attempt in itertools.count(1):
+            replica = self.pool.choose(resume.group, tried, call.key)
+            if replica is None:  # none untried: any ready one will do (a restarted replica is a fresh process)
+                replica = self.pool.choose(resume.group, set(), call.key)
+            if replica is not None:
+                tried.add(replica.replica_id)
+                leg = await self._open_leg(replica, resume.path, body, {**headers, **replica.auth_headers()})
+                if leg is not None:
+                    return leg
+            if self.clock() >= give_up:
+                return None
+            await self.sleep(Backoff(self.settings.backoff_s, self.settings.backoff_max_s).delay_s(attempt))
+        raise AssertionError("unreachable: itertools.count() does not end")
+
+    async def _open_leg(self, replica: Replica, path: str, body: bytes, headers: dict[str, str]) -> _Leg | None:
+        lease = self.pool.lease(replica)
+        try:
+            response = await self._open(replica.base_url + path, body, headers, lease)
+            if response.status_code != 200 or response.headers.get(RESUMABLE_HEADER) != "1":
+                await response.aclose()
+                lease.release()
+                return None
+            chunks, first = await self._first_bytes(response, lease)
+        except (ReplicaFailure, ReplicaOverloaded):
+            lease.release()
+            return None
+        leg = _Leg(replica, response, lease, Pump(chunks))
+        leg.first = first
+        return leg
+
+
+@dataclass
+class _Leg:
+    """One replica's part of a relayed stream: its reply, the lease on it and the pump that reads it."""
+
+    replica: Replica
+    response: UpstreamReply
+    lease: Lease
+    pump: Pump
+    first: bytes = b""
+
+    async def close(self) -> None:
+        self.lease.release()
+        await self.pump.aclose()
+        await self.response.aclose()
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """What a resumable stream needs to go on elsewhere: the model's group, the replica path, the request's body
+    (as sent to the first replica) and whether it asked for a usage chunk."""
+
+    group: InstanceGroup
+    path: str
+    payload: dict[str, Any]
+    include_usage: bool
+
+
+def _interrupted(model: str) -> APIError:
+    return APIError(503, f"model {model!r}: the replica failed while streaming; the reply is incomplete",
+                    code="stream_interrupted")
 
 
 @dataclass(frozen=True)
@@ -327,6 +438,7 @@ class _Call:
     model: str
     key: str | None
     deadline: float | None
+    resume: _Resume | None = None  # set for a generation stream of one choice: it can go on elsewhere
 
 
 def routing_key(spec: ModelSpec, request: Request, payload: dict[str, Any]) -> str | None:

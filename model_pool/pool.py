@@ -256,11 +256,15 @@ class ModelPool:
     def find_replica(self, replica_id: str) -> Replica | None:
         return next((r for g in self.groups.values() for r in g.replicas if r.replica_id == replica_id), None)
 
-    def drain(self, replica_id: str) -> Replica | None:
+    def drain(self, replica_id: str, migrate: bool = False) -> Replica | None:
+        """No new requests for the replica; with `migrate`, its movable streams go on on other replicas now."""
         replica = self.find_replica(replica_id)
         if replica is not None:
             replica.manually_drained = True
             replica.set_state(ReplicaState.DRAINING, self.clock())
+            if migrate:
+                moved = replica.migrate_streams()
+                log.info("replica_drained", replica=replica_id, migrated_streams=moved)
         return replica
 
     def undrain(self, replica_id: str) -> Replica | None:

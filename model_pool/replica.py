@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -40,6 +41,15 @@ class Replica:
     transitions: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))
     manually_drained: bool = False
     state_since: float = 0.0  # the pool's clock when `state` was last changed
+    # streams relayed from this replica that can go on elsewhere: each callback asks its relay to move
+    movable: set[Callable[[], None]] = field(default_factory=set)
+
+    def migrate_streams(self) -> int:
+        """Ask every movable stream to continue on another replica; returns how many were asked."""
+        movers = list(self.movable)
+        for move in movers:
+            move()
+        return len(movers)
 
     @property
     def base_url(self) -> str:
@@ -96,8 +106,14 @@ class Lease:
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self._held = True
+        self._mover: Callable[[], None] | None = None
         replica.outstanding += 1
         replica.breaker.on_dispatch()
+
+    def movable(self, move: Callable[[], None]) -> None:
+        """While held, `move()` is called if the replica is drained with migration."""
+        self._mover = move
+        self.replica.movable.add(move)
 
     def succeeded(self) -> None:
         self.replica.breaker.record_success()
@@ -110,6 +126,8 @@ class Lease:
         if self._held:
             self._held = False
             self.replica.outstanding -= 1
+            if self._mover is not None:
+                self.replica.movable.discard(self._mover)
 
     async def __aenter__(self) -> Lease:
         return self

@@ -157,7 +157,8 @@ class _Server(ReplicaEndpoints):
             meta = await until_disconnect(request, started)
             if meta is not None:
                 with_token_ids = request.headers.get(RESUMABLE_HEADER) == "1"
-                return SSEResponse(sse_stream(events(meta), gen, with_token_ids), gen.num_prompt_tokens)
+                return SSEResponse(sse_stream(events(meta), gen, with_token_ids), gen.num_prompt_tokens,
+                                   with_token_ids)
         else:
             reply = await until_disconnect(request, collected)
             if reply is not None:

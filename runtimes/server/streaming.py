@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from runtimes.server.errors import LOGGED_WHERE_RAISED, error_payload
 from runtimes.server.generation import Generation
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
-from runtimes.server.wire import PROMPT_TOKENS_HEADER, TOKENS_COMMENT
+from runtimes.server.wire import PROMPT_TOKENS_HEADER, RESUMABLE_HEADER, TOKENS_COMMENT
 
 log = structlog.get_logger(__name__)
 DONE = "data: [DONE]\n\n"
@@ -36,10 +36,13 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[str, None], num_prompt_tokens: int | None = None) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], num_prompt_tokens: int | None = None,
+                 with_token_ids: bool = False) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if num_prompt_tokens is not None:  # so a gateway can count a stream's tokens without a usage chunk
             headers[PROMPT_TOKENS_HEADER] = str(num_prompt_tokens)
+        if with_token_ids:  # says the events carry their token ids: the gateway can resume the stream elsewhere
+            headers[RESUMABLE_HEADER] = "1"
         super().__init__(events, headers=headers)
         self._events = events
 

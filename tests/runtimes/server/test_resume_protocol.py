@@ -47,7 +47,9 @@ def texts(events, key: str) -> str:
 def test_token_ids_ride_only_when_asked(client):
     body = {"model": SERVED_NAME, "prompt": "hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     plain = client.post("/v1/completions", json={**body, "stream": True})
-    assert TOKENS_COMMENT.strip() not in plain.text
+    assert TOKENS_COMMENT.strip() not in plain.text and RESUMABLE_HEADER not in plain.headers
+    assert client.post("/v1/completions", json={**body, "stream": True}, headers=RESUMABLE).headers[
+        RESUMABLE_HEADER] == "1"
     events = stream(client, "/v1/completions", body, RESUMABLE)
     assert sum(len(ids) for _, ids in events) == 8
     assert all(ids for event, ids in events if isinstance(event, dict) and event["choices"][0]["text"])

@@ -1,0 +1,161 @@
+"""Resumable streams, the gateway's side: what a relayed generation has shown its client, and reading a replica's
+reply in a way that can be stopped at any moment.
+
+A generation stream is resumable when the gateway asked for token ids (runtimes/server/wire.py RESUMABLE_HEADER)
+and the replica answered with them. `StreamTracker` passes its events on whole, without their token-id comment
+lines, and keeps what a continuation needs: the ids of every token the client has been sent, the stream's `id` and
+`created`, and whether the choice has finished. When the replica fails, times out or is drained with migration
+mid-stream, the forwarder (gateway/proxy.py) sends `continuation()` to another replica of the model, and that
+stream goes on through the same tracker: the client sees one stream, with one id, every token once.
+
+`Pump` reads a reply's chunks in a task of its own into a small queue, so that a relay waiting for the next chunk
+can be told to stop (`stop()`: the replica is being drained with migration) without cancelling the relay itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from runtimes.server.wire import RESUME_FIELD, TOKENS_COMMENT
+
+_TOKENS = TOKENS_COMMENT.encode()
+_DATA = b"data: "
+
+
+class StreamTracker:
+    """Follows one relayed SSE stream of a single choice (n = 1); see the module's docstring."""
+
+    def __init__(self, include_usage: bool) -> None:
+        self.include_usage = include_usage
+        self.token_ids: list[int] = []
+        self.id: str | None = None
+        self.created: int | None = None
+        self.object: str | None = None
+        self.model: str | None = None
+        self.finished = False  # the choice's last chunk (with its finish_reason) went out
+        self.done = False  # `[DONE]` went out
+        self.failed = False  # the replica reported an error in-band: that is an answer, not something to resume
+        self.untracked = False  # text went out without token ids (a replica that does not take part): no resuming
+        self._pending = b""
+
+    @property
+    def resumable(self) -> bool:
+        return self.id is not None and not (self.finished or self.done or self.failed or self.untracked)
+
+    def feed(self, data: bytes) -> bytes:
+        """The complete events in what has arrived so far, without token-id lines; a partial event is kept back
+        (if the replica dies before finishing it, the continuation makes its tokens again)."""
+        buffer = self._pending + data
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            self._pending = buffer
+            return b""
+        self._pending = buffer[end + 2:]
+        return b"".join(self._event(event) for event in buffer[:end].split(b"\n\n"))
+
+    def _event(self, event: bytes) -> bytes:
+        ids: list[int] = []
+        if event.startswith(_TOKENS):
+            line, _, event = event.partition(b"\n")
+            ids = [int(t) for t in line[len(_TOKENS):].split(b",")]
+        if event.startswith(_DATA):
+            self._observe(event[len(_DATA):], ids)
+        self.token_ids.extend(ids)
+        return event + b"\n\n"
+
+    def _observe(self, data: bytes, ids: list[int]) -> None:
+        if data == b"[DONE]":
+            self.done = True
+            return
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            self.untracked = True
+            return
+        if not isinstance(chunk, dict) or "error" in chunk:
+            self.failed = True
+            return
+        if self.id is None:
+            self.id, self.created = chunk.get("id"), chunk.get("created")
+            self.object, self.model = chunk.get("object"), chunk.get("model")
+        for choice in chunk.get("choices") or ():
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+            delta = choice.get("delta") or {}
+            if not ids and (choice.get("text") or delta.get("content")):
+                self.untracked = True
+
+    def continuation(self, payload: dict[str, Any]) -> bytes:
+        """The body that asks another replica to go on after the tokens sent so far."""
+        resume = {"token_ids": self.token_ids, "id": self.id, "created": self.created}
+        return json.dumps({**payload, RESUME_FIELD: resume}).encode()
+
+    def ending(self, prompt_tokens: int | None) -> bytes:
+        """What is left to send when a stream broke after its last token but before `[DONE]`: the usage chunk if it
+        was asked for (and the prompt's size is known), then `[DONE]`."""
+        tail = b""
+        if self.include_usage and prompt_tokens is not None:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(self.token_ids),
+                     "total_tokens": prompt_tokens + len(self.token_ids)}
+            chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                     "choices": [], "usage": usage}
+            tail = _DATA + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+        return tail + b"data: [DONE]\n\n"
+
+
+class Moved(Exception):
+    """The replica is being drained with migration: stop reading it and go on elsewhere."""
+
+
+_END = object()
+
+
+class Pump:
+    """Reads `chunks` into a queue from a task of its own (the queue is small, so a slow client still slows the
+    replica down); `get()` returns the next chunk, None at the end, or raises the reading's error, or `Moved`
+    once `stop()` was called."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], depth: int = 16) -> None:
+        self._queue: asyncio.Queue[object] = asyncio.Queue(depth)
+        self._stopped = False
+        self._task = asyncio.create_task(self._run(chunks))
+
+    async def _run(self, chunks: AsyncIterator[bytes]) -> None:
+        item: object = _END
+        try:
+            async for chunk in chunks:
+                await self._queue.put(chunk)
+        except Exception as err:  # the upstream's error, for the reader to raise
+            item = err
+        await self._queue.put(item)
+
+    async def get(self) -> bytes | None:
+        if self._stopped:
+            raise Moved
+        item = await self._queue.get()
+        if self._stopped:
+            raise Moved
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, bytes)
+        return item
+
+    def stop(self) -> None:
+        """Wake the reader with `Moved` (now if it waits, else at its next `get()`)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._task.cancel()
+        with contextlib.suppress(asyncio.QueueFull):  # when full, the reader is not waiting: it sees the flag
+            self._queue.put_nowait(_END)
+
+    async def aclose(self) -> None:
+        """Stop reading (idempotent); returns once the reading task has ended."""
+        self._task.cancel()
+        await asyncio.wait({self._task})  # unlike awaiting the task, this does not raise its cancellation

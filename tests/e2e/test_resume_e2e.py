@@ -1,0 +1,162 @@
+"""No broken streams: a replica killed mid-generation, or drained with migration, and every stream goes on on the
+other replica, on the same client connection, with the text the undisturbed run gives (real gateway, real workers,
+the official openai client)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+
+from model_pool.launcher import free_port
+from tests.e2e.conftest import ADMIN_TOKEN, REGISTRY, Gateway, running_gateway
+from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
+
+MAX_TOKENS = 300
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("resume")
+    model = write_gguf(hf_model(TinySpec(max_position_embeddings=512), seed=2), root / "tiny.gguf")
+    port = free_port()
+    with running_gateway(root, REGISTRY.format(port=port, model=model), port, model) as gw:
+        yield gw
+
+
+@dataclass
+class Run:
+    """One streamed completion as its client saw it."""
+
+    text: str = ""
+    ids: set[str] = field(default_factory=set)
+    chunks: int = 0
+    finish_reason: str | None = None
+    usage: tuple[int, int] | None = None
+    error: str | None = None
+
+
+def _requests(count_greedy: int, count_seeded: int) -> list[dict]:
+    requests = [{"prompt": f"request {i}: the story goes", "temperature": 0.0} for i in range(count_greedy)]
+    requests += [{"prompt": f"sampled {i}: once upon a time", "temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
+                 for i in range(count_seeded)]
+    return requests
+
+
+async def _stream(client: openai.AsyncOpenAI, request: dict, run: Run) -> None:
+    try:
+        stream = await client.completions.create(model="tiny-chat", max_tokens=MAX_TOKENS, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}, **request)
+        async for chunk in stream:
+            run.ids.add(chunk.id)
+            if chunk.usage is not None:
+                run.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+            for choice in chunk.choices:
+                run.text += choice.text
+                run.chunks += 1
+                run.finish_reason = choice.finish_reason or run.finish_reason
+    except Exception as err:  # recorded: the assertions say which request broke and how
+        run.error = repr(err)
+
+
+async def _run_all(gateway: Gateway, requests: list[dict], disturb=None) -> list[Run]:
+    """Stream every request at once; `disturb(runs)` runs alongside (it waits for what it needs)."""
+    runs = [Run() for _ in requests]
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
+                                  timeout=120) as client:
+        tasks = [asyncio.create_task(_stream(client, r, run)) for r, run in zip(requests, runs, strict=True)]
+        if disturb is not None:
+            await disturb(runs)
+        await asyncio.gather(*tasks)
+    return runs
+
+
+async def _until_all_streaming(runs: list[Run], min_chunks: int = 3, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(run.chunks >= min_chunks or run.error for run in runs):
+        assert time.monotonic() < deadline, "the streams did not start"
+        await asyncio.sleep(0.005)
+    assert not any(run.finish_reason for run in runs), "a stream ended before the disturbance: make them longer"
+
+
+def _replicas(gateway: Gateway) -> list[dict]:
+    return httpx.get(f"{gateway.url}/health/models", timeout=10).json()["models"]["tiny-chat"]["replicas"]
+
+
+def _busiest(gateway: Gateway) -> dict:
+    return max(_replicas(gateway), key=lambda r: r["in_flight"])
+
+
+def _assert_same(runs: list[Run], reference: list[Run]) -> None:
+    for i, (run, ref) in enumerate(zip(runs, reference, strict=True)):
+        assert run.error is None, f"request {i}: {run.error}"
+        assert run.finish_reason == "length" and run.usage is not None and run.usage[1] == MAX_TOKENS, i
+        assert run.usage == ref.usage, i
+        assert len(run.ids) == 1, f"request {i} changed its id: {run.ids}"
+        assert run.text == ref.text, f"request {i} differs from its undisturbed run"
+
+
+def _wait_all_ready(gateway: Gateway, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(r["state"] == "ready" for r in _replicas(gateway)):
+        assert time.monotonic() < deadline, _replicas(gateway)
+        time.sleep(0.1)
+
+
+def test_a_replica_killed_mid_stream_loses_no_stream(gateway):
+    _wait_all_ready(gateway)
+    requests = _requests(16, 8)
+    reference = asyncio.run(_run_all(gateway, requests))
+    assert all(r.error is None for r in reference)
+    killed: list[dict] = []
+
+    async def kill_busiest(runs: list[Run]) -> None:
+        await _until_all_streaming(runs)
+        victim = _busiest(gateway)
+        killed.append(victim)
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    runs = asyncio.run(_run_all(gateway, requests, kill_busiest))
+    assert killed and killed[0]["in_flight"] >= 12  # the one serving most of them
+    _assert_same(runs, reference)
+    metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    assert 'multiserve_gateway_stream_migrations_total{cause="replica_failed",model="tiny-chat"}' in metrics
+    _wait_all_ready(gateway)  # the pool restarts it
+
+
+def test_drain_with_migrate_empties_a_replica_at_once(gateway):
+    _wait_all_ready(gateway)
+    requests = _requests(8, 0)
+    reference = asyncio.run(_run_all(gateway, requests))
+    drained: list[tuple[dict, float]] = []
+
+    async def drain_busiest(runs: list[Run]) -> None:
+        await _until_all_streaming(runs)
+        victim = _busiest(gateway)
+        async with httpx.AsyncClient(timeout=10) as http:
+            reply = await http.post(f"{gateway.url}/admin/replicas/{victim['id']}/drain", json={"migrate": True},
+                                    headers=ADMIN)
+            assert reply.status_code == 200, reply.text
+            start = time.monotonic()
+            while any(r["id"] == victim["id"] and r["in_flight"] for r in _replicas(gateway)):
+                await asyncio.sleep(0.01)
+            drained.append((victim, time.monotonic() - start))
+
+    runs = asyncio.run(_run_all(gateway, requests, drain_busiest))
+    [(victim, empty_after_s)] = drained
+    assert victim["in_flight"] >= 4 and empty_after_s < 2.0, drained
+    _assert_same(runs, reference)
+    # the replica itself holds no request either (its engine aborted each one when its stream moved)
+    state = next(r for r in _replicas(gateway) if r["id"] == victim["id"])
+    assert state["state"] == "draining" and state["in_flight"] == 0
+    reply = httpx.post(f"{gateway.url}/admin/replicas/{victim['id']}/undrain", headers=ADMIN, timeout=10)
+    assert reply.status_code == 200
