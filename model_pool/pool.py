@@ -1,6 +1,13 @@
 """Instance groups and replica lifecycle: launch, probe, supervise (restart with backoff, give up on a
 crash loop), drain and stop. The registry says what should run; `apply()` makes it so.
 
+A change to what a model's replicas run (source, engine settings, placement) is rolled out one replica at a time
+with nothing in flight lost: where the placement allows a second copy (no device memory fraction, no time-slice
+share) the new replica starts first, and the old one is drained with migration only once the new one is ready;
+otherwise the old one is drained with migration first (its streams go on on the other replicas) and then replaced.
+A new replica that does not become ready stops the rollout: the old replicas it would have replaced keep serving.
+Scaling down drains with migration too.
+
 A replica whose process is alive but whose probes keep failing (hung, or its engine stuck: it reports itself
 unready) is taken out of routing after `unhealthy_after` probes and restarted once it has been unhealthy for
 `restart_unhealthy_after_s`; that counts as a crash, so a replica that keeps hanging ends up failed.
@@ -42,6 +49,7 @@ class PoolSettings:
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 30.0
     drain_timeout_s: float = 30.0
+    rollout_poll_s: float = 0.25  # how often a rollout probes the replica it waits for
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
 
@@ -50,6 +58,11 @@ class InstanceGroup:
     spec: ModelSpec
     routing: RoutingPolicy
     replicas: list[Replica] = field(default_factory=list)
+    revision: int = 0  # rollouts so far: a rolled-out replica's id says which (`<model>/<index>-r<revision>`)
+    rollout: dict[str, Any] = field(default_factory=dict)  # the last rollout's progress, for /health/models
+
+    def replica_id(self, index: int) -> str:
+        return f"{self.spec.name}/{index}" if self.revision == 0 else f"{self.spec.name}/{index}-r{self.revision}"
 
 
 @dataclass
@@ -97,8 +110,8 @@ class ModelPool:
             touched = dict.fromkeys([*diff.added, *diff.changed, *(name for name, _, _ in diff.resized)])
             for name in touched:
                 spec, group = specs[name], self.groups.get(name)
-                if group is not None and (not spec.enabled or name in diff.relaunched):
-                    await self._stop_group(self.groups.pop(name))  # disabled, or what it runs with changed
+                if group is not None and not spec.enabled:
+                    await self._stop_group(self.groups.pop(name))
                     group = None
                 if not spec.enabled:
                     continue
@@ -108,40 +121,101 @@ class ModelPool:
                                                                                    spec.policy.load_bound):
                     group.routing = _routing_policy(spec)
                 group.spec = spec
+                if name in diff.relaunched:  # what its replicas run changed: fewer first, then roll, then more
+                    await self._resize(group, min(spec.replicas, len(_live(group))))
+                    await self._roll(group)
                 await self._resize(group, spec.replicas)
 
     async def _resize(self, group: InstanceGroup, count: int) -> None:
-        live = [r for r in group.replicas if r.state != ReplicaState.STOPPED]
+        live = _live(group)
         for index in range(len(live), count):
-            replica = Replica(f"{group.spec.name}/{index}", group.spec.name, index,
-                              CircuitBreaker(self.settings.breaker, self.clock))
+            replica = self._new_replica(group, index)
             group.replicas.append(replica)
             await self._launch(group, replica)
         for replica in sorted(live, key=lambda r: r.index)[count:]:
             await self._retire(group, replica)
 
-    async def _launch(self, group: InstanceGroup, replica: Replica) -> None:
+    def _new_replica(self, group: InstanceGroup, index: int) -> Replica:
+        return Replica(group.replica_id(index), group.spec.name, index,
+                       CircuitBreaker(self.settings.breaker, self.clock))
+
+    async def _roll(self, group: InstanceGroup) -> None:
+        """Replace every live replica of `group` by one running `group.spec`, one at a time (see the module)."""
+        old_replicas = sorted(_live(group), key=lambda r: r.index)
+        if not old_replicas:
+            return
+        group.revision += 1
+        group.rollout = {"revision": group.revision, "state": "rolling", "replaced": 0, "of": len(old_replicas)}
+        log.info("rollout_started", model=group.spec.name, revision=group.revision, replicas=len(old_replicas))
+        for old in old_replicas:
+            placement = self.placement_for(group.spec, old.index)
+            surge = placement.memory_fraction is None and placement.arbiter_socket is None
+            new = self._new_replica(group, old.index)
+            if not surge:  # no room for both: the old one's streams move to the others first
+                await self._retire(group, old)
+            group.replicas.append(new)
+            await self._launch(group, new, placement)
+            ready = await self._await_ready(new)
+            if surge and not ready:
+                await self._retire(group, new)
+                group.rollout["state"] = "failed"
+                group.rollout["reason"] = (f"replica {new.replica_id} exited or was not ready within "
+                                           f"{self.settings.ready_timeout_s:g} s; {old.replica_id} and the replicas "
+                                           "after it keep their old settings")
+                log.error("rollout_failed", model=group.spec.name, replica=new.replica_id, kept=old.replica_id)
+                return
+            if surge:
+                await self._retire(group, old)
+            group.rollout["replaced"] += 1
+        group.rollout["state"] = "done"
+        log.info("rollout_done", model=group.spec.name, revision=group.revision)
+
+    async def _await_ready(self, replica: Replica) -> bool:
+        """Probe `replica` until it is ready (True), or it exits or its ready timeout passes (False). The pool's
+        other replicas are supervised meanwhile, as `tick` would (it waits for this rollout's lock)."""
+        deadline = self.clock() + self.settings.ready_timeout_s
+        next_tick = self.clock() + self.settings.probe_interval_s
+        while True:
+            if replica.handle is None or replica.handle.exit_code() is not None:
+                return False
+            await self._probe(replica)
+            if replica.state == ReplicaState.READY:
+                return True
+            if self.clock() >= deadline:
+                return False
+            if self.clock() >= next_tick:
+                others = [(g, r) for g in self.groups.values() for r in g.replicas if r is not replica]
+                await asyncio.gather(*(self._supervise(g, r) for g, r in others))
+                next_tick = self.clock() + self.settings.probe_interval_s
+            await self.sleep(self.settings.rollout_poll_s)
+
+    async def _launch(self, group: InstanceGroup, replica: Replica, placement: ReplicaPlacement | None = None) -> None:
         spec = group.spec
-        launch = replica_launch(spec, replica.index, self.placement_for(spec, replica.index))
-        replica.handle = await self.launchers[spec.launcher].start(launch)
+        if placement is None:
+            placement = self.placement_for(spec, replica.index)
+        replica.handle = await self.launchers[spec.launcher].start(replica_launch(spec, replica.index, placement))
         replica.set_state(ReplicaState.STARTING, self.clock())
         self._schedule.launched_at[replica.replica_id] = self.clock()
         log.info("replica_launched", replica=replica.replica_id, url=replica.display_url)
 
     async def _retire(self, group: InstanceGroup, replica: Replica) -> None:
-        await self.stop_replica(replica)
+        """Stop a replica the group no longer wants, its streams moved to the others first."""
+        await self.stop_replica(replica, migrate=True)
         group.replicas.remove(replica)
 
     async def _stop_group(self, group: InstanceGroup) -> None:
         await asyncio.gather(*(self.stop_replica(r) for r in group.replicas))
         group.replicas.clear()
 
-    async def stop_replica(self, replica: Replica) -> None:
-        """Drain (no new requests; in-flight ones finish up to the deadline), then stop the process."""
+    async def stop_replica(self, replica: Replica, migrate: bool = False) -> None:
+        """Drain (no new requests; in-flight ones finish up to the deadline, or with `migrate` the streams that
+        can go on elsewhere move at once), then stop the process."""
         # Forget its schedule: a pending restart must not fire on a later replica that reuses the id.
         self._schedule.restart_at.pop(replica.replica_id, None)
         self._schedule.launched_at.pop(replica.replica_id, None)
         replica.set_state(ReplicaState.DRAINING, self.clock())
+        if migrate:
+            replica.migrate_streams()
         deadline = self.clock() + self.settings.drain_timeout_s
         while replica.outstanding > 0 and self.clock() < deadline:
             await self.sleep(0.05)
@@ -276,8 +350,13 @@ class ModelPool:
 
     def health(self) -> dict[str, Any]:
         return {name: {"replicas": [r.snapshot() for r in g.replicas],
-                       "ready_replicas": sum(r.state == ReplicaState.READY for r in g.replicas)}
+                       "ready_replicas": sum(r.state == ReplicaState.READY for r in g.replicas),
+                       "engine": g.spec.engine.model_dump(mode="json"), "rollout": g.rollout or None}
                 for name, g in self.groups.items()}
+
+
+def _live(group: InstanceGroup) -> list[Replica]:
+    return [r for r in group.replicas if r.state != ReplicaState.STOPPED]
 
 
 def _routing_policy(spec: ModelSpec) -> RoutingPolicy:

@@ -160,3 +160,55 @@ def test_drain_with_migrate_empties_a_replica_at_once(gateway):
     assert state["state"] == "draining" and state["in_flight"] == 0
     reply = httpx.post(f"{gateway.url}/admin/replicas/{victim['id']}/undrain", headers=ADMIN, timeout=10)
     assert reply.status_code == 200
+
+
+def test_a_live_engine_edit_rolls_out_without_breaking_a_stream(gateway):
+    """16 clients stream back to back while an admin edit changes the model's engine settings: the replicas are
+    replaced one by one (the new one ready before the old one is drained with migration), and every stream, before,
+    during and after, completes unchanged."""
+    _wait_all_ready(gateway)
+    requests = _requests(12, 4)
+    reference = asyncio.run(_run_all(gateway, requests))
+    old_ids = {r["id"] for r in _replicas(gateway)}
+    migrated_before = _migrations(gateway, "drained")
+    edit_done = asyncio.Event()
+    finished: list[tuple[int, Run]] = []
+
+    async def client_loop(client: openai.AsyncOpenAI, i: int) -> None:
+        while True:
+            last = edit_done.is_set()
+            run = Run()
+            await _stream(client, requests[i], run)
+            finished.append((i, run))
+            if last:
+                return
+
+    async def main() -> None:
+        async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            loops = [asyncio.create_task(client_loop(client, i)) for i in range(len(requests))]
+            await asyncio.sleep(0.5)
+            entry = {"type": "chat", "source": {"path": str(gateway.model_path)}, "aliases": ["tiny"], "replicas": 2,
+                     "device": "cpu", "engine": {"block_size": 16, "kv_cache_gib": 0.02, "max_model_len": 512,
+                                                 "max_num_seqs": 24}}
+            async with httpx.AsyncClient(timeout=300) as http:
+                reply = await http.put(f"{gateway.url}/admin/models/tiny-chat", json=entry, headers=ADMIN)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["diff"]["relaunched"] == ["tiny-chat"]
+            edit_done.set()
+            await asyncio.gather(*loops)
+
+    asyncio.run(main())
+    assert len(finished) > 2 * len(requests)
+    for i, run in finished:
+        _assert_same([run], [reference[i]])
+    health = httpx.get(f"{gateway.url}/health/models", timeout=10).json()["models"]["tiny-chat"]
+    assert health["engine"]["max_num_seqs"] == 24 and health["rollout"]["state"] == "done"
+    assert not old_ids & {r["id"] for r in health["replicas"]}
+    assert _migrations(gateway, "drained") > migrated_before  # streams did move mid-way
+
+
+def _migrations(gateway: Gateway, cause: str) -> float:
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    prefix = f'multiserve_gateway_stream_migrations_total{{cause="{cause}",model="tiny-chat"}} '
+    return sum(float(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix))

@@ -170,21 +170,88 @@ def test_reapplying_an_equal_registry_touches_nothing():
     run(scenario)
 
 
-def test_a_changed_spec_replaces_the_whole_group():
+def test_a_changed_spec_rolls_out_new_replicas_before_stopping_the_old_ones():
+    events: list[str] = []
+
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha", 2), model("beta")))
         await h.pool.tick()
         old, beta = list(h.group("alpha").replicas), h.replica("beta/0")
+        real_start = h.launcher.start
+
+        async def start(request):  # type: ignore[no-untyped-def]
+            events.append(f"start {request.model}/{request.index} running={len(h.launcher.running('alpha'))}")
+            return await real_start(request)
+
+        h.launcher.start = start  # type: ignore[method-assign]
+        for handle in h.launcher.running("alpha"):
+            real_stop = handle.stop
+
+            async def stop(timeout_s: float, real_stop=real_stop, handle=handle) -> None:  # type: ignore[no-untyped-def]
+                events.append(f"stop {handle.request.model}/{handle.request.index}")
+                await real_stop(timeout_s)
+
+            handle.stop = stop  # type: ignore[method-assign]
         await h.pool.apply(registry(model("alpha", 2, engine={"block_size": 32}), model("beta")))
+        # one at a time, each new replica up (and ready) before the old one of its index stops
+        assert events == ["start alpha/0 running=2", "stop alpha/0", "start alpha/1 running=2", "stop alpha/1"]
         new = h.group("alpha").replicas
-        assert len(new) == 2 and not any(n is o for n in new for o in old)
+        assert [r.replica_id for r in new] == ["alpha/0-r1", "alpha/1-r1"] and not any(n in old for n in new)
         assert all(o.state == ReplicaState.STOPPED for o in old)
-        assert [handle.stopped for handle in h.launcher.handles_of("alpha/0")] == [True, False]
         assert [handle.request.engine.block_size for handle in h.launcher.running("alpha")] == [32, 32]
         assert h.replica("beta/0") is beta and not h.launcher.latest("beta/0").stopped
-        assert h.states("alpha") == [STARTING, STARTING]
+        assert h.states("alpha") == [READY, READY]
+        health = h.pool.health()["alpha"]
+        assert health["engine"]["block_size"] == 32
+        assert health["rollout"] == {"revision": 1, "state": "done", "replaced": 2, "of": 2}
 
     run(scenario)
+
+
+def test_a_rollout_whose_new_replica_never_gets_ready_keeps_the_old_ones():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        old = list(h.group("alpha").replicas)
+        real_start = h.launcher.start
+
+        async def start_broken(request):  # type: ignore[no-untyped-def]
+            handle = await real_start(request)
+            handle.crash()  # say, the new engine settings do not fit: the worker exits at once
+            return handle
+
+        h.launcher.start = start_broken  # type: ignore[method-assign]
+        await h.pool.apply(registry(model("alpha", 2, engine={"block_size": 32})))
+        assert h.group("alpha").replicas == old and h.states("alpha") == [READY, READY]
+        assert [handle.request.engine.block_size for handle in h.launcher.running("alpha")] == [16, 16]
+        rollout = h.pool.health()["alpha"]["rollout"]
+        assert rollout["state"] == "failed" and "alpha/0-r1" in rollout["reason"] and rollout["replaced"] == 0
+
+    run(scenario)
+
+
+def test_a_rollout_without_room_for_two_moves_the_old_replicas_streams_first():
+    """A GPU placement (a memory fraction) leaves no room for a second copy: the old replica is drained with
+    migration (its streams go on on the other replicas), stopped, then replaced."""
+    order: list[str] = []
+
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        for replica in h.group("alpha").replicas:
+            replica.movable.add(lambda r=replica: order.append(f"moved from {r.replica_id}"))
+        real_start = h.launcher.start
+
+        async def start(request):  # type: ignore[no-untyped-def]
+            order.append(f"start {request.index}")
+            return await real_start(request)
+
+        h.launcher.start = start  # type: ignore[method-assign]
+        await h.pool.apply(registry(model("alpha", 2, engine={"block_size": 32})))
+        assert order == ["moved from alpha/0", "start 0", "moved from alpha/1", "start 1"]
+        assert h.states("alpha") == [READY, READY]
+
+    run(scenario, placement_for=lambda spec, index: ReplicaPlacement(memory_fraction=0.4))
 
 
 def test_gateway_side_edits_keep_the_replicas_running():
@@ -201,7 +268,8 @@ def test_gateway_side_edits_keep_the_replicas_running():
         assert h.group("alpha").spec.fallbacks == ["beta"]  # the new spec is in force
         await h.pool.apply(registry({**edited, "policy": {"routing": "prefix_affinity", "max_queue_len": 4}},
                                     model("beta")))
-        assert h.states("alpha") == [STARTING, STARTING]  # an engine-side limit needs new replicas
+        # an engine-side limit needs new replicas
+        assert [r.replica_id for r in h.group("alpha").replicas] == ["alpha/0-r1", "alpha/1-r1"]
 
     run(scenario)
 
@@ -500,6 +568,20 @@ def test_retiring_a_replica_lets_its_in_flight_requests_finish_first():
         await h.pool.apply(registry(model("alpha", 1)))
         assert outstanding_at_stop == [0]
         assert len(h.sleep.delays) == 2 and busy.state == ReplicaState.STOPPED
+
+    run(scenario)
+
+
+def test_scaling_down_moves_the_retired_replicas_streams_to_the_others():
+    moved: list[str] = []
+
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        for replica in h.group("alpha").replicas:
+            replica.movable.add(lambda r=replica: moved.append(r.replica_id))
+        await h.pool.apply(registry(model("alpha", 1)))
+        assert moved == ["alpha/1"]
 
     run(scenario)
 
