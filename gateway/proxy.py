@@ -48,6 +48,7 @@ class ProxySettings:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     resume_wait_s: float = 30.0  # how long a broken stream waits for a ready replica to go on on
+    stream_stall_s: float | None = 60.0  # a resumable stream silent this long mid-way goes on elsewhere
 
 
 class ReplicaFailure(Exception):
@@ -317,7 +318,8 @@ class Forwarder:
                 if tracker is not None:
                     leg.lease.movable(leg.pump.stop)
                 try:
-                    while (chunk := await self._next(leg, call)) is not None:
+                    stall_s = None if tracker is None else self.settings.stream_stall_s
+                    while (chunk := await self._next(leg, call, stall_s)) is not None:
                         yield chunk if tracker is None else tracker.feed(chunk)
                     leg.lease.succeeded()
                     return
@@ -353,10 +355,19 @@ class Forwarder:
             await leg.close()
             self.metrics.e2e.labels(model).observe(self.clock() - call.start)
 
-    async def _next(self, leg: _Leg, call: _Call) -> bytes | None:
-        if call.deadline is None:
+    async def _next(self, leg: _Leg, call: _Call, stall_s: float | None) -> bytes | None:
+        """The next chunk; TimeoutError at the request's deadline, UpstreamTimeout when the replica sent nothing
+        for `stall_s` (a resumable stream goes on elsewhere then)."""
+        remaining = None if call.deadline is None else max(call.deadline - self.clock(), 0.0)
+        if remaining is None and stall_s is None:
             return await leg.pump.get()
-        return await asyncio.wait_for(leg.pump.get(), max(call.deadline - self.clock(), 0.0))
+        stalled = stall_s is not None and (remaining is None or stall_s < remaining)
+        try:
+            return await asyncio.wait_for(leg.pump.get(), stall_s if stalled else remaining)
+        except TimeoutError:
+            if stalled:
+                raise UpstreamTimeout(f"no bytes for {stall_s:g} s mid-stream") from None
+            raise
 
     async def _continuation(self, request: Request, resume: _Resume, tracker: StreamTracker, call: _Call,
                             headers: dict[str, str], tried: set[str]) -> _Leg | None:

@@ -32,7 +32,8 @@ from registry.launch import ReplicaLaunch
 from registry.store import RegistryStore
 
 BEHAVIOURS = frozenset({"ok", "down", "error500", "error400", "hang", "break_midstream", "break_at_start", "not_ready",
-                        "overloaded", "slow", "stall_midstream", "context", "request_fault", "timeout_midbody"})
+                        "overloaded", "slow", "stall_midstream", "context", "request_fault", "timeout_midbody",
+                        "break_before_done"})
 SLOW_S = 30.0  # how long a "slow" replica takes (real time: the gateway's deadline must cut it short)
 NUM_STREAM_CHUNKS = 4  # content chunks a streaming reply carries before `data: [DONE]`
 ADMIN_TOKEN = "admin-secret"
@@ -182,7 +183,7 @@ class FakeReplicas:
                 self.cancelled[host] += 1
                 raise
         if body.get("stream") is True:
-            return self._stream(host, body, behaviour)
+            return self._stream(host, body, behaviour, request.headers.get("x-multiserve-resumable") == "1")
         return httpx.Response(200, json=_reply(host, request.url.path, body))
 
     def _refuse(self, request: httpx.Request, behaviour: str) -> httpx.Response | None:
@@ -216,19 +217,47 @@ class FakeReplicas:
                                                        "type": "invalid_request_error", "code": None}})
         return None
 
-    def _stream(self, host: str, body: dict[str, Any], behaviour: str) -> httpx.Response:
+    def _stream(self, host: str, body: dict[str, Any], behaviour: str, resumable: bool = False) -> httpx.Response:
+        if resumable:
+            return self._resumable_stream(host, body, behaviour)
         chunks = [sse({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": body.get("model"),
                        "replica": host, "choices": [{"index": 0, "delta": {"content": f"tok{i}"}}]})
                   for i in range(NUM_STREAM_CHUNKS)] + [b"data: [DONE]\n\n"]
+        return self._send_stream(host, chunks, behaviour)
+
+    def _resumable_stream(self, host: str, body: dict[str, Any], behaviour: str) -> httpx.Response:
+        """A stream as a replica sends it to a gateway that may resume it: token `i` is id 100 + i with text
+        `tok<i>`, each event after a comment line with its id; a continuation (`multiserve_resume`) goes on after
+        the tokens it names, with its id."""
+        resume = body.get("multiserve_resume") or {}
+        start = len(resume.get("token_ids", ()))
+        stream_id = resume.get("id", f"chatcmpl-{host}")
+        chunks = []
+        for i in range(start, NUM_STREAM_CHUNKS):
+            last = i == NUM_STREAM_CHUNKS - 1
+            chunk = {"id": stream_id, "object": "chat.completion.chunk", "created": 7, "model": body.get("model"),
+                     "replica": host, "choices": [{"index": 0, "delta": {"content": f"tok{i}"},
+                                                   "finish_reason": "length" if last else None}]}
+            chunks.append(f": multiserve-tokens {100 + i}\n".encode() + sse(chunk))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 3, "completion_tokens": NUM_STREAM_CHUNKS, "total_tokens": 3 + NUM_STREAM_CHUNKS}
+            chunks.append(sse({"id": stream_id, "object": "chat.completion.chunk", "created": 7,
+                               "model": body.get("model"), "choices": [], "usage": usage}))
+        return self._send_stream(host, [*chunks, b"data: [DONE]\n\n"], behaviour, {"x-multiserve-resumable": "1"})
+
+    def _send_stream(self, host: str, chunks: list[bytes], behaviour: str,
+                     headers: dict[str, str] | None = None) -> httpx.Response:
         error = None
         if behaviour == "break_midstream":
             chunks, error = chunks[:2], httpx.ReadError(f"{host}: connection reset mid-stream")
         elif behaviour == "break_at_start":
             chunks, error = [], httpx.ReadError(f"{host}: connection reset before the first byte")
+        elif behaviour == "break_before_done":
+            chunks, error = chunks[:-1], httpx.ReadError(f"{host}: connection reset before [DONE]")
         stream = ChunkStream(chunks, error, stall_after=2 if behaviour == "stall_midstream" else None)
         self.streams.append(stream)
-        return httpx.Response(200, headers={"content-type": "text/event-stream", "x-multiserve-prompt-tokens": "3"},
-                              stream=stream)
+        return httpx.Response(200, headers={"content-type": "text/event-stream", "x-multiserve-prompt-tokens": "3",
+                                            **(headers or {})}, stream=stream)
 
 
 def sse(event: dict[str, Any]) -> bytes:

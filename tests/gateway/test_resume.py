@@ -1,0 +1,224 @@
+"""Resumable streams at the gateway, against fake replicas that speak the protocol (tests/gateway/fakes.py): a
+stream that breaks, stalls or whose replica is drained with migration goes on elsewhere, seamlessly; the pieces
+(`StreamTracker`, `Pump`) on their own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from gateway.proxy import ProxySettings
+from gateway.resume import Moved, Pump, StreamTracker
+from tests.gateway.fakes import ADMIN_TOKEN, NUM_STREAM_CHUNKS, FakeGateway, Received, chat
+
+ALL_TOKENS = [f"tok{i}" for i in range(NUM_STREAM_CHUNKS)]
+
+
+def data_events(response: httpx.Response) -> list[str]:
+    assert ": multiserve-tokens" not in response.text  # stripped on the way
+    return [block.removeprefix("data: ") for block in response.text.split("\n\n") if block]
+
+
+def contents(payloads: list[str]) -> list[str]:
+    return [c["delta"]["content"] for p in payloads if p != "[DONE]" for c in json.loads(p)["choices"]]
+
+
+def continuations(gw: FakeGateway) -> list[Received]:
+    return [r for r in gw.replicas.received if "multiserve_resume" in r.body]
+
+
+def test_a_stream_that_breaks_midway_goes_on_on_another_replica(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("alpha/0", "break_midstream")
+        gw.replicas.set("alpha/1", "down")  # so the request starts on alpha/0
+        first = asyncio.create_task(gw.client.post("/v1/chat/completions", json=chat(
+            stream=True, stream_options={"include_usage": True})))
+
+        def up_again(received: Received) -> None:  # alpha/1 answers again once the stream is under way
+            gw.replicas.set("alpha/1", "ok")
+
+        gw.replicas.on_request = up_again
+        response = await first
+        payloads = data_events(response)
+        assert contents(payloads) == ALL_TOKENS  # each token once, in order
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        assert {c["id"] for c in chunks} == {"chatcmpl-fake-alpha-0"}  # the first stream's id throughout
+        assert chunks[-1]["usage"]["completion_tokens"] == NUM_STREAM_CHUNKS and payloads[-1] == "[DONE]"
+        assert [c["replica"] for c in chunks[:-1]] == ["fake-alpha-0"] * 2 + ["fake-alpha-1"] * 2
+        [resumed] = continuations(gw)
+        assert resumed.host == "fake-alpha-1"
+        assert resumed.body["multiserve_resume"] == {"token_ids": [100, 101], "id": "chatcmpl-fake-alpha-0",
+                                                     "created": 7}
+        assert resumed.body["messages"] == chat()["messages"] and resumed.body["stream"] is True
+        assert gw.metric("multiserve_gateway_stream_migrations_total", model="alpha", cause="replica_failed") == 1
+        assert gw.metric("multiserve_gateway_resumed_tokens_total", model="alpha") == 2
+        assert set(gw.outstanding().values()) == {0}
+
+    with_gateway(scenario)
+
+
+def test_a_single_replica_model_resumes_on_its_own_restarted_replica(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("beta/0", "break_midstream")
+        response = await gw.client.post("/v1/chat/completions", json=chat("beta", stream=True))
+        assert contents(data_events(response)) == ALL_TOKENS
+        assert [r.host for r in continuations(gw)] == ["fake-beta-0"]
+
+    with_gateway(scenario)
+
+
+def test_a_break_after_the_last_token_only_finishes_the_stream(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set_all(["alpha/0", "alpha/1"], "break_before_done")
+        response = await gw.client.post("/v1/chat/completions", json=chat(
+            stream=True, stream_options={"include_usage": True}))
+        payloads = data_events(response)
+        assert contents(payloads) == ALL_TOKENS and payloads[-1] == "[DONE]"
+        usage = json.loads(payloads[-2])["usage"]  # the replica's own, which it had sent
+        assert usage == {"prompt_tokens": 3, "completion_tokens": NUM_STREAM_CHUNKS, "total_tokens": 7}
+        assert continuations(gw) == []  # nothing left to generate: no replica asked
+
+    with_gateway(scenario)
+
+
+def test_a_stalled_stream_goes_on_elsewhere(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("alpha/0", "stall_midstream")
+        gw.replicas.set("alpha/1", "down")
+
+        def up_again(received: Received) -> None:
+            gw.replicas.set("alpha/1", "ok")
+
+        gw.replicas.on_request = up_again
+        response = await gw.client.post("/v1/chat/completions", json=chat(stream=True))
+        assert contents(data_events(response)) == ALL_TOKENS
+        assert [r.host for r in continuations(gw)] == ["fake-alpha-1"]
+        assert gw.replicas.streams[0].closed  # the stalled reply was let go (its request aborted there)
+
+    with_gateway(scenario, proxy_settings=ProxySettings(stream_stall_s=0.2))
+
+
+def test_drain_with_migrate_moves_a_live_stream_at_once(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("alpha/0", "stall_midstream")  # holds its stream open (30 s) after two tokens
+        gw.replicas.set("alpha/1", "down")
+        request = asyncio.create_task(gw.client.post("/v1/chat/completions", json=chat(stream=True)))
+        while gw.outstanding().get("alpha/0") != 1:
+            await asyncio.sleep(0.001)
+        gw.replicas.set("alpha/1", "ok")
+        await asyncio.sleep(0.05)  # the first two tokens are out; the replica is silent
+        admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+        reply = await gw.client.post("/admin/replicas/alpha/0/drain", json={"migrate": True}, headers=admin)
+        assert reply.status_code == 200 and reply.json()["state"] == "draining"
+        response = await asyncio.wait_for(request, 5.0)  # long before the stall would have ended
+        assert contents(data_events(response)) == ALL_TOKENS
+        assert gw.metric("multiserve_gateway_stream_migrations_total", model="alpha", cause="drained") == 1
+        assert gw.outstanding()["alpha/0"] == 0 and gw.replicas.streams[0].closed
+        bad = await gw.client.post("/admin/replicas/alpha/1/drain", json={"migrate": "yes"}, headers=admin)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "migrate"
+
+    with_gateway(scenario)
+
+
+def test_with_nowhere_to_go_the_stream_ends_in_band_after_resume_wait(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("beta/0", "break_midstream")
+
+        def drain(received: Received) -> None:  # the model's only replica leaves routing once the stream started
+            gw.pool.drain("beta/0")
+
+        gw.replicas.on_request = drain
+        response = await gw.client.post("/v1/chat/completions", json=chat("beta", stream=True))
+        payloads = data_events(response)
+        assert contents(payloads[:2]) == ALL_TOKENS[:2]
+        assert json.loads(payloads[2])["error"]["code"] == "stream_interrupted" and payloads[3:] == ["[DONE]"]
+        assert 5.0 <= sum(gw.proxy_sleep.delays) < 6.0  # it waited resume_wait_s for a replica
+
+    with_gateway(scenario, proxy_settings=ProxySettings(resume_wait_s=5.0))
+
+
+# ------------------------------------------------------------------------------------ the pieces
+
+
+def _event(tokens: list[int] | None, payload: str) -> bytes:
+    head = b"" if tokens is None else f": multiserve-tokens {','.join(map(str, tokens))}\n".encode()
+    return head + f"data: {payload}\n\n".encode()
+
+
+def test_tracker_forwards_only_whole_events_and_keeps_their_token_ids():
+    tracker = StreamTracker(include_usage=False)
+    first = _event(None, '{"id":"x","created":5,"object":"text_completion","model":"m","choices":[]}')
+    second = _event([4, 5], '{"id":"x","choices":[{"index":0,"text":"ab","finish_reason":null}]}')
+    stream = first + second
+    out = b"".join(tracker.feed(stream[i:i + 7]) for i in range(0, len(stream), 7))  # split anywhere
+    assert out == first + second.split(b"\n", 1)[1] and tracker.token_ids == [4, 5]
+    assert tracker.resumable and (tracker.id, tracker.created) == ("x", 5)
+    assert tracker.feed(_event([6], '{"id":"x","choices":[]}')[:-3]) == b""  # partial: held
+    assert tracker.token_ids == [4, 5]  # a partial event's tokens do not count until it is whole
+    body = json.loads(tracker.continuation({"model": "m", "prompt": "p"}))
+    assert body["multiserve_resume"] == {"token_ids": [4, 5], "id": "x", "created": 5}
+
+
+@pytest.mark.parametrize(("payload", "attribute"), [
+    ('{"id":"x","choices":[{"index":0,"text":"z","finish_reason":"length"}]}', "finished"),
+    ('{"error":{"message":"boom"}}', "failed"),
+    ("[DONE]", "done"),
+])
+def test_tracker_does_not_resume_a_stream_that_has_ended(payload, attribute):
+    tracker = StreamTracker(include_usage=False)
+    tracker.feed(_event([1], '{"id":"x","created":1,"choices":[{"index":0,"text":"a","finish_reason":null}]}'))
+    tracker.feed(_event([2] if attribute == "finished" else None, payload))
+    assert getattr(tracker, attribute) and not tracker.resumable
+
+
+def test_tracker_does_not_resume_text_it_has_no_token_ids_for():
+    tracker = StreamTracker(include_usage=False)
+    tracker.feed(_event(None, '{"id":"x","created":1,"choices":[{"index":0,"delta":{"content":"hi"}}]}'))
+    assert tracker.untracked and not tracker.resumable
+
+
+def test_tracker_ending_adds_the_usage_it_can_count():
+    tracker = StreamTracker(include_usage=True)
+    tracker.feed(_event([1, 2, 3], '{"id":"x","created":1,"object":"o","model":"m","choices":[{"index":0,'
+                                   '"text":"a","finish_reason":"stop"}]}'))
+    [usage, done] = [b for b in tracker.ending(prompt_tokens=4).split(b"\n\n") if b]
+    assert json.loads(usage.removeprefix(b"data: "))["usage"] == {"prompt_tokens": 4, "completion_tokens": 3,
+                                                                  "total_tokens": 7}
+    assert done == b"data: [DONE]"
+    assert tracker.ending(prompt_tokens=None) == b"data: [DONE]\n\n"
+
+
+def test_pump_passes_chunks_errors_and_the_end_and_stops_on_request():
+    async def chunks(items: list[bytes | Exception], wait: asyncio.Event | None = None):
+        for item in items:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+        if wait is not None:
+            await wait.wait()
+
+    async def main() -> None:
+        pump = Pump(chunks([b"a", b"b"]))
+        assert [await pump.get(), await pump.get(), await pump.get()] == [b"a", b"b", None]
+        await pump.aclose()
+        broken = Pump(chunks([b"a", ValueError("reset")]))
+        assert await broken.get() == b"a"
+        with pytest.raises(ValueError, match="reset"):
+            await broken.get()
+        await broken.aclose()
+        never = asyncio.Event()
+        waiting = Pump(chunks([b"a"], never))
+        assert await waiting.get() == b"a"
+        reader = asyncio.create_task(waiting.get())
+        await asyncio.sleep(0.01)
+        waiting.stop()  # the reader waits: it wakes with Moved
+        with pytest.raises(Moved):
+            await asyncio.wait_for(reader, 1.0)
+        with pytest.raises(Moved):
+            await waiting.get()
+        await waiting.aclose()
+
+    asyncio.run(main())
