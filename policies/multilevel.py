@@ -12,6 +12,10 @@ A request's lane is its `priority` (0 interactive, 1 normal, 2 background; the c
   * background only runs on idle capacity: it is admitted only when no other lane is waiting.
 - Preemption: the victim is the least urgent, newest running request; an interactive arrival that
   cannot be admitted may preempt a running normal or background request (`urgent_victim`).
+- Urgent steps: an interactive arrival (first admission) starts in a step of its own: the running requests'
+  decodes skip that step, so its first token waits for one short prefill instead of a prefill inside a full
+  decode batch. At most `urgent_step_max_share` of recent steps (`share_window_steps`) are such steps, so a
+  stream of interactive arrivals slows the others' decoding by at most that much.
 - Long requests (prompts of `long_prompt_tokens` or more) form their own lane inside each level: at most
   `max_long_running` of them run at once, so a burst of documents cannot fill every slot; the others
   wait while shorter requests behind them go first.
@@ -47,6 +51,8 @@ class MultiLevelConfig:
     share_window_tokens: int = 4096  # the "recently" of normal_min_share (exponential decay horizon)
     long_prompt_tokens: int = 4096  # prompts this long or longer are "long"
     max_long_running: int | None = 1  # long requests running at once; None: no limit
+    urgent_step_max_share: float = 0.5  # of recent steps, at most this many run urgent arrivals alone (0: never)
+    share_window_steps: int = 32  # the "recent" of urgent_step_max_share (exponential decay horizon)
 
     def __post_init__(self) -> None:
         checks = [(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}"),
@@ -54,7 +60,10 @@ class MultiLevelConfig:
                   (self.share_window_tokens >= 1, f"share_window_tokens must be >= 1, got {self.share_window_tokens}"),
                   (self.long_prompt_tokens >= 1, f"long_prompt_tokens must be >= 1, got {self.long_prompt_tokens}"),
                   (self.max_long_running is None or self.max_long_running >= 1,
-                   f"max_long_running must be >= 1, got {self.max_long_running}")]
+                   f"max_long_running must be >= 1, got {self.max_long_running}"),
+                  (0 <= self.urgent_step_max_share < 1,
+                   f"urgent_step_max_share must be in [0, 1), got {self.urgent_step_max_share}"),
+                  (self.share_window_steps >= 1, f"share_window_steps must be >= 1, got {self.share_window_steps}")]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -77,6 +86,7 @@ class MultiLevelPolicy:
         self._lanes: tuple[deque[Queued], ...] = (deque(), deque(), deque())
         self._recent_tokens = [0.0, 0.0, 0.0]  # decayed count of scheduled tokens per lane
         self._long_started: list[Queued] = []  # long requests popped (admitted) and not yet seen finished
+        self._recent_steps = [0.0, 0.0]  # decayed count of recent steps: [all, urgent ones]
 
     # -------------------------------------------------------------------------------- queue protocol
 
@@ -114,19 +124,21 @@ class MultiLevelPolicy:
     def pick_victim(self, running: Sequence[Queued]) -> Queued:
         return max(running, key=lambda r: (lane_of(r), r.arrival_time))
 
-    def urgent_victim(self, waiting: Queued, running: Sequence[Queued]) -> Queued | None:
+    def urgent_victim(self, waiting: Queued, running: Sequence[Queued], own_step: bool = False) -> Queued | None:
         """A running request that `waiting` (which found no seat or KV room) may displace, least urgent first.
 
         Background only runs on idle capacity, so any interactive or normal arrival may displace it (otherwise
         a normal request at the head of the queue would block interactive ones behind it until a background
         request finished). An interactive arrival may also displace normal work, but only while normal has at
         least twice its minimum share: preempting throws progress away (recompute), and preempting near the
-        floor would make the two rules fight, each step readmitting and preempting the same request.
+        floor would make the two rules fight, each step readmitting and preempting the same request. For a step of
+        its own (`own_step`), only background work is displaced: normal work is left to the ordinary steps.
         """
         lane = lane_of(waiting)
         if lane == BACKGROUND:
             return None
-        spare_normal = lane != INTERACTIVE or self._normal_share() < 2 * self.config.normal_min_share
+        spare_normal = (lane != INTERACTIVE or own_step
+                        or self._normal_share() < 2 * self.config.normal_min_share)
         candidates = [r for r in running if lane_of(r) == BACKGROUND or (lane_of(r) == NORMAL and not spare_normal)]
         return self.pick_victim(candidates) if candidates else None
 
@@ -143,6 +155,18 @@ class MultiLevelPolicy:
     def num_ahead(self, priority: int) -> int:
         """Requests in lanes at least as urgent: a flood of background work does not fill an interactive queue."""
         return sum(len(lane) for lane in self._lanes[:_lane(priority) + 1])
+
+    def urgent_step(self, waiting: Queued) -> bool:
+        """An interactive first arrival gets a step of its own while urgent steps stay within their share."""
+        if lane_of(waiting) != INTERACTIVE or getattr(waiting.status, "value", None) != "waiting":
+            return False
+        total, urgent = self._recent_steps
+        share = self.config.urgent_step_max_share
+        return share > 0 and (total < 1.0 or (urgent + 1) / (total + 1) <= share)
+
+    def on_step(self, urgent: bool) -> None:
+        decay = 1.0 - 1.0 / self.config.share_window_steps
+        self._recent_steps = [self._recent_steps[0] * decay + 1, self._recent_steps[1] * decay + urgent]
 
     def __len__(self) -> int:
         return sum(len(lane) for lane in self._lanes)

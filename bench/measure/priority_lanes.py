@@ -1,5 +1,7 @@
-"""Priority lanes under saturation: interactive, normal and background traffic against SmolLM2 served twice in
-one gateway, `fcfs` and `multilevel` (same file, same limits), measured side by side and interleaved:
+"""Priority lanes under saturation: interactive, normal and background traffic against SmolLM2 served three times
+in one gateway, `fcfs`, `multilevel` without urgent steps (`multilevel-shared-steps`: an interactive arrival's
+prefill runs inside the decode batch) and `multilevel` (same file, same limits), measured side by side and
+interleaved:
 
     python -m bench.measure.priority_lanes --repeats 2
 
@@ -37,9 +39,15 @@ MODEL_YAML = """\
     device: cpu
     engine: {{block_size: 16, max_num_seqs: {max_num_seqs}, max_model_len: 4096,
              max_num_batched_tokens: {max_num_batched_tokens}, kv_cache_gib: 1}}
-    policy: {{scheduling: {scheduling}}}
+    policy: {policy}
 """
-SCHEDULINGS = ("fcfs", "multilevel")
+# what is compared: the registry policy of each, served side by side as `smollm2-<name>`
+POLICIES = {
+    "fcfs": "{scheduling: fcfs}",
+    "multilevel-shared-steps": "{scheduling: multilevel, multilevel: {urgent_step_max_share: 0}}",
+    "multilevel": "{scheduling: multilevel}",  # with urgent steps of their own for interactive arrivals
+}
+SCHEDULINGS = tuple(POLICIES)
 
 
 @dataclass(frozen=True)
@@ -154,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interactive-rate", type=float, default=0.5, help="interactive arrivals per second")
     parser.add_argument("--num-idle", type=int, default=8)
     args = parser.parse_args(argv)
-    models = "".join(MODEL_YAML.format(scheduling=s, source=SOURCE, max_num_seqs=args.max_num_seqs,
+    models = "".join(MODEL_YAML.format(scheduling=s, policy=POLICIES[s], source=SOURCE,
+                                       max_num_seqs=args.max_num_seqs,
                                        max_num_batched_tokens=args.max_num_batched_tokens) for s in SCHEDULINGS)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULINGS}
     with tempfile.TemporaryDirectory() as workdir, serving_registry(models, Path(workdir)) as url:

@@ -28,8 +28,9 @@ class QueuePolicy(Protocol):
     def pick_victim(self, running: Sequence[Request]) -> Request:
         """The running request to preempt when KV blocks run out."""
 
-    def urgent_victim(self, waiting: Request, running: Sequence[Request]) -> Request | None:
-        """A running request that `waiting` (which cannot be admitted) may preempt, or None."""
+    def urgent_victim(self, waiting: Request, running: Sequence[Request], own_step: bool = False) -> Request | None:
+        """A running request that `waiting` (which cannot be admitted) may preempt, or None; `own_step`: for an
+        urgent step (`urgent_step`)."""
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         """The scheduler gave `request` this many tokens this step (for share accounting)."""
@@ -39,6 +40,12 @@ class QueuePolicy(Protocol):
 
     def num_ahead(self, priority: int) -> int:
         """Waiting requests a new arrival of `priority` would queue behind (admission limits count these)."""
+
+    def urgent_step(self, waiting: Request) -> bool:
+        """Whether `waiting` (the head) should start in a step of its own, the running decodes skipping it."""
+
+    def on_step(self, urgent: bool) -> None:
+        """A step was planned; `urgent`: one of its own for urgent arrivals (for the bound on those)."""
 
     def __len__(self) -> int: ...
 
@@ -77,7 +84,7 @@ class FCFSPolicy:
     def pick_victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (r.priority, r.arrival_time))
 
-    def urgent_victim(self, waiting: Request, running: Sequence[Request]) -> Request | None:
+    def urgent_victim(self, waiting: Request, running: Sequence[Request], own_step: bool = False) -> Request | None:
         return None  # FCFS never displaces running work for a newcomer
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
@@ -88,6 +95,12 @@ class FCFSPolicy:
 
     def num_ahead(self, priority: int) -> int:
         return len(self._queue)
+
+    def urgent_step(self, waiting: Request) -> bool:
+        return False  # nobody is more urgent than anyone else
+
+    def on_step(self, urgent: bool) -> None:
+        return None
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -7,6 +7,9 @@ Order of one `schedule()`:
 2. Waiting requests, in the policy's order, while budget, `max_num_seqs` and blocks last; prompts
    longer than the remaining budget are chunked. Nothing new is admitted in a step that preempted.
 
+Except an urgent step: when the policy says the waiting head deserves one (an interactive arrival, within a
+bound: policies/multilevel.py), the step admits only such arrivals and the running requests skip it.
+
 `update(plan, sampled)` then applies the results: progress, new tokens, stop checks, freeing.
 """
 
@@ -103,6 +106,21 @@ class Scheduler:
     # -------------------------------------------------------------------------------------- planning
 
     def schedule(self) -> SchedulerOutput:
+        head = self.waiting.peek()
+        if head is not None and self.running and self.waiting.urgent_step(head):
+            out = SchedulerOutput()
+            self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
+            if out.scheduled:
+                return self._planned(out, urgent=True)
+        return self._planned(self._plan_step(), urgent=False)
+
+    def _planned(self, out: SchedulerOutput, urgent: bool) -> SchedulerOutput:
+        for item in out.scheduled:
+            self.waiting.on_scheduled(item.request, item.num_new_tokens)
+        self.waiting.on_step(urgent)
+        return out
+
+    def _plan_step(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         by_id: dict[str, ScheduledRequest] = {}
@@ -119,8 +137,6 @@ class Scheduler:
             budget = self._admit_waiting(out, budget, by_id)
         if len(out.scheduled) == num_scheduled:  # nothing more urgent got in: the deferred chunks go now;
             self._schedule_running(deferred, out, budget, by_id)  # else they wait, keeping the urgent step short
-        for item in out.scheduled:
-            self.waiting.on_scheduled(item.request, item.num_new_tokens)
         return out
 
     def _schedule_running(self, requests: list[Request], out: SchedulerOutput, budget: int,
@@ -144,18 +160,21 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, by_id: dict[str, ScheduledRequest]) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, by_id: dict[str, ScheduledRequest],
+                       urgent_only: bool = False) -> int:
         admitted: list[Request] = []  # never displaced again in the same step (no preempt/admit ping-pong)
         while budget > 0:
             request = self.waiting.peek()
-            if request is None:
+            if request is None or (urgent_only and not self.waiting.urgent_step(request)):
                 break
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
-                # The policy may let an urgent arrival displace less urgent running work (never FCFS).
-                victim = self.waiting.urgent_victim(request, [r for r in self.running if r not in admitted])
+                # The policy may let an urgent arrival displace less urgent running work (never FCFS); in a step
+                # of its own, less of it (only work that runs on idle capacity anyway).
+                victim = self.waiting.urgent_victim(request, [r for r in self.running if r not in admitted],
+                                                    own_step=urgent_only)
                 if victim is None:
                     break
                 budget += self._preempt_in_plan(victim, out, by_id)

@@ -16,6 +16,7 @@ from runtimes.llm.sampling_params import SamplingParams
 @dataclass
 class Status:
     finished: bool = False
+    value: str = "waiting"
 
 
 @dataclass(eq=False)
@@ -160,7 +161,8 @@ def test_long_lane_without_a_limit(make_policy):
 
 
 @pytest.mark.parametrize("bad", [{"aging_s": 0}, {"normal_min_share": 1.0}, {"max_long_running": 0},
-                                 {"long_prompt_tokens": 0}])
+                                 {"long_prompt_tokens": 0}, {"urgent_step_max_share": 1.0},
+                                 {"share_window_steps": 0}])
 def test_config_is_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         MultiLevelConfig(**bad)
@@ -259,3 +261,64 @@ def test_normal_keeps_its_minimum_share_under_an_interactive_flood(tiny_loaded):
     share = tokens[NORMAL] / (tokens[NORMAL] + tokens[INTERACTIVE])
     assert 0.2 <= share <= 0.5, tokens  # at least about its 25 % floor; interactive keeps the larger part
     assert engine.scheduler.num_preemptions <= 4  # no preempt/readmit churn (each one recomputes a prompt)
+
+
+# --- urgent steps --------------------------------------------------------------------------------------------
+
+
+def test_urgent_steps_are_for_interactive_first_arrivals_within_their_share(make_policy):
+    policy, _ = make_policy(urgent_step_max_share=0.25, share_window_steps=8)
+    chat, batch = Item("chat", INTERACTIVE, 0.0), Item("batch", NORMAL, 0.0)
+    assert policy.urgent_step(chat) and not policy.urgent_step(batch)
+    urgent = []
+    for _ in range(400):  # an interactive arrival at every step: at most a quarter of the steps are its own
+        allowed = policy.urgent_step(chat)
+        urgent.append(allowed)
+        policy.on_step(allowed)
+    assert 0.2 <= sum(urgent[-100:]) / 100 <= 0.25
+    assert not make_policy(urgent_step_max_share=0.0)[0].urgent_step(chat)
+
+
+def test_an_urgent_arrival_gets_a_step_of_its_own(tiny_loaded):
+    """Counted in engine steps: under a batch of decodes, an interactive arrival's prefill runs alone (the decodes
+    skip that step) and its first token comes out of it; the decodes go on at the next step, and every request's
+    output is the same as without urgent steps."""
+
+    def run(urgent_share: float) -> tuple[dict[str, list[int]], list[list[str]], int]:
+        config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                              scheduling="multilevel", multilevel={"urgent_step_max_share": urgent_share})
+        engine = LLMEngine(tiny_loaded(), config)
+        plans: list[list[str]] = []
+        schedule = engine.scheduler.schedule
+
+        def recording():  # type: ignore[no-untyped-def]
+            plan = schedule()
+            plans.append(sorted(item.request.request_id for item in plan.scheduled))
+            return plan
+
+        engine.scheduler.schedule = recording  # type: ignore[method-assign]
+        long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+        for i in range(6):
+            engine.add_request(f"bg{i}", [5 + i, 6, 7, 8], long, priority=NORMAL)
+        tokens: dict[str, list[int]] = {}
+        first_token_step = -1
+        for step in range(100):
+            if step == 4:
+                engine.add_request("chat", [9, 10, 11, 12, 13], SamplingParams(temperature=0.0, max_tokens=3),
+                                   priority=INTERACTIVE)
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.request_id == "chat" and first_token_step < 0:
+                    first_token_step = step
+            if not engine.has_unfinished_requests():
+                break
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        return tokens, plans, first_token_step
+
+    background = sorted(f"bg{i}" for i in range(6))
+    tokens, plans, first = run(0.5)
+    assert first == 4 and plans[4] == ["chat"]  # its own step, right away
+    assert plans[5] == sorted([*background, "chat"])  # then everyone decodes together again
+    baseline, plans_without, first_without = run(0.0)
+    assert first_without == 4 and plans_without[4] == sorted([*background, "chat"])  # inside the decode batch
+    assert tokens == baseline  # the same outputs: only the order of steps changed
