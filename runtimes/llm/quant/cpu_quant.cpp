@@ -18,7 +18,9 @@
 // multiplied by the activations rearranged to match (each block's first and second halves, contiguous per block).
 // Each thread takes a range of weight rows and runs all activation rows against a weight row, a tile of them at a
 // time (8 with AVX-512 VNNI, else 4; the count a compile-time constant, see `with_rows`), while
-// it is in registers and L1: the weights are read from memory once per call whatever M is. With AVX-512 a full tile
+// it is in registers and L1: the weights are read from memory once per call whatever M is. For many activation
+// rows (a prefill) the weight rows go in blocks of ~128 KB: each tile passes over a block while it sits in L2, and
+// the tile's quantized activations stay in L1 (1.2x at 136 rows, measured here, bit for bit the same results). With AVX-512 a full tile
 // of eight rows ends with one transposed reduction and one vector of offset terms for all eight (`finish_tile`).
 // Activations are quantized with AVX2 where there is AVX2 (bit-identical to the scalar rounding), rows in parallel.
 
@@ -470,20 +472,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t b
   const uint8_t* w = weight.data_ptr<uint8_t>();
   const int64_t row_bytes = weight.size(1);
   float* y = out.data_ptr<float>();
+  // Weight rows in blocks small enough to stay in L2 while every tile of activation rows passes over them: the
+  // tile's quantized activations then stay in L1, and each weight row comes from memory once per call.
+  const int64_t block_rows = std::max<int64_t>(16, (128 << 10) / row_bytes);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-#if defined(__AVX2__)
-      if (n + PREFETCH_ROWS < end) {  // rows come from L3 or memory: ask for a later one while this one computes
-        const char* next = reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS) * row_bytes);
-        for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-      }
-#endif
+    for (int64_t n0 = begin; n0 < end; n0 += block_rows) {
+      const int64_t n1 = std::min(end, n0 + block_rows);
       for (int64_t m = 0; m < M; m += TILE) {
         with_rows(std::min(TILE, M - m), [&](auto rows) {
-          if (bits == 4) {
-            row4<decltype(rows)::value>(w + n * row_bytes, a, m, y + m * N + n, N);
-          } else {
-            row8<decltype(rows)::value>(w + n * row_bytes, a, m, y + m * N + n, N);
+          for (int64_t n = n0; n < n1; ++n) {
+#if defined(__AVX2__)
+            if (m == 0 && n + PREFETCH_ROWS < end) {  // first pass: rows come from L3 or memory
+              const char* next = reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS) * row_bytes);
+              for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+            }
+#endif
+            if (bits == 4) {
+              row4<decltype(rows)::value>(w + n * row_bytes, a, m, y + m * N + n, N);
+            } else {
+              row8<decltype(rows)::value>(w + n * row_bytes, a, m, y + m * N + n, N);
+            }
           }
         });
       }

@@ -64,8 +64,10 @@ def kernel_namespace(request):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-# every count of rows left after whole tiles (TILE is 8 with AVX-512 VNNI, 4 otherwise)
-@pytest.mark.parametrize("width, rows", [(96, 1), (64, 2), (64, 3), (64, 4), (576, 5), (64, 6), (128, 15), (256, 33)])
+# every count of rows left after whole tiles (TILE is 8 with AVX-512 VNNI, 4 otherwise); 4096 wide, the 70 weight
+# rows span two or three of the kernel's ~128 KB blocks of rows
+@pytest.mark.parametrize("width, rows", [(96, 1), (64, 2), (64, 3), (64, 4), (576, 5), (64, 6), (128, 15), (256, 33),
+                                         (4096, 11)])
 def test_the_kernel_computes_its_integer_formula(kernel_namespace, fmt, width, rows):
     packed = torch.from_numpy(pack(_blocks(70, width, fmt, seed=width), fmt))
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 3
