@@ -383,7 +383,8 @@ class Forwarder:
                 replica = self.pool.choose(resume.group, set(), call.key)
             if replica is not None:
                 tried.add(replica.replica_id)
-                leg = await self._open_leg(replica, resume.path, body, {**headers, **replica.auth_headers()})
+                own = {k: v for k, v in headers.items() if k != "authorization"}  # the first replica's token stays
+                leg = await self._open_leg(replica, resume.path, body, {**own, **replica.auth_headers()})
                 if leg is not None:
                     return leg
             if self.clock() >= give_up:

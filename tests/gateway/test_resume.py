@@ -53,6 +53,7 @@ def test_a_stream_that_breaks_midway_goes_on_on_another_replica(with_gateway):
         assert resumed.body["multiserve_resume"] == {"token_ids": [100, 101], "id": "chatcmpl-fake-alpha-0",
                                                      "created": 7}
         assert resumed.body["messages"] == chat()["messages"] and resumed.body["stream"] is True
+        assert resumed.headers["authorization"] == f"Bearer {gw.launcher.latest('alpha/1').token}"  # its own token
         assert gw.metric("multiserve_gateway_stream_migrations_total", model="alpha", cause="replica_failed") == 1
         assert gw.metric("multiserve_gateway_resumed_tokens_total", model="alpha") == 2
         assert set(gw.outstanding().values()) == {0}
