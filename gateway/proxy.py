@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -420,9 +421,13 @@ class _Leg:
     first: bytes = b""
 
     async def close(self) -> None:
+        """Let go of the replica; closing a reply before its end aborts the request there. Shielded: this runs when
+        the client left too, inside a cancelled scope, where any wait would be cut short and the replica would go on
+        generating for nobody."""
         self.lease.release()
-        await self.pump.aclose()
-        await self.response.aclose()
+        self.pump.cancel()
+        with anyio.CancelScope(shield=True):
+            await self.response.aclose()
 
 
 @dataclass(frozen=True)

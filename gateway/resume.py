@@ -155,7 +155,6 @@ class Pump:
         with contextlib.suppress(asyncio.QueueFull):  # when full, the reader is not waiting: it sees the flag
             self._queue.put_nowait(_END)
 
-    async def aclose(self) -> None:
-        """Stop reading (idempotent); returns once the reading task has ended."""
+    def cancel(self) -> None:
+        """Stop reading (idempotent). Nothing is awaited: this runs in cleanup, possibly inside a cancelled scope."""
         self._task.cancel()
-        await asyncio.wait({self._task})  # unlike awaiting the task, this does not raise its cancellation

@@ -204,12 +204,12 @@ def test_pump_passes_chunks_errors_and_the_end_and_stops_on_request():
     async def main() -> None:
         pump = Pump(chunks([b"a", b"b"]))
         assert [await pump.get(), await pump.get(), await pump.get()] == [b"a", b"b", None]
-        await pump.aclose()
+        pump.cancel()
         broken = Pump(chunks([b"a", ValueError("reset")]))
         assert await broken.get() == b"a"
         with pytest.raises(ValueError, match="reset"):
             await broken.get()
-        await broken.aclose()
+        broken.cancel()
         never = asyncio.Event()
         waiting = Pump(chunks([b"a"], never))
         assert await waiting.get() == b"a"
@@ -220,6 +220,6 @@ def test_pump_passes_chunks_errors_and_the_end_and_stops_on_request():
             await asyncio.wait_for(reader, 1.0)
         with pytest.raises(Moved):
             await waiting.get()
-        await waiting.aclose()
+        waiting.cancel()
 
     asyncio.run(main())
