@@ -16,7 +16,7 @@ import queue
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from runtimes.engine_driver import EngineDriver, StepGate
+from runtimes.engine_driver import EngineDriver, StepGate, return_freed_heap
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.outputs import RequestOutput
 from runtimes.llm.sampling_params import SamplingParams
@@ -94,8 +94,12 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
 
     def _run(self) -> None:
         try:
+            busy = False
             while True:
                 block = not self.engine.has_unfinished_requests()
+                if block and busy:  # just gone idle: what the requests' steps freed goes back to the OS
+                    return_freed_heap()
+                busy = not block
                 if not self._drain_commands(block):
                     return
                 # `more`: with requests left, the next pass drains commands without blocking and steps again.

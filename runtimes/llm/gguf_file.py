@@ -27,12 +27,20 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 _FLOAT_ITEMS = {0: np.float32, 1: np.float16, 28: np.float64, 24: np.int8, 25: np.int16, 26: np.int32,
                 27: np.int64}  # GGML types gguf-py exposes as values rather than bytes
+# GGML type id -> (values per block, bytes per block) of the block-quantized types, as the GGUF format defines them
+# (a test checks them against gguf-py's GGML_QUANT_SIZES; kept here so that reading a file does not import gguf-py,
+# ~3 MiB resident for the replica's life)
+QUANT_BLOCKS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40), 10: (256, 84),
+                11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292), 16: (256, 66),
+                17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+                23: (256, 136), 29: (256, 56), 30: (1, 2), 34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36),
+                41: (128, 18)}
 
 
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
+    tensor_type: int  # the GGML type id (gguf-py's GGMLQuantizationType values)
     shape: tuple[int, ...]  # GGUF's order: shape[0] is the contiguous (innermost) dimension
     data: np.ndarray  # read-only view of the memory map
 
@@ -102,16 +110,17 @@ class GGUFFile:
         return name, dims, self._unpack("<I"), self._unpack("<Q")
 
     def _tensor(self, name: str, dims: tuple[int, ...], ggml_type: int, offset: int) -> GGUFTensor:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-        from gguf.quants import quant_shape_to_byte_shape
-
-        kind = GGMLQuantizationType(ggml_type)
         numpy_shape = tuple(reversed(dims))
         elements = int(np.prod(dims)) if dims else 1
         if ggml_type in _FLOAT_ITEMS:
             data = np.frombuffer(self._buf, dtype=_FLOAT_ITEMS[ggml_type], count=elements, offset=offset)
-        else:
-            block_size, type_size = GGML_QUANT_SIZES[kind]
+        elif ggml_type in QUANT_BLOCKS:
+            block_size, type_size = QUANT_BLOCKS[ggml_type]
+            if numpy_shape[-1] % block_size:
+                raise ValueError(f"tensor {name!r}: {numpy_shape[-1]} values per row is not a whole number of "
+                                 f"blocks of {block_size} (GGML type {ggml_type})")
             data = np.frombuffer(self._buf, dtype=np.uint8, count=elements * type_size // block_size, offset=offset)
-            numpy_shape = quant_shape_to_byte_shape(numpy_shape, kind)
-        return GGUFTensor(name, kind, dims, data.reshape(numpy_shape))
+            numpy_shape = (*numpy_shape[:-1], numpy_shape[-1] // block_size * type_size)
+        else:
+            raise ValueError(f"tensor {name!r} has GGML type {ggml_type}, which this reader does not know")
+        return GGUFTensor(name, ggml_type, dims, data.reshape(numpy_shape))

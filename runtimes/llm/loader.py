@@ -315,12 +315,20 @@ def _hf_name(gguf_name: str) -> str:
     return f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
 
 
+def _float_values(tensor: Any) -> np.ndarray:
+    """A GGUF tensor's values as fp32: F32 ones as they are (a view of the memory map), F16 converted, quantized
+    ones through gguf-py (imported only then: a replica that keeps every quantized tensor's blocks never loads it)."""
+    if tensor.tensor_type in (0, 1):  # F32, F16
+        return tensor.data.astype(np.float32, copy=False)
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+
+
 def _gguf_tensors(reader: Any, config: ModelConfig,
                   keep_blocks: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, tensor) for each GGUF tensor: dequantized to fp32, or, where `keep_blocks(name)`, its
     blocks as the file stores them (`BlockTensor`, a view of the memory map). Q and K rows are un-permuted."""
-    from gguf.quants import dequantize
-
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         kind = name.rsplit(".", 2)[-2]
@@ -329,7 +337,7 @@ def _gguf_tensors(reader: Any, config: ModelConfig,
             blocks = tensor.data if heads is None else unpermute_qk(tensor.data, heads)
             yield name, BlockTensor(blocks, int(tensor.tensor_type), int(tensor.shape[0]))
             continue
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        array = _float_values(tensor)
         if heads is not None:
             array = unpermute_qk(array, heads)
         yield name, _from_numpy(array)  # F32 tensors come back as read-only views of the memory map

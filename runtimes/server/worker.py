@@ -8,8 +8,6 @@ runs; nothing is validated a second time here.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import signal
 import sys
@@ -24,7 +22,7 @@ from registry.engine import EmbeddingEngineSpec, EngineSpec
 from registry.launch import ReplicaLaunch
 from runtimes.cuda_memory import limit_process_memory
 from runtimes.embedding.config import EmbeddingConfig
-from runtimes.engine_driver import StepGate
+from runtimes.engine_driver import StepGate, return_freed_heap
 from runtimes.llm.config import EngineConfig
 from runtimes.server.http_guard import guarded_config
 from runtimes.server.replica_auth import ReplicaTokenMiddleware
@@ -114,15 +112,8 @@ def _load(launch: ReplicaLaunch, step_gate: StepGate | None = None) -> tuple[_En
         limit_process_memory(fraction, config.resolve_device())
     loaded = (_load_embedding(launch, config, step_gate) if isinstance(config, EmbeddingConfig)
               else _load_llm(launch, config, step_gate))
-    _return_freed_heap()
+    return_freed_heap()  # the checkpoint's metadata, repacking temporaries (~4 MiB for SmolLM2)
     return loaded
-
-
-def _return_freed_heap() -> None:
-    """Hand the heap the load freed (the checkpoint's metadata, repacking temporaries) back to the OS: glibc keeps
-    freed memory for reuse, so without this it stays resident for the replica's life (~4 MiB for SmolLM2)."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def run_worker(

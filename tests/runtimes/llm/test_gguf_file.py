@@ -6,7 +6,7 @@ import gguf
 import numpy as np
 import pytest
 
-from runtimes.llm.gguf_file import GGUFFile
+from runtimes.llm.gguf_file import QUANT_BLOCKS, GGUFFile
 from tests.runtimes.llm.conftest import SMOLLM2_FILE, smollm2_dir
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
@@ -30,6 +30,23 @@ def test_smollm2_reads_the_same():
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
 def test_a_written_file_reads_the_same(tmp_path, qtype):
     _assert_same(write_gguf(hf_model(TinySpec()), tmp_path / "tiny.gguf", qtype))
+
+
+def test_the_block_sizes_are_the_formats_own():
+    """Our table of block-quantized types (the reader's, so that it need not import gguf-py) against gguf-py's."""
+    sizes = {int(kind): size for kind, size in gguf.GGML_QUANT_SIZES.items()}
+    blocked = {kind: size for kind, size in sizes.items() if size[0] > 1 or kind == gguf.GGMLQuantizationType.BF16}
+    assert blocked == QUANT_BLOCKS
+
+
+def test_reading_a_file_does_not_import_gguf_py(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_gguf(hf_model(TinySpec()), tmp_path / "tiny.gguf", "Q8_0")
+    code = ("import sys; from runtimes.llm.gguf_file import GGUFFile; "
+            f"f = GGUFFile({str(path)!r}); [t.data for t in f.tensors]; print('gguf' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_not_a_gguf_file_and_a_cut_one(tmp_path):
