@@ -89,8 +89,9 @@ class GatewayMetrics:
         self.failovers = Counter(f"{PREFIX}_failovers", "Requests served by a fallback model.",
                                  ["model", "fallback"], registry=self.registry)
         self.migrations = Counter(f"{PREFIX}_stream_migrations", "Streams continued on another replica mid-way, by "
-                                  "cause: replica_failed (it died, broke off or stalled) or drained (drain with "
-                                  "migrate).", ["model", "cause"], registry=self.registry)
+                                  "cause: replica_failed (it died or broke off), replica_unhealthy (its probes "
+                                  "failed), stalled (silent for stream_stall_s) or drained (drain with migration, "
+                                  "scale-down, rollout).", ["model", "cause"], registry=self.registry)
         self.resumed_tokens = Counter(f"{PREFIX}_resumed_tokens", "Tokens already streamed that continuations handed "
                                       "to another replica (it computes them again, like a prompt).", ["model"],
                                       registry=self.registry)

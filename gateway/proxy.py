@@ -22,12 +22,12 @@ from gateway.request_body import request_payload
 from gateway.resume import Moved, Pump, StreamTracker
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
-from model_pool.replica import Lease, Replica
+from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
 from registry.schema import ModelSpec
 from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.errors import APIError, error_payload
-from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER, RESUMABLE_HEADER
+from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER, RESUMABLE_HEADER, RESUME_FIELD
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +49,9 @@ class ProxySettings:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     resume_wait_s: float = 30.0  # how long a broken stream waits for a ready replica to go on on
-    stream_stall_s: float | None = 60.0  # a resumable stream silent this long mid-way goes on elsewhere
+    # a resumable stream silent this long mid-way goes on elsewhere (a hung replica is found sooner by its probes,
+    # which move its streams as soon as it is marked unhealthy)
+    stream_stall_s: float | None = 300.0
 
 
 class ReplicaFailure(Exception):
@@ -111,6 +113,9 @@ class Forwarder:
         start = self.clock()
         body = await request.body()
         payload = request_payload(request.scope, body)
+        if RESUME_FIELD in payload:
+            raise APIError(400, f"{RESUME_FIELD} is for the gateway's own continuations, not for clients",
+                           param=RESUME_FIELD)
         spec = self._target(request, payload, endpoint)
         stream = payload.get("stream") is True
         request_context(request.scope).model = spec.name
@@ -258,8 +263,8 @@ class Forwarder:
             prompt_tokens = response.headers.get(PROMPT_TOKENS_HEADER, "")
             if prompt_tokens.isdigit() and len(prompt_tokens) < 12:  # for the key's token limit and the traffic log
                 context.prompt_tokens = int(prompt_tokens)
-            leg = _Leg(replica, response, lease, Pump(chunks))
             resume = call.resume if resumable and response.headers.get(RESUMABLE_HEADER) == "1" else None
+            leg = _Leg(replica, response, lease, Pump(chunks), movable=resume is not None)
             return StreamingResponse(self._relay(request, first, leg, call, resume, headers),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
         finally:
@@ -316,8 +321,6 @@ class Forwarder:
             self.metrics.ttft.labels(model).observe(self.clock() - call.start)
             yield first if tracker is None else tracker.feed(first)
             while True:
-                if tracker is not None:
-                    leg.lease.movable(leg.pump.stop)
                 try:
                     stall_s = None if tracker is None else self.settings.stream_stall_s
                     while (chunk := await self._next(leg, call, stall_s)) is not None:
@@ -326,7 +329,7 @@ class Forwarder:
                     return
                 except (UpstreamError, Moved) as err:
                     moved = isinstance(err, Moved)
-                    if moved:
+                    if moved or isinstance(err, _Stalled):  # not a fault of its own: it may just be busy
                         leg.lease.succeeded()
                     else:
                         self._fail(leg.lease, f"stream broke midway: {err!r}")
@@ -338,7 +341,7 @@ class Forwarder:
                     if tracker.finished:  # only the usage chunk and [DONE] were missing
                         yield tracker.ending(request_context(request.scope).prompt_tokens)
                         return
-                    cause = "drained" if moved else "replica_failed"
+                    cause = _cause(err, leg.replica)
                     next_leg = await self._continuation(request, resume, tracker, call, headers, tried)
                     if next_leg is None:
                         yield _error_event(_interrupted(model))
@@ -367,7 +370,7 @@ class Forwarder:
             return await asyncio.wait_for(leg.pump.get(), stall_s if stalled else remaining)
         except TimeoutError:
             if stalled:
-                raise UpstreamTimeout(f"no bytes for {stall_s:g} s mid-stream") from None
+                raise _Stalled(f"no bytes for {stall_s:g} s mid-stream") from None
             raise
 
     async def _continuation(self, request: Request, resume: _Resume, tracker: StreamTracker, call: _Call,
@@ -394,31 +397,43 @@ class Forwarder:
         raise AssertionError("unreachable: itertools.count() does not end")
 
     async def _open_leg(self, replica: Replica, path: str, body: bytes, headers: dict[str, str]) -> _Leg | None:
+        """The continuation's reply from `replica`, or None if it did not take it. Whatever ends the wait (the
+        client leaving included) lets go of the lease and the reply unless they were handed over."""
         lease = self.pool.lease(replica)
+        response: UpstreamReply | None = None
+        leg: _Leg | None = None
         try:
             response = await self._open(replica.base_url + path, body, headers, lease)
             if response.status_code != 200 or response.headers.get(RESUMABLE_HEADER) != "1":
-                await response.aclose()
-                lease.release()
                 return None
             chunks, first = await self._first_bytes(response, lease)
+            leg = _Leg(replica, response, lease, Pump(chunks), first)
+            return leg
         except (ReplicaFailure, ReplicaOverloaded):
-            lease.release()
             return None
-        leg = _Leg(replica, response, lease, Pump(chunks))
-        leg.first = first
-        return leg
+        finally:
+            if leg is None:
+                lease.release()
+                if response is not None:
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
 
 
 @dataclass
 class _Leg:
-    """One replica's part of a relayed stream: its reply, the lease on it and the pump that reads it."""
+    """One replica's part of a relayed stream: its reply, the lease on it and the pump that reads it. A movable
+    leg's pump stops (the relay goes on elsewhere) when the replica is drained with migration or found unhealthy."""
 
     replica: Replica
     response: UpstreamReply
     lease: Lease
     pump: Pump
     first: bytes = b""
+    movable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.movable:
+            self.lease.movable(self.pump.stop)
 
     async def close(self) -> None:
         """Let go of the replica; closing a reply before its end aborts the request there. Shielded: this runs when
@@ -439,6 +454,18 @@ class _Resume:
     path: str
     payload: dict[str, Any]
     include_usage: bool
+
+
+class _Stalled(UpstreamTimeout):
+    """A resumable stream's replica sent nothing for `stream_stall_s`: it goes on elsewhere, but this is not held
+    against the replica (a preempted or queued request is silent too)."""
+
+
+def _cause(err: Exception, replica: Replica) -> str:
+    """Why a stream moved, for the migrations metric."""
+    if isinstance(err, Moved):
+        return "drained" if replica.state == ReplicaState.DRAINING else "replica_unhealthy"
+    return "stalled" if isinstance(err, _Stalled) else "replica_failed"
 
 
 def _interrupted(model: str) -> APIError:

@@ -40,6 +40,7 @@ class StreamTracker:
         self.done = False  # `[DONE]` went out
         self.failed = False  # the replica reported an error in-band: that is an answer, not something to resume
         self.untracked = False  # text went out without token ids (a replica that does not take part): no resuming
+        self.usage_sent = False
         self._pending = b""
 
     @property
@@ -79,6 +80,8 @@ class StreamTracker:
         if not isinstance(chunk, dict) or "error" in chunk:
             self.failed = True
             return
+        if chunk.get("usage"):
+            self.usage_sent = True
         if self.id is None:
             self.id, self.created = chunk.get("id"), chunk.get("created")
             self.object, self.model = chunk.get("object"), chunk.get("model")
@@ -90,7 +93,9 @@ class StreamTracker:
                 self.untracked = True
 
     def continuation(self, payload: dict[str, Any]) -> bytes:
-        """The body that asks another replica to go on after the tokens sent so far."""
+        """The body that asks another replica to go on after the tokens sent so far. What is left of an event the
+        broken reply had begun is dropped: its tokens were never sent, and the continuation makes them again."""
+        self._pending = b""
         resume = {"token_ids": self.token_ids, "id": self.id, "created": self.created}
         return json.dumps({**payload, RESUME_FIELD: resume}).encode()
 
@@ -98,7 +103,7 @@ class StreamTracker:
         """What is left to send when a stream broke after its last token but before `[DONE]`: the usage chunk if it
         was asked for (and the prompt's size is known), then `[DONE]`."""
         tail = b""
-        if self.include_usage and prompt_tokens is not None:
+        if self.include_usage and not self.usage_sent and prompt_tokens is not None:
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(self.token_ids),
                      "total_tokens": prompt_tokens + len(self.token_ids)}
             chunk: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,

@@ -149,20 +149,22 @@ class ModelPool:
         log.info("rollout_started", model=group.spec.name, revision=group.revision, replicas=len(old_replicas))
         for old in old_replicas:
             placement = self.placement_for(group.spec, old.index)
-            surge = placement.memory_fraction is None and placement.arbiter_socket is None
+            # Two copies side by side only on the CPU and outside a time-slice: on a GPU the new replica would size
+            # its KV cache from what the old one leaves free (or overrun the plan's share of the device).
+            surge = group.spec.device == "cpu" and placement.arbiter_socket is None
             new = self._new_replica(group, old.index)
             if not surge:  # no room for both: the old one's streams move to the others first
                 await self._retire(group, old)
             group.replicas.append(new)
             await self._launch(group, new, placement)
-            ready = await self._await_ready(new)
-            if surge and not ready:
-                await self._retire(group, new)
+            if not await self._await_ready(new):
+                kept = "the replicas after it keep" if not surge else f"{old.replica_id} and the replicas after it keep"
+                if surge:
+                    await self._retire(group, new)
                 group.rollout["state"] = "failed"
                 group.rollout["reason"] = (f"replica {new.replica_id} exited or was not ready within "
-                                           f"{self.settings.ready_timeout_s:g} s; {old.replica_id} and the replicas "
-                                           "after it keep their old settings")
-                log.error("rollout_failed", model=group.spec.name, replica=new.replica_id, kept=old.replica_id)
+                                           f"{self.settings.ready_timeout_s:g} s; {kept} their old settings")
+                log.error("rollout_failed", model=group.spec.name, replica=new.replica_id, surge=surge)
                 return
             if surge:
                 await self._retire(group, old)
@@ -304,6 +306,8 @@ class ModelPool:
             replica.breaker.record_failure()
             if replica.consecutive_failures >= self.settings.unhealthy_after:
                 replica.set_state(ReplicaState.UNHEALTHY, now)
+                moved = replica.migrate_streams()  # a hung replica's streams go on elsewhere, not wait for it
+                log.warning("replica_unhealthy", replica=replica.replica_id, migrated_streams=moved)
 
     # ------------------------------------------------------------------------------------ routing support
 

@@ -30,7 +30,7 @@ def build(name: str, source: Path, cflags: Sequence[str]) -> None:
     full_name = f"{name}_{_build_key(source, flags)}"
     directory = _cache_root() / full_name
     library = directory / f"{full_name}.so"
-    if library.is_file():
+    if library.is_file() and not (directory / "lock").exists():  # (torch's loader holds `lock` while it builds)
         try:
             torch.ops.load_library(str(library))
             return
@@ -70,9 +70,10 @@ def _build_key(source: Path, flags: Sequence[str]) -> str:
 
 
 def _cpu_flags() -> bytes:
-    """The CPU's feature flags (Linux), so that builds for different CPUs never share a name."""
+    """The CPU's feature flags (Linux: `flags` on x86, `Features` on ARM), so that builds for different CPUs never
+    share a name."""
     try:
         with open("/proc/cpuinfo", "rb") as info:
-            return next((line for line in info if line.startswith(b"flags")), b"")
+            return next((line for line in info if line.startswith((b"flags", b"Features"))), b"")
     except OSError:
         return b""

@@ -107,12 +107,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         head = self.waiting.peek()
+        preempted: list[Request] = []
         if head is not None and self.running and self.waiting.urgent_step(head):
             out = SchedulerOutput()
             self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
             if out.scheduled:
                 return self._planned(out, urgent=True)
-        return self._planned(self._plan_step(), urgent=False)
+            preempted = out.preempted  # it displaced work and still did not fit: an ordinary step, admitting nothing
+        out = self._plan_step(admit=not preempted)
+        out.preempted[:0] = preempted
+        return self._planned(out, urgent=False)
 
     def _planned(self, out: SchedulerOutput, urgent: bool) -> SchedulerOutput:
         for item in out.scheduled:
@@ -120,7 +124,7 @@ class Scheduler:
         self.waiting.on_step(urgent)
         return out
 
-    def _plan_step(self) -> SchedulerOutput:
+    def _plan_step(self, admit: bool = True) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         by_id: dict[str, ScheduledRequest] = {}
@@ -133,7 +137,7 @@ class Scheduler:
         first = [r for r in chunks if r not in deferred]
         budget = self._schedule_running(decodes + first, out, budget, by_id)
         num_scheduled = len(out.scheduled)
-        if not out.preempted:
+        if admit and not out.preempted:
             budget = self._admit_waiting(out, budget, by_id)
         if len(out.scheduled) == num_scheduled:  # nothing more urgent got in: the deferred chunks go now;
             self._schedule_running(deferred, out, budget, by_id)  # else they wait, keeping the urgent step short

@@ -33,7 +33,7 @@ class ResumeFields(_Strict):
     had streamed of it. The stream that answers keeps the first one's `id` and `created` and goes on after `token_ids`
     (runtimes/llm/engine.py `add_request`)."""
 
-    token_ids: list[int] = Field(min_length=1, max_length=1 << 20)
+    token_ids: list[int] = Field(max_length=1 << 20)  # none yet: a chat stream had sent only its role
     id: str = Field(min_length=1, max_length=128)
     created: int = Field(ge=0, le=1 << 40)
 

@@ -1,6 +1,6 @@
 """No broken streams: a replica killed mid-generation, or drained with migration, and every stream goes on on the
 other replica, on the same client connection, with the text the undisturbed run gives (real gateway, real workers,
-the official openai client)."""
+the official openai client; the module's own `gateway` from tests/e2e/conftest.py: two tiny-chat replicas)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,15 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import openai
-import pytest
 
-from model_pool.launcher import free_port
-from tests.e2e.conftest import ADMIN_TOKEN, REGISTRY, Gateway, running_gateway
-from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
+from tests.e2e.conftest import ADMIN_TOKEN, Gateway
 
 MAX_TOKENS = 300
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    root = tmp_path_factory.mktemp("resume")
-    model = write_gguf(hf_model(TinySpec(max_position_embeddings=512), seed=2), root / "tiny.gguf")
-    port = free_port()
-    with running_gateway(root, REGISTRY.format(port=port, model=model), port, model) as gw:
-        yield gw
 
 
 @dataclass

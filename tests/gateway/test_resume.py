@@ -223,3 +223,31 @@ def test_pump_passes_chunks_errors_and_the_end_and_stops_on_request():
         waiting.cancel()
 
     asyncio.run(main())
+
+
+def test_a_partial_event_of_the_broken_reply_is_dropped_not_glued_to_the_next():
+    tracker = StreamTracker(include_usage=False)
+    tracker.feed(_event([1], '{"id":"x","created":1,"choices":[{"index":0,"text":"a","finish_reason":null}]}'))
+    assert tracker.feed(_event([2], '{"id":"x","choices":[]}')[:12]) == b""  # the replica died mid-event
+    body = json.loads(tracker.continuation({"prompt": "p"}))
+    assert body["multiserve_resume"]["token_ids"] == [1]
+    nxt = _event([2], '{"id":"x","choices":[{"index":0,"text":"b","finish_reason":null}]}')
+    assert tracker.feed(nxt) == nxt.split(b"\n", 1)[1] and tracker.token_ids == [1, 2] and not tracker.untracked
+
+
+def test_ending_does_not_repeat_a_usage_chunk_already_sent():
+    tracker = StreamTracker(include_usage=True)
+    tracker.feed(_event([1], '{"id":"x","created":1,"choices":[{"index":0,"text":"a","finish_reason":"stop"}]}'))
+    tracker.feed(_event(None, '{"id":"x","created":1,"choices":[],"usage":{"prompt_tokens":2,'
+                              '"completion_tokens":1,"total_tokens":3}}'))
+    assert tracker.ending(prompt_tokens=2) == b"data: [DONE]\n\n"
+
+
+def test_clients_cannot_send_a_continuation_themselves(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        body = chat(stream=True, multiserve_resume={"token_ids": [1], "id": "mine", "created": 1})
+        response = await gw.client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "multiserve_resume"
+        assert gw.replicas.received == []
+
+    with_gateway(scenario)

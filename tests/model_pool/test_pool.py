@@ -174,7 +174,7 @@ def test_a_changed_spec_rolls_out_new_replicas_before_stopping_the_old_ones():
     events: list[str] = []
 
     async def scenario(h: Harness) -> None:
-        await h.pool.apply(registry(model("alpha", 2), model("beta")))
+        await h.pool.apply(registry(model("alpha", 2, device="cpu"), model("beta")))
         await h.pool.tick()
         old, beta = list(h.group("alpha").replicas), h.replica("beta/0")
         real_start = h.launcher.start
@@ -192,7 +192,7 @@ def test_a_changed_spec_rolls_out_new_replicas_before_stopping_the_old_ones():
                 await real_stop(timeout_s)
 
             handle.stop = stop  # type: ignore[method-assign]
-        await h.pool.apply(registry(model("alpha", 2, engine={"block_size": 32}), model("beta")))
+        await h.pool.apply(registry(model("alpha", 2, device="cpu", engine={"block_size": 32}), model("beta")))
         # one at a time, each new replica up (and ready) before the old one of its index stops
         assert events == ["start alpha/0 running=2", "stop alpha/0", "start alpha/1 running=2", "stop alpha/1"]
         new = h.group("alpha").replicas
@@ -210,7 +210,7 @@ def test_a_changed_spec_rolls_out_new_replicas_before_stopping_the_old_ones():
 
 def test_a_rollout_whose_new_replica_never_gets_ready_keeps_the_old_ones():
     async def scenario(h: Harness) -> None:
-        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.apply(registry(model("alpha", 2, device="cpu")))
         await h.pool.tick()
         old = list(h.group("alpha").replicas)
         real_start = h.launcher.start
@@ -221,7 +221,7 @@ def test_a_rollout_whose_new_replica_never_gets_ready_keeps_the_old_ones():
             return handle
 
         h.launcher.start = start_broken  # type: ignore[method-assign]
-        await h.pool.apply(registry(model("alpha", 2, engine={"block_size": 32})))
+        await h.pool.apply(registry(model("alpha", 2, device="cpu", engine={"block_size": 32})))
         assert h.group("alpha").replicas == old and h.states("alpha") == [READY, READY]
         assert [handle.request.engine.block_size for handle in h.launcher.running("alpha")] == [16, 16]
         rollout = h.pool.health()["alpha"]["rollout"]
@@ -231,7 +231,7 @@ def test_a_rollout_whose_new_replica_never_gets_ready_keeps_the_old_ones():
 
 
 def test_a_rollout_without_room_for_two_moves_the_old_replicas_streams_first():
-    """A GPU placement (a memory fraction) leaves no room for a second copy: the old replica is drained with
+    """A GPU (here any device but the CPU) leaves no room for a second copy: the old replica is drained with
     migration (its streams go on on the other replicas), stopped, then replaced."""
     order: list[str] = []
 
@@ -252,6 +252,28 @@ def test_a_rollout_without_room_for_two_moves_the_old_replicas_streams_first():
         assert h.states("alpha") == [READY, READY]
 
     run(scenario, placement_for=lambda spec, index: ReplicaPlacement(memory_fraction=0.4))
+
+
+def test_a_rollout_without_room_for_two_stops_at_a_replica_that_never_gets_ready():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 3, device="cuda")))
+        await h.pool.tick()
+        real_start = h.launcher.start
+
+        async def start_broken(request):  # type: ignore[no-untyped-def]
+            handle = await real_start(request)
+            handle.crash()
+            return handle
+
+        h.launcher.start = start_broken  # type: ignore[method-assign]
+        await h.pool.apply(registry(model("alpha", 3, device="cuda", engine={"block_size": 32})))
+        # the first was replaced by one that does not start (supervised, restarted like any); the others are kept
+        assert [r.replica_id for r in h.group("alpha").replicas] == ["alpha/1", "alpha/2", "alpha/0-r1"]
+        assert h.states("alpha")[:2] == [READY, READY]
+        rollout = h.pool.health()["alpha"]["rollout"]
+        assert rollout["state"] == "failed" and rollout["replaced"] == 0
+
+    run(scenario)
 
 
 def test_gateway_side_edits_keep_the_replicas_running():
@@ -582,6 +604,22 @@ def test_scaling_down_moves_the_retired_replicas_streams_to_the_others():
             replica.movable.add(lambda r=replica: moved.append(r.replica_id))
         await h.pool.apply(registry(model("alpha", 1)))
         assert moved == ["alpha/1"]
+
+    run(scenario)
+
+
+def test_a_replica_found_unhealthy_has_its_streams_moved():
+    moved: list[str] = []
+
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        h.replica("alpha/0").movable.add(lambda: moved.append("alpha/0"))
+        h.replicas.set("alpha/0", "hang")
+        await h.ticks(1)
+        assert moved == [] and h.states("alpha")[0] == READY  # one failed probe is not enough
+        await h.ticks(1)
+        assert moved == ["alpha/0"] and h.states("alpha")[0] == UNHEALTHY
 
     run(scenario)
 

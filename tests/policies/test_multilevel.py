@@ -322,3 +322,33 @@ def test_an_urgent_arrival_gets_a_step_of_its_own(tiny_loaded):
     baseline, plans_without, first_without = run(0.0)
     assert first_without == 4 and plans_without[4] == sorted([*background, "chat"])  # inside the decode batch
     assert tokens == baseline  # the same outputs: only the order of steps changed
+
+
+def test_an_urgent_step_that_cannot_fit_admits_nothing_in_the_step_that_displaced():
+    """The urgent pass displaces background work for KV room and still cannot fit the arrival (normal work holds
+    the rest): the step is an ordinary one that admits nobody (no preempt-and-admit in one step), and the displaced
+    request is reported as preempted."""
+    from runtimes.llm.kv_cache_manager import KVCacheManager
+    from runtimes.llm.request import Request, RequestStatus
+    from runtimes.llm.scheduler import Scheduler
+
+    scheduler = Scheduler(KVCacheManager(10, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                          policy=MultiLevelPolicy(MultiLevelConfig()))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def request(name: str, length: int, lane: int, at: float) -> Request:
+        return Request(name, list(range(5, 5 + length)), params, 8, at, priority=lane, cache_namespace=None)
+
+    normal = request("normal", 27, NORMAL, 0.0)  # 7 blocks
+    background = request("bg", 7, BACKGROUND, 1.0)  # 2 blocks
+    for r in (normal, background):
+        scheduler.add_request(r)
+    plan = scheduler.schedule()
+    scheduler.update(plan, {r.request.request_id: 9 for r in plan.scheduled})
+    assert {r.request_id for r in scheduler.running} == {"normal", "bg"}
+    chat = request("chat", 15, INTERACTIVE, 2.0)  # needs 4 blocks: 1 free + 2 from bg is not enough
+    scheduler.add_request(chat)
+    plan = scheduler.schedule()
+    assert [r.request_id for r in plan.preempted] == ["bg"] and background.status == RequestStatus.PREEMPTED
+    assert [item.request.request_id for item in plan.scheduled] == ["normal"]  # its decode; nobody admitted
+    assert chat.status == RequestStatus.WAITING
