@@ -1,7 +1,7 @@
-"""Priority lanes under saturation: interactive, normal and background traffic against SmolLM2 served three times
-in one gateway, `fcfs`, `multilevel` without urgent steps (`multilevel-shared-steps`: an interactive arrival's
-prefill runs inside the decode batch) and `multilevel` (same file, same limits), measured side by side and
-interleaved:
+"""Priority lanes under saturation: interactive, normal and background traffic against SmolLM2 served four times
+in one gateway (same file, same limits; `POLICIES` below): `fcfs`, `multilevel` without urgent steps, with its
+defaults (urgent steps), and with short prompt chunks while interactive traffic is about. Measured side by side
+and interleaved:
 
     python -m bench.measure.priority_lanes --repeats 2
 
@@ -44,8 +44,11 @@ MODEL_YAML = """\
 # what is compared: the registry policy of each, served side by side as `smollm2-<name>`
 POLICIES = {
     "fcfs": "{scheduling: fcfs}",
+    # multilevel without urgent steps: an interactive arrival's prefill runs inside the decode batch
     "multilevel-shared-steps": "{scheduling: multilevel, multilevel: {urgent_step_max_share: 0}}",
-    "multilevel": "{scheduling: multilevel}",  # with urgent steps of their own for interactive arrivals
+    "multilevel": "{scheduling: multilevel}",  # the defaults: urgent steps
+    # and short prompt chunks of the other lanes while interactive traffic is about
+    "multilevel-short-chunks": "{scheduling: multilevel, multilevel: {busy_chunk_tokens: 32}}",
 }
 SCHEDULINGS = tuple(POLICIES)
 

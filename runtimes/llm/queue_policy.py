@@ -47,6 +47,9 @@ class QueuePolicy(Protocol):
     def on_step(self, urgent: bool) -> None:
         """A step was planned; `urgent`: one of its own for urgent arrivals (for the bound on those)."""
 
+    def chunk_cap(self, request: Request) -> int | None:
+        """The most prompt tokens `request` may take in one step now (None: only the step's budget limits it)."""
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Request]: ...
@@ -100,6 +103,9 @@ class FCFSPolicy:
         return False  # nobody is more urgent than anyone else
 
     def on_step(self, urgent: bool) -> None:
+        return None
+
+    def chunk_cap(self, request: Request) -> int | None:
         return None
 
     def __len__(self) -> int:

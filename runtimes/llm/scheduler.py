@@ -151,7 +151,7 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.waiting.pick_victim(self.running)
                 budget += self._preempt_in_plan(victim, out, by_id)
@@ -173,7 +173,7 @@ class Scheduler:
                 break
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = self._chunk(request, request.num_tokens - num_computed, budget)
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
                 # The policy may let an urgent arrival displace less urgent running work (never FCFS); in a step
                 # of its own, less of it (only work that runs on idle capacity anyway).
@@ -197,6 +197,13 @@ class Scheduler:
             by_id[request.request_id] = item
             budget -= num_new
         return budget
+
+    def _chunk(self, request: Request, remaining: int, budget: int) -> int:
+        """Tokens `request` computes this step: what it still needs, within the budget and the policy's cap on a
+        prompt chunk (a decode, one token, is never capped)."""
+        num_new = min(remaining, budget)
+        cap = self.waiting.chunk_cap(request) if num_new > 1 else None
+        return num_new if cap is None else min(num_new, cap)
 
     def _preempt_in_plan(self, victim: Request, out: SchedulerOutput, by_id: dict[str, ScheduledRequest]) -> int:
         """Preempt `victim` during planning; if this step had already scheduled it, take that back.

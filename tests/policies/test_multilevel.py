@@ -352,3 +352,40 @@ def test_an_urgent_step_that_cannot_fit_admits_nothing_in_the_step_that_displace
     assert [r.request_id for r in plan.preempted] == ["bg"] and background.status == RequestStatus.PREEMPTED
     assert [item.request.request_id for item in plan.scheduled] == ["normal"]  # its decode; nobody admitted
     assert chat.status == RequestStatus.WAITING
+
+
+def test_other_lanes_take_short_prompt_chunks_while_interactive_traffic_is_about(make_policy):
+    policy, clock = make_policy(busy_chunk_tokens=32, busy_window_s=10.0)
+    batch, chat = Item("batch", BACKGROUND, 0.0), Item("chat", INTERACTIVE, 1.0)
+    assert policy.chunk_cap(batch) is None  # no interactive traffic yet
+    clock.now = 1.0
+    policy.add(chat)
+    assert policy.chunk_cap(batch) == 32 and policy.chunk_cap(chat) is None
+    clock.now = 11.5
+    assert policy.chunk_cap(batch) is None  # it has been quiet for longer than the window
+    assert make_policy(busy_chunk_tokens=None)[0].chunk_cap(batch) is None
+
+
+def test_the_scheduler_applies_the_chunk_cap_to_prompts_not_decodes():
+    from runtimes.llm.kv_cache_manager import KVCacheManager
+    from runtimes.llm.request import Request
+    from runtimes.llm.scheduler import Scheduler
+
+    clock = Clock()
+    scheduler = Scheduler(KVCacheManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                          policy=MultiLevelPolicy(MultiLevelConfig(busy_chunk_tokens=16), clock=clock))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    short = Request("short", [5, 6, 7], params, 4, 0.0, priority=BACKGROUND)
+    scheduler.add_request(short)
+    plan = scheduler.schedule()
+    scheduler.update(plan, {"short": 9})
+    doc = Request("doc", list(range(5, 105)), params, 4, 1.0, priority=BACKGROUND)
+    chat = Request("chat", [5, 6], params, 4, 2.0, priority=INTERACTIVE)
+    scheduler.add_request(doc)
+    scheduler.add_request(chat)  # interactive traffic: from now on other lanes' prompt chunks are capped
+    plan = scheduler.schedule()
+    assert {i.request.request_id: i.num_new_tokens for i in plan.scheduled} == {"chat": 2}  # its own step
+    scheduler.update(plan, {"chat": 9})
+    plan = scheduler.schedule()
+    sizes = {i.request.request_id: i.num_new_tokens for i in plan.scheduled}
+    assert sizes == {"short": 1, "chat": 1, "doc": 16}  # decodes whole, the document's chunk capped at 16
