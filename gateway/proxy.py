@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ import anyio
 import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.context import request_context
 from gateway.metrics import GatewayMetrics
@@ -265,8 +266,7 @@ class Forwarder:
                 context.prompt_tokens = int(prompt_tokens)
             resume = call.resume if resumable and response.headers.get(RESUMABLE_HEADER) == "1" else None
             leg = _Leg(replica, response, lease, Pump(chunks), movable=resume is not None)
-            return StreamingResponse(self._relay(request, first, leg, call, resume, headers),
-                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+            return _Relayed(self._relay(request, first, leg, call, resume, headers), leg)
         finally:
             if not handed_over:
                 lease.release()
@@ -309,7 +309,7 @@ class Forwarder:
         return ReplicaFailure(lease.replica, cause, timeout)
 
     async def _relay(self, request: Request, first: bytes, leg: _Leg, call: _Call, resume: _Resume | None,
-                     headers: dict[str, str]) -> AsyncIterator[bytes]:
+                     headers: dict[str, str]) -> AsyncGenerator[bytes, None]:
         """Pass the replica's SSE bytes through as they come. A resumable stream (`resume`) that breaks off midway
         (the replica fails or stalls, or is drained with migration) goes on on another replica of the model, on the
         same connection (gateway/resume.py); any other break, or the request's deadline, ends the stream with an
@@ -417,6 +417,24 @@ class Forwarder:
                 if response is not None:
                     with anyio.CancelScope(shield=True):
                         await response.aclose()
+
+
+class _Relayed(StreamingResponse):
+    """The relayed stream. However the response ends, the relay is closed, and so is its first leg: a client gone
+    before the first body byte never starts the relay, whose own cleanup would then never run (the replica would go
+    on generating for nobody)."""
+
+    def __init__(self, relay: AsyncGenerator[bytes, None], first_leg: _Leg) -> None:
+        super().__init__(relay, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self._relay, self._first_leg = relay, first_leg
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._relay.aclose()
+                await self._first_leg.close()  # (idempotent: the relay closes its legs when it ran)
 
 
 @dataclass

@@ -251,3 +251,35 @@ def test_clients_cannot_send_a_continuation_themselves(with_gateway):
         assert gw.replicas.received == []
 
     with_gateway(scenario)
+
+
+def test_a_client_gone_before_the_first_body_byte_lets_go_of_the_replica(with_gateway):
+    """The relay never starts (the response's head could not be sent): its replica reply, lease and reader are let
+    go all the same, so the replica does not generate for nobody."""
+
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set_all(["alpha/0", "alpha/1"], "stall_midstream")
+        app = gw.client._transport.app  # type: ignore[attr-defined]
+        body = json.dumps(chat(stream=True)).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 50000), "server": ("gateway", 80)}
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop(0)
+            await asyncio.sleep(60)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                raise OSError("the client is gone")
+
+        with pytest.raises(OSError):
+            await asyncio.wait_for(app(scope, receive, send), 5.0)
+        assert gw.replicas.streams and gw.replicas.streams[-1].closed
+        assert set(gw.outstanding().values()) == {0}
+
+    with_gateway(scenario)
