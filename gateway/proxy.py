@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.context import request_context
 from gateway.metrics import GatewayMetrics
 from gateway.request_body import request_payload
-from gateway.resume import Moved, Pump, StreamTracker
+from gateway.resume import Moved, Pump, Stalled, StreamTracker
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica, ReplicaState
@@ -265,11 +265,15 @@ class Forwarder:
             if prompt_tokens.isdigit() and len(prompt_tokens) < 12:  # for the key's token limit and the traffic log
                 context.prompt_tokens = int(prompt_tokens)
             resume = call.resume if resumable and response.headers.get(RESUMABLE_HEADER) == "1" else None
-            leg = _Leg(replica, response, lease, Pump(chunks), movable=resume is not None)
-            return _Relayed(self._relay(request, first, leg, call, resume, headers), leg)
+            leg = _Leg(replica, response, lease, self._pump(chunks, resume is not None), first, resume is not None)
+            return _Relayed(self._relay(request, leg, call, resume, headers), leg)
         finally:
             if not handed_over:
                 lease.release()
+
+    def _pump(self, chunks: AsyncIterator[bytes], resumable: bool) -> Pump:
+        """A resumable stream's pump watches for a stall (it then goes on elsewhere); any other reads on."""
+        return Pump(chunks, stall_s=self.settings.stream_stall_s if resumable else None)
 
     async def _first_bytes(self, response: UpstreamReply, lease: Lease) -> tuple[AsyncIterator[bytes], bytes]:
         chunks = response.aiter_raw()
@@ -308,7 +312,7 @@ class Forwarder:
         log.warning("replica_request_failed", replica=lease.replica.replica_id, cause=cause)
         return ReplicaFailure(lease.replica, cause, timeout)
 
-    async def _relay(self, request: Request, first: bytes, leg: _Leg, call: _Call, resume: _Resume | None,
+    async def _relay(self, request: Request, leg: _Leg, call: _Call, resume: _Resume | None,
                      headers: dict[str, str]) -> AsyncGenerator[bytes, None]:
         """Pass the replica's SSE bytes through as they come. A resumable stream (`resume`) that breaks off midway
         (the replica fails or stalls, or is drained with migration) goes on on another replica of the model, on the
@@ -319,17 +323,16 @@ class Forwarder:
         tried = {leg.replica.replica_id}
         try:
             self.metrics.ttft.labels(model).observe(self.clock() - call.start)
-            yield first if tracker is None else tracker.feed(first)
             while True:
                 try:
-                    stall_s = None if tracker is None else self.settings.stream_stall_s
-                    while (chunk := await self._next(leg, call, stall_s)) is not None:
+                    chunk: bytes | None = leg.first
+                    while chunk is not None:
                         yield chunk if tracker is None else tracker.feed(chunk)
+                        chunk = await self._next(leg, call)
                     leg.lease.succeeded()
                     return
                 except (UpstreamError, Moved) as err:
-                    moved = isinstance(err, Moved)
-                    if moved or isinstance(err, _Stalled):  # not a fault of its own: it may just be busy
+                    if isinstance(err, (Moved, Stalled)):  # not a fault of its own: it may just be busy
                         leg.lease.succeeded()
                     else:
                         self._fail(leg.lease, f"stream broke midway: {err!r}")
@@ -351,7 +354,6 @@ class Forwarder:
                     log.info("stream_resumed", model=model, cause=cause, replica=next_leg.replica.replica_id,
                              from_replica=leg.replica.replica_id, tokens_sent=len(tracker.token_ids))
                     leg = next_leg
-                    yield tracker.feed(next_leg.first)
         except TimeoutError:
             assert call.deadline is not None
             yield _error_event(_timeout(model, call.deadline - call.start))
@@ -359,19 +361,11 @@ class Forwarder:
             await leg.close()
             self.metrics.e2e.labels(model).observe(self.clock() - call.start)
 
-    async def _next(self, leg: _Leg, call: _Call, stall_s: float | None) -> bytes | None:
-        """The next chunk; TimeoutError at the request's deadline, UpstreamTimeout when the replica sent nothing
-        for `stall_s` (a resumable stream goes on elsewhere then)."""
-        remaining = None if call.deadline is None else max(call.deadline - self.clock(), 0.0)
-        if remaining is None and stall_s is None:
+    async def _next(self, leg: _Leg, call: _Call) -> bytes | None:
+        """The next chunk (None at the end); TimeoutError at the request's deadline."""
+        if call.deadline is None:
             return await leg.pump.get()
-        stalled = stall_s is not None and (remaining is None or stall_s < remaining)
-        try:
-            return await asyncio.wait_for(leg.pump.get(), stall_s if stalled else remaining)
-        except TimeoutError:
-            if stalled:
-                raise _Stalled(f"no bytes for {stall_s:g} s mid-stream") from None
-            raise
+        return await asyncio.wait_for(leg.pump.get(), max(call.deadline - self.clock(), 0.0))
 
     async def _continuation(self, request: Request, resume: _Resume, tracker: StreamTracker, call: _Call,
                             headers: dict[str, str], tried: set[str]) -> _Leg | None:
@@ -407,7 +401,7 @@ class Forwarder:
             if response.status_code != 200 or response.headers.get(RESUMABLE_HEADER) != "1":
                 return None
             chunks, first = await self._first_bytes(response, lease)
-            leg = _Leg(replica, response, lease, Pump(chunks), first)
+            leg = _Leg(replica, response, lease, self._pump(chunks, True), first)
             return leg
         except (ReplicaFailure, ReplicaOverloaded):
             return None
@@ -439,14 +433,15 @@ class _Relayed(StreamingResponse):
 
 @dataclass
 class _Leg:
-    """One replica's part of a relayed stream: its reply, the lease on it and the pump that reads it. A movable
-    leg's pump stops (the relay goes on elsewhere) when the replica is drained with migration or found unhealthy."""
+    """One replica's part of a relayed stream: its reply, the lease on it, the pump that reads it and the first bytes
+    it sent. A movable leg's pump stops (the relay goes on elsewhere) when the replica is drained with migration or
+    found unhealthy."""
 
     replica: Replica
     response: UpstreamReply
     lease: Lease
     pump: Pump
-    first: bytes = b""
+    first: bytes
     movable: bool = True
 
     def __post_init__(self) -> None:
@@ -474,16 +469,11 @@ class _Resume:
     include_usage: bool
 
 
-class _Stalled(UpstreamTimeout):
-    """A resumable stream's replica sent nothing for `stream_stall_s`: it goes on elsewhere, but this is not held
-    against the replica (a preempted or queued request is silent too)."""
-
-
 def _cause(err: Exception, replica: Replica) -> str:
     """Why a stream moved, for the migrations metric."""
     if isinstance(err, Moved):
         return "drained" if replica.state == ReplicaState.DRAINING else "replica_unhealthy"
-    return "stalled" if isinstance(err, _Stalled) else "replica_failed"
+    return "stalled" if isinstance(err, Stalled) else "replica_failed"
 
 
 def _interrupted(model: str) -> APIError:

@@ -20,6 +20,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from gateway.upstream import UpstreamTimeout
 from runtimes.server.wire import RESUME_FIELD, TOKENS_COMMENT
 
 _TOKENS = TOKENS_COMMENT.encode()
@@ -116,34 +117,45 @@ class Moved(Exception):
     """The replica is being drained with migration: stop reading it and go on elsewhere."""
 
 
+class Stalled(UpstreamTimeout):
+    """The replica sent nothing for the pump's `stall_s`: go on elsewhere, without holding it against the replica (a
+    preempted or queued request is silent too)."""
+
+
 _END = object()
 
 
 class Pump:
     """Reads `chunks` into a queue from a task of its own (the queue is small, so a slow client still slows the
-    replica down); `get()` returns the next chunk, None at the end, or raises the reading's error, or `Moved`
-    once `stop()` was called."""
+    replica down); `get()` returns the next chunk, None at the end, or raises the reading's error, `Moved` once
+    `stop()` was called, or `Stalled` once nothing came for `stall_s` (one timer per pump, re-armed from the time
+    of the last chunk: nothing per chunk but reading the clock)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], depth: int = 16) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], depth: int = 16, stall_s: float | None = None) -> None:
         self._queue: asyncio.Queue[object] = asyncio.Queue(depth)
-        self._stopped = False
+        self._stopped: Exception | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last_s = self._loop.time()
+        self._stall_s = stall_s
+        self._watch = None if stall_s is None else self._loop.call_later(stall_s, self._check_stall)
         self._task = asyncio.create_task(self._run(chunks))
 
     async def _run(self, chunks: AsyncIterator[bytes]) -> None:
         item: object = _END
         try:
             async for chunk in chunks:
+                self._last_s = self._loop.time()
                 await self._queue.put(chunk)
         except Exception as err:  # the upstream's error, for the reader to raise
             item = err
         await self._queue.put(item)
 
     async def get(self) -> bytes | None:
-        if self._stopped:
-            raise Moved
+        if self._stopped is not None:
+            raise self._stopped
         item = await self._queue.get()
-        if self._stopped:
-            raise Moved
+        if self._stopped is not None:
+            raise self._stopped
         if item is _END:
             return None
         if isinstance(item, BaseException):
@@ -151,15 +163,27 @@ class Pump:
         assert isinstance(item, bytes)
         return item
 
-    def stop(self) -> None:
-        """Wake the reader with `Moved` (now if it waits, else at its next `get()`)."""
-        if self._stopped:
+    def stop(self, reason: Exception | None = None) -> None:
+        """Wake the reader with `reason` (`Moved` by default; now if it waits, else at its next `get()`)."""
+        if self._stopped is not None:
             return
-        self._stopped = True
-        self._task.cancel()
+        self._stopped = reason or Moved()
+        self.cancel()
         with contextlib.suppress(asyncio.QueueFull):  # when full, the reader is not waiting: it sees the flag
             self._queue.put_nowait(_END)
 
     def cancel(self) -> None:
         """Stop reading (idempotent). Nothing is awaited: this runs in cleanup, possibly inside a cancelled scope."""
         self._task.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def _check_stall(self) -> None:
+        assert self._stall_s is not None
+        quiet_s = self._loop.time() - self._last_s
+        if self._task.done():  # the reply has ended: what is queued is all there is
+            return
+        if quiet_s >= self._stall_s:
+            self.stop(Stalled(f"no bytes for {self._stall_s:g} s mid-stream"))
+        else:
+            self._watch = self._loop.call_later(self._stall_s - quiet_s, self._check_stall)

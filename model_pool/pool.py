@@ -186,8 +186,7 @@ class ModelPool:
             if self.clock() >= deadline:
                 return False
             if self.clock() >= next_tick:
-                others = [(g, r) for g in self.groups.values() for r in g.replicas if r is not replica]
-                await asyncio.gather(*(self._supervise(g, r) for g, r in others))
+                await self._supervise_all(skip=replica)
                 next_tick = self.clock() + self.settings.probe_interval_s
             await self.sleep(self.settings.rollout_poll_s)
 
@@ -243,8 +242,12 @@ class ModelPool:
     async def tick(self) -> None:
         """One pass: restart what crashed (with backoff), probe everything else."""
         async with self._lock:
-            replicas = [(g, r) for g in self.groups.values() for r in g.replicas]
-            await asyncio.gather(*(self._supervise(g, r) for g, r in replicas))
+            await self._supervise_all()
+
+    async def _supervise_all(self, skip: Replica | None = None) -> None:
+        """One supervision pass over every replica but `skip` (the caller holds the lock)."""
+        replicas = [(g, r) for g in self.groups.values() for r in g.replicas if r is not skip]
+        await asyncio.gather(*(self._supervise(g, r) for g, r in replicas))
 
     async def _supervise(self, group: InstanceGroup, replica: Replica) -> None:
         if replica.state in (ReplicaState.STOPPED, ReplicaState.FAILED):
