@@ -158,9 +158,10 @@ class ModelPool:
             group.replicas.append(new)
             await self._launch(group, new, placement)
             if not await self._await_ready(new):
-                kept = "the replicas after it keep" if not surge else f"{old.replica_id} and the replicas after it keep"
-                if surge:
+                kept = "the replicas after it keep"
+                if surge:  # the old one never left: it stays, the new one goes
                     await self._retire(group, new)
+                    kept = f"{old.replica_id} and {kept}"
                 group.rollout["state"] = "failed"
                 group.rollout["reason"] = (f"replica {new.replica_id} exited or was not ready within "
                                            f"{self.settings.ready_timeout_s:g} s; {kept} their old settings")

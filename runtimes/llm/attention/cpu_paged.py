@@ -5,8 +5,8 @@ again; at batch 32 that copy and the padding cost as much as the attention itsel
 each sequence's block table and reads every cached key and value once (fp32 queries over an fp32 or fp16 cache,
 any head_dim, GQA). Rows with several new tokens (prefill, chunked prefill) and other dtypes go to the reference.
 
-The kernel is compiled on first use with torch's extension loader (about 15 s on 2 cores, then cached
-under torch's extension directory, `TORCH_EXTENSIONS_DIR`); `load_kernel()` raises when there is no C++
+The kernel is compiled on first use with torch's extension loader (about 15 s on 2 cores, then cached:
+runtimes/cpu_extension.py); `load_kernel()` raises when there is no C++
 compiler, and the engine then falls back to the reference path.
 """
 
