@@ -58,6 +58,7 @@ class MultiLevelConfig:
     max_long_running: int | None = 1  # long requests running at once; None: no limit
     urgent_step_max_share: float = 0.5  # of recent steps, at most this many run urgent arrivals alone (0: never)
     share_window_steps: int = 32  # the "recent" of urgent_step_max_share (exponential decay horizon)
+    interrupt_steps: bool = True  # an arrival that gets an urgent step stops the step in flight (redone later)
     busy_chunk_tokens: int | None = None  # prompt chunk cap for other lanes while interactive traffic is about
     busy_window_s: float = 10.0  # "about": an interactive arrival this recent
 
@@ -71,6 +72,8 @@ class MultiLevelConfig:
                   (0 <= self.urgent_step_max_share < 1,
                    f"urgent_step_max_share must be in [0, 1), got {self.urgent_step_max_share}"),
                   (self.share_window_steps >= 1, f"share_window_steps must be >= 1, got {self.share_window_steps}"),
+                  (isinstance(self.interrupt_steps, bool),
+                   f"interrupt_steps must be true or false, got {self.interrupt_steps!r}"),
                   (self.busy_chunk_tokens is None or self.busy_chunk_tokens >= 1,
                    f"busy_chunk_tokens must be >= 1, got {self.busy_chunk_tokens}"),
                   (self.busy_window_s >= 0, f"busy_window_s must be >= 0, got {self.busy_window_s}")]
@@ -173,6 +176,17 @@ class MultiLevelPolicy:
         """An interactive first arrival gets a step of its own while urgent steps stay within their share."""
         if lane_of(waiting) != INTERACTIVE or getattr(waiting.status, "value", None) != "waiting":
             return False
+        return self._urgent_step_allowed()
+
+    def yields_to(self, priority: int) -> bool:
+        """An interactive arrival stops the step in flight (at its next layer boundary, the step redone later) when
+        it will get a step of its own: within the same share, so the work thrown away is bounded too."""
+        return self.config.interrupt_steps and _lane(priority) == INTERACTIVE and self._urgent_step_allowed()
+
+    def step_yields(self, scheduled: Sequence[Queued]) -> bool:
+        return all(lane_of(request) != INTERACTIVE for request in scheduled)
+
+    def _urgent_step_allowed(self) -> bool:
         total, urgent = self._recent_steps
         share = self.config.urgent_step_max_share
         return share > 0 and (total < 1.0 or (urgent + 1) / (total + 1) <= share)

@@ -155,9 +155,9 @@ class QueueOptions(Frozen):
 
     scheduling: Scheduling = "fcfs"
     # policies.multilevel.MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens,
-    # max_long_running, share_window_tokens, urgent_step_max_share, share_window_steps, busy_chunk_tokens,
-    # busy_window_s); unset ones keep that class's defaults
-    multilevel: dict[str, float | int | None] = {}
+    # max_long_running, share_window_tokens, urgent_step_max_share, share_window_steps, interrupt_steps,
+    # busy_chunk_tokens, busy_window_s); unset ones keep that class's defaults
+    multilevel: dict[str, float | int | bool | None] = {}
     # policies.classify.LaneThresholds fields: the prompt/max_tokens lengths that make a request interactive
     # or background when it does not say its priority
     lanes: dict[str, int] = {}

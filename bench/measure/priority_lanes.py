@@ -1,7 +1,7 @@
-"""Priority lanes under saturation: interactive, normal and background traffic against SmolLM2 served four times
-in one gateway (same file, same limits; `POLICIES` below): `fcfs`, `multilevel` without urgent steps, with its
-defaults (urgent steps), and with short prompt chunks while interactive traffic is about. Measured side by side
-and interleaved:
+"""Priority lanes under saturation: interactive, normal and background traffic against SmolLM2 served five times
+in one gateway (same file, same limits; `POLICIES` below): `fcfs`, `multilevel` without urgent steps, with urgent
+steps that wait for the step in flight, with its defaults (urgent steps that stop it), and with short prompt chunks
+while interactive traffic is about. Measured side by side and interleaved:
 
     python -m bench.measure.priority_lanes --repeats 2
 
@@ -46,7 +46,9 @@ POLICIES = {
     "fcfs": "{scheduling: fcfs}",
     # multilevel without urgent steps: an interactive arrival's prefill runs inside the decode batch
     "multilevel-shared-steps": "{scheduling: multilevel, multilevel: {urgent_step_max_share: 0}}",
-    "multilevel": "{scheduling: multilevel}",  # the defaults: urgent steps
+    # urgent steps, but the step in flight when an interactive request arrives runs to its end
+    "multilevel-whole-steps": "{scheduling: multilevel, multilevel: {interrupt_steps: false}}",
+    "multilevel": "{scheduling: multilevel}",  # the defaults: urgent steps that stop the step in flight
     # and short prompt chunks of the other lanes while interactive traffic is about
     "multilevel-short-chunks": "{scheduling: multilevel, multilevel: {busy_chunk_tokens: 32}}",
 }

@@ -67,6 +67,8 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
         # Stamped now, not when the engine thread picks the command up, so TTFT includes that wait.
         self._commands.put(_Add(request_id, prompt, params, priority, self.engine.clock(), sink, loop,
                                 resume_token_ids))
+        # After the put: a yield that finds the queue already drained costs a part-step, one before it a full wait.
+        self.engine.request_yield(priority)
         remaining = params.n
         try:
             while remaining:
@@ -115,6 +117,7 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one if idle. False on shutdown."""
         while True:
+            self.engine.clear_yield()  # whatever asked for a yield is in the queue: taken in now
             try:
                 command = self._next_command(None if block else 0.0)
             except queue.Empty:

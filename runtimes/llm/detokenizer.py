@@ -47,6 +47,15 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped_by: str | None = None
 
+    @classmethod
+    def resumed(cls, tokenizer: Tokenizer, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
+                stop: Sequence[str] = ()) -> tuple[IncrementalDetokenizer, str]:
+        """A detokenizer that has seen `token_ids` (what a request another replica began has output so far), and the
+        text it released for them: what that replica's stream showed, and what a whole reply begins with. Text held
+        back there (a possible start of a stop string) is held back here too, so the rest comes out right."""
+        detokenizer = cls(tokenizer, skip_special_tokens=skip_special_tokens, stop=stop)
+        return detokenizer, "".join(detokenizer.add(token) for token in token_ids)
+
     @property
     def finished(self) -> bool:
         """True once a stop string has matched; further tokens are ignored."""

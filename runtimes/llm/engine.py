@@ -10,6 +10,7 @@ EngineFaultError, which ends the engine loop (the replica then reports itself de
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from runtimes.llm.config import EngineConfig, resolve_kv_dtype
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.loader import LoadedModel, load_model
+from runtimes.llm.model import StepInterrupted
 from runtimes.llm.model_runner import ModelRunner, StepResult, allocate_kv_caches, num_blocks_for_budget
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
@@ -85,6 +87,9 @@ class LLMEngine:
         self._self_check_id: str | None = None  # the self-check in flight after a request fault
         self.num_steps = 0
         self.num_request_faults = 0
+        # Set from other threads (`request_yield`): the step in flight stops at its next layer boundary.
+        self._yield_wanted = threading.Event()
+        self.num_interrupted_steps = 0
 
     @classmethod
     def from_source(cls, source: str, config: EngineConfig | None = None, **kwargs: object) -> LLMEngine:
@@ -124,6 +129,18 @@ class LLMEngine:
         self._enqueue(request_id, prompt_ids, params, max_tokens, priority,
                       self.clock() if arrival_time is None else arrival_time, resumed)
 
+    def request_yield(self, priority: int) -> None:
+        """A request of `priority` is on its way (queued for the engine's thread; safe to call from any thread): if
+        the queue policy gives such arrivals a step of their own (`QueuePolicy.yields_to`), the step in flight stops
+        at its next layer boundary, its work to be redone, so that the arrival's prefill starts at once instead of
+        after a step of other prompts' chunks."""
+        if self.scheduler.waiting.yields_to(priority):
+            self._yield_wanted.set()
+
+    def clear_yield(self) -> None:
+        """Queued arrivals are about to be taken in: a yield asked for them is no longer wanted."""
+        self._yield_wanted.clear()
+
     def _validate_resume(self, resumed: list[int], params: SamplingParams, max_tokens: int) -> list[int]:
         if not resumed:
             return resumed
@@ -148,11 +165,9 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + index
             request = Request(child_id, prompt_ids, params, max_tokens, arrival, priority,
                               self.model_config.eos_token_ids, namespace, seed, resumed)
-            detok = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
-            )
-            for token in resumed:  # the text they made was streamed already: only its state is wanted
-                detok.add(token)
+            # the text the resumed tokens made was sent already: only the detokenizer's state is wanted
+            detok, _ = IncrementalDetokenizer.resumed(self.tokenizer, resumed,
+                                                      skip_special_tokens=params.skip_special_tokens, stop=params.stop)
             if detok.finished:
                 raise InvalidRequestError(f"the resumed tokens already end in the stop string {detok.stopped_by!r}",
                                           param="resume.token_ids")
@@ -240,7 +255,13 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
-        result, faults = self._execute(plan)
+        interruptible = not plan.urgent and self.scheduler.waiting.step_yields([s.request for s in plan.scheduled])
+        try:
+            result, faults = self._execute(plan, self._yield_wanted.is_set if interruptible else None)
+        except StepInterrupted:
+            self._yield_wanted.clear()
+            self.num_interrupted_steps += 1
+            return outputs
         for item, error in faults:
             outputs += self._fail(item.request.request_id, error)
         advanced = self.scheduler.update(plan, result.sampled)
@@ -260,11 +281,13 @@ class LLMEngine:
             self._self_check_id = None  # it passed: the faults were the requests' own
         return outputs
 
-    def _execute(self, plan: SchedulerOutput) -> tuple[StepResult, list[tuple[ScheduledRequest, Exception]]]:
-        """Run the plan; a request that makes it fail is left out (with its error) and the rest run without it."""
+    def _execute(self, plan: SchedulerOutput, interrupt: Callable[[], bool] | None,
+                 ) -> tuple[StepResult, list[tuple[ScheduledRequest, Exception]]]:
+        """Run the plan; a request that makes it fail is left out (with its error) and the rest run without it.
+        `interrupt`: see `ModelRunner.execute` (StepInterrupted passes through)."""
         # A rerun is harmless: progress is counted, and seeded noise is keyed by position (runtimes/llm/sampler.py).
         outcome = run_isolating(
-            lambda part: self.runner.execute(SchedulerOutput(scheduled=list(part)), self.kv.block_tables),
+            lambda part: self.runner.execute(SchedulerOutput(scheduled=list(part)), self.kv.block_tables, interrupt),
             plan.scheduled)
         if len(outcome.parts) == 1:
             return outcome.parts[0][1], outcome.faults

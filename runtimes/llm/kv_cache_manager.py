@@ -93,13 +93,19 @@ class KVCacheManager:
             table.extend(computed_blocks)
         if num_needed > 0:
             table.extend(self.pool.allocate(num_needed))
-        if request.cache_namespace is not None:
-            self._cache_full_blocks(request, table, num_computed + num_new_tokens)
         return True
 
-    def _cache_full_blocks(self, request: Request, table: list[int], num_tokens: int) -> None:
-        """Register blocks that become full with this step's tokens (each block once per request)."""
-        num_full = num_tokens // self.block_size
+    def commit(self, request: Request) -> None:
+        """Register the request's blocks that its computed tokens have filled (each block once per request).
+
+        Called once a step's results are applied, never when slots are allocated: a block enters the cache index
+        only once its KV is written in every layer, so a step that stops part-way or fails (its KV half written)
+        leaves nothing another request could match.
+        """
+        table = self.block_tables.get(request.request_id)
+        if request.cache_namespace is None or table is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return

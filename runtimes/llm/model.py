@@ -27,6 +27,16 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetad
 # `decode_layers`' per-layer arguments: norm weights, projection weights, their packed copies, their kernels' bits
 DecodeWeights = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[int]]
 
+
+class StepInterrupted(BaseException):  # a cancellation, like asyncio.CancelledError, not an error
+    """Raised between layers when the step's `interrupt()` says an urgent arrival should not wait for it.
+
+    A BaseException, as cancellations are, so that error handling (the fault isolation's bisect-and-rerun) lets it
+    through to the engine, which drops the step's results: the KV it wrote part-way is rewritten when the same
+    tokens run again, and the prefix cache only indexes blocks of completed steps.
+    """
+
+
 # Batches of at least this many rows use a CPU pre-packed weight where the loader made one (see `Linear`).
 PACKED_MIN_ROWS = 8
 
@@ -229,7 +239,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        interrupt: Callable[[], bool] | None = None,
     ) -> torch.Tensor:  # [T, H] final hidden states
+        """`interrupt`, asked after each layer (not inside the one-call decode stack, which is short): True stops
+        the step with StepInterrupted."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a block-format table dequantizes to fp32
         rope = self.rotary.lookup(positions)
         if (native := self._decode_natively(x, rope, kv_caches, meta)) is not None:
@@ -237,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, rope, kv_cache, meta)
+            if interrupt is not None and interrupt():
+                raise StepInterrupted
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]

@@ -44,6 +44,14 @@ class QueuePolicy(Protocol):
     def urgent_step(self, waiting: Request) -> bool:
         """Whether `waiting` (the head) should start in a step of its own, the running decodes skipping it."""
 
+    def yields_to(self, priority: int) -> bool:
+        """Whether a step in flight should stop for an arrival of `priority` that `urgent_step` would give a step of
+        its own (asked from another thread than the scheduler's, before the arrival is queued)."""
+
+    def step_yields(self, scheduled: Sequence[Request]) -> bool:
+        """Whether a step running `scheduled` may stop for such an arrival (not one that runs such work already: a
+        flood of arrivals would keep stopping the step that starts the first of them)."""
+
     def on_step(self, urgent: bool) -> None:
         """A step was planned; `urgent`: one of its own for urgent arrivals (for the bound on those)."""
 
@@ -101,6 +109,12 @@ class FCFSPolicy:
 
     def urgent_step(self, waiting: Request) -> bool:
         return False  # nobody is more urgent than anyone else
+
+    def yields_to(self, priority: int) -> bool:
+        return False
+
+    def step_yields(self, scheduled: Sequence[Request]) -> bool:
+        return False
 
     def on_step(self, urgent: bool) -> None:
         return None

@@ -10,7 +10,9 @@ Order of one `schedule()`:
 Except an urgent step: when the policy says the waiting head deserves one (an interactive arrival, within a
 bound: policies/multilevel.py), the step admits only such arrivals and the running requests skip it.
 
-`update(plan, sampled)` then applies the results: progress, new tokens, stop checks, freeing.
+`update(plan, sampled)` then applies the results: progress, new tokens, stop checks, freeing, and the prefix
+cache's new full blocks. A plan that never gets its update (its step stopped part-way for an urgent arrival)
+leaves a valid state: its requests keep the blocks it allocated and recompute the same tokens in a later step.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    urgent: bool = False  # a step of its own for urgent arrivals
 
     @property
     def num_batched_tokens(self) -> int:
@@ -119,6 +122,7 @@ class Scheduler:
         return self._planned(out, urgent=False)
 
     def _planned(self, out: SchedulerOutput, urgent: bool) -> SchedulerOutput:
+        out.urgent = urgent
         for item in out.scheduled:
             self.waiting.on_scheduled(item.request, item.num_new_tokens)
         self.waiting.on_step(urgent)
@@ -237,6 +241,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += item.num_new_tokens
+            self.kv.commit(request)
             token = sampled.get(request.request_id)
             if token is None:  # a prompt chunk that did not reach the end
                 continue

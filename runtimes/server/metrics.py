@@ -72,6 +72,12 @@ class _EngineCollector(Collector):
                                           labels=LABELS)
         preemptions.add_metric(labels, float(engine.scheduler.num_preemptions))
         yield preemptions
+        interrupted = CounterMetricFamily(
+            f"{PREFIX}_num_interrupted_steps",
+            "Steps stopped part-way for an interactive arrival's step of its own (their work is redone).",
+            labels=LABELS)
+        interrupted.add_metric(labels, float(engine.num_interrupted_steps))
+        yield interrupted
 
 
 class ServerMetrics(ReplicaMetrics):

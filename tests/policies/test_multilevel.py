@@ -389,3 +389,111 @@ def test_the_scheduler_applies_the_chunk_cap_to_prompts_not_decodes():
     plan = scheduler.schedule()
     sizes = {i.request.request_id: i.num_new_tokens for i in plan.scheduled}
     assert sizes == {"short": 1, "chat": 1, "doc": 16}  # decodes whole, the document's chunk capped at 16
+
+
+def test_only_interactive_arrivals_within_the_urgent_share_stop_a_step(make_policy):
+    policy, _ = make_policy(urgent_step_max_share=0.25, share_window_steps=8)
+    assert policy.yields_to(INTERACTIVE) and not policy.yields_to(NORMAL) and not policy.yields_to(BACKGROUND)
+    assert policy.yields_to(-5)  # more urgent than interactive is clamped to it
+    for _ in range(8):  # the share is used up: no more urgent steps, so no step is stopped for one either
+        policy.on_step(True)
+    assert not policy.yields_to(INTERACTIVE) and not policy.urgent_step(Item("chat", INTERACTIVE, 0.0))
+    assert not make_policy(urgent_step_max_share=0.0)[0].yields_to(INTERACTIVE)
+
+
+def _interrupt_engine(tiny_loaded) -> LLMEngine:
+    """Prefix caching on, small blocks and steps: a long prompt's prefill takes several chunks."""
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                          scheduling="multilevel", enable_prefix_caching=True)
+    return LLMEngine(tiny_loaded(), config)
+
+
+def _solo(tiny_loaded, prompt: list[int], params: SamplingParams) -> list[int]:
+    engine = _interrupt_engine(tiny_loaded)
+    engine.add_request("solo", prompt, params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+def test_an_interactive_arrival_stops_the_step_in_flight_between_layers(tiny_loaded):
+    """The arrival is announced (`request_yield`) while a background prompt's chunk runs: the step stops after the
+    layer it is in, nothing of it is applied (no progress, no token, no block in the prefix cache), the arrival
+    gets the next step to itself, and every output is the undisturbed one. An arrival that shares the background
+    prompt's prefix only reuses blocks of completed steps (a half-written block would give it wrong KV)."""
+    shared = list(range(20, 40))
+    background_prompt = [*shared, *range(40, 60)]  # 40 tokens: three chunks of 16
+    chat_prompt = [*shared, 7, 8, 9]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = _interrupt_engine(tiny_loaded)
+    engine.add_request("bg", background_prompt, greedy, priority=BACKGROUND)
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    step()  # the first chunk: 16 tokens computed, blocks 0-3 in the prefix cache
+    request = engine.scheduler.requests["bg"]
+    assert request.num_computed_tokens == 16 and engine.kv.pool.num_cached_blocks == 4
+    layers = engine.runner.model.layers
+    seen: list[int] = []
+    original = [layer.forward for layer in layers]
+    for i, layer in enumerate(layers):
+        def forward(*args, _i=i, _f=original[i]):  # type: ignore[no-untyped-def]
+            seen.append(_i)
+            if _i == 0 and len(seen) == 1:  # the arrival comes while the first layer runs
+                engine.request_yield(INTERACTIVE)
+            return _f(*args)
+        layer.forward = forward  # type: ignore[method-assign]
+    step()
+    assert seen == [0] and engine.num_interrupted_steps == 1  # stopped after layer 0
+    assert request.num_computed_tokens == 16 and engine.kv.pool.num_cached_blocks == 4 and "bg" not in tokens
+    for i, layer in enumerate(layers):
+        layer.forward = original[i]  # type: ignore[method-assign]
+    engine.clear_yield()  # what the async engine does when it takes the arrival in
+    engine.add_request("chat", chat_prompt, greedy, priority=INTERACTIVE)
+    plan = engine.scheduler.schedule
+    plans = []
+
+    def recording():  # type: ignore[no-untyped-def]
+        out = plan()
+        plans.append((out.urgent, [item.request.request_id for item in out.scheduled]))
+        return out
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    step()
+    assert plans[0] == (True, ["chat"])
+    chat = engine.scheduler.requests.get("chat")
+    assert chat is None or chat.num_cached_tokens == 16  # hits: the first chunk's blocks only
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.num_interrupted_steps == 1  # a yield is taken once
+    assert tokens["bg"] == _solo(tiny_loaded, background_prompt, greedy)
+    assert tokens["chat"] == _solo(tiny_loaded, chat_prompt, greedy)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and all(c == 0 for c in engine.kv.pool.ref_cnt)
+
+
+def test_a_step_with_interactive_work_is_not_stopped_and_fcfs_never_yields(tiny_loaded):
+    """Neither an urgent step nor an ordinary one that runs an interactive prompt's chunk stops for the next
+    interactive arrival: under a flood, the step that starts the first of them would never finish."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine = _interrupt_engine(tiny_loaded)
+    engine.add_request("bg", list(range(5, 45)), greedy, priority=BACKGROUND)
+    engine.step()
+    engine.add_request("chat", list(range(50, 60)), greedy, priority=INTERACTIVE)
+    engine.request_yield(INTERACTIVE)  # another arrival announced: the urgent step for "chat" still runs
+    outputs = engine.step()
+    assert engine.num_interrupted_steps == 0 and [out.request_id for out in outputs] == ["chat"]
+    engine.clear_yield()
+    engine.add_request("long-chat", list(range(60, 100)), greedy, priority=INTERACTIVE)
+    engine.request_yield(INTERACTIVE)  # announced while the step that admits "long-chat" is about to run
+    engine.step()  # an ordinary step (the urgent share is used up): chat's decode and long-chat's first chunk
+    assert engine.num_interrupted_steps == 0 and engine.scheduler.requests["long-chat"].num_computed_tokens > 0
+    fcfs = LLMEngine(tiny_loaded(), EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_batched_tokens=16))
+    fcfs.add_request("a", list(range(5, 45)), greedy)
+    fcfs.request_yield(INTERACTIVE)
+    fcfs.step()
+    assert fcfs.num_interrupted_steps == 0 and fcfs.scheduler.requests["a"].num_computed_tokens == 16

@@ -102,3 +102,52 @@ def test_run_forever_drives_the_engine_on_the_calling_thread(tiny_loaded):
     engine.run_forever()  # returns once the client thread calls shutdown()
     thread.join(10)
     assert results[-1].finished and sum(len(o.new_token_ids) for o in results) == 3
+
+
+def test_an_interactive_arrival_stops_a_background_prefill_step_in_flight(tiny_loaded):
+    """Through the command queue: the arrival is announced as it is queued, the step running a background prompt
+    chunk stops, the arrival's step runs next, and both outputs are the undisturbed ones."""
+    import threading
+
+    from policies.multilevel import BACKGROUND, INTERACTIVE
+
+    def engine() -> LLMEngine:
+        return LLMEngine(tiny_loaded(), EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_batched_tokens=16,
+                                                     scheduling="multilevel"))
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    background, chat = list(range(5, 53)), [60, 61, 62]
+    async_engine = AsyncLLMEngine(engine())
+    execute = async_engine.engine.runner.execute
+    in_second_step, calls = threading.Event(), []
+
+    def announced_mid_step(plan, block_tables, interrupt=None):  # type: ignore[no-untyped-def]
+        calls.append([item.request.request_id for item in plan.scheduled])
+        if len(calls) == 2:  # bg's second chunk: hold it until the arrival has been announced
+            in_second_step.set()
+            assert async_engine.engine._yield_wanted.wait(10)
+        return execute(plan, block_tables, interrupt)
+
+    async_engine.engine.runner.execute = announced_mid_step  # type: ignore[method-assign]
+
+    async def main():
+        bg = asyncio.create_task(_collect_at(async_engine, "bg", background, greedy, BACKGROUND))
+        await asyncio.to_thread(in_second_step.wait, 10)
+        first = await _collect_at(async_engine, "chat", chat, greedy, INTERACTIVE)
+        return first, await bg
+
+    try:
+        chat_outs, bg_outs = asyncio.run(main())
+    finally:
+        async_engine.shutdown()
+    assert async_engine.engine.num_interrupted_steps == 1
+    assert calls[1] == ["bg"] and calls[2] == ["chat"]  # stopped, then the arrival's step of its own
+    expected = {name: run_to_completion(engine(), {name: (prompt, greedy)})[name].token_ids
+                for name, prompt in (("bg", background), ("chat", chat))}
+    assert [t for o in chat_outs for t in o.new_token_ids] == expected["chat"]
+    assert [t for o in bg_outs for t in o.new_token_ids] == expected["bg"]
+    assert async_engine.engine.kv.num_free_blocks == async_engine.engine.kv.num_blocks
+
+
+async def _collect_at(engine: AsyncLLMEngine, request_id: str, prompt, params: SamplingParams, priority: int):
+    return [out async for out in engine.generate(request_id, prompt, params, priority=priority)]

@@ -27,11 +27,12 @@ def make_request() -> Callable[..., Request]:
 
 
 def compute(kv: KVCacheManager, request: Request, computed_blocks: list[int] | None = None) -> None:
-    """What the scheduler + runner do for a whole prompt: take slots, then mark it computed."""
+    """What the scheduler + runner do for a whole prompt: take slots, mark it computed, commit the full blocks."""
     hits = computed_blocks or []
     start = len(hits) * kv.block_size
     assert kv.allocate_slots(request, request.num_tokens - start, hits)
     request.num_computed_tokens = request.num_tokens
+    kv.commit(request)
 
 
 def all_ref_counts_zero(pool: BlockPool) -> bool:
@@ -250,7 +251,9 @@ def test_decode_growth_registers_blocks_as_they_fill(make_request: Callable[...,
     r.num_computed_tokens += 1
     r.token_ids.append(101)  # ... and 8 fill block 1
     assert kv.allocate_slots(r, 1)
+    assert kv.pool.num_cached_blocks == 1  # slots taken, KV not yet computed: not in the index yet
     r.num_computed_tokens += 1
+    kv.commit(r)
     assert kv.pool.num_cached_blocks == 2
     assert len(kv.block_table(r.request_id)) == 2
     r.token_ids.append(102)  # token 9 needs a third block

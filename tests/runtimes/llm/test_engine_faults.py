@@ -26,12 +26,12 @@ def _poison(engine: LLMEngine, should_fail) -> list[set[str]]:
     execute = engine.runner.execute
     batches: list[set[str]] = []
 
-    def faulty(plan, block_tables):
+    def faulty(plan, block_tables, interrupt=None):
         ids = {item.request.request_id for item in plan.scheduled}
         batches.append(ids)
         if should_fail(ids):
             raise RuntimeError(f"injected fault for {sorted(ids)}")
-        return execute(plan, block_tables)
+        return execute(plan, block_tables, interrupt)
 
     engine.runner.execute = faulty  # type: ignore[method-assign]
     return batches

@@ -135,10 +135,10 @@ def test_leaving_before_the_first_token_aborts_at_once(engine, make_app, monkeyp
     execute = engine.engine.runner.execute
     steps: list[int] = []
 
-    def slow(plan, block_tables):
+    def slow(plan, block_tables, interrupt=None):
         steps.append(len(plan.scheduled))
         time.sleep(0.2)
-        return execute(plan, block_tables)
+        return execute(plan, block_tables, interrupt)
 
     monkeypatch.setattr(engine.engine.runner, "execute", slow)
     app = make_app()

@@ -22,12 +22,12 @@ def poisoned(engine, monkeypatch):
     execute = engine.engine.runner.execute
     settings = {"after": 0}
 
-    def faulty(plan, block_tables):
+    def faulty(plan, block_tables, interrupt=None):
         for item in plan.scheduled:
             request = item.request
             if request.prompt_token_ids[:4] == POISON and request.num_output_tokens >= settings["after"]:
                 raise RuntimeError("injected fault")
-        return execute(plan, block_tables)
+        return execute(plan, block_tables, interrupt)
 
     monkeypatch.setattr(engine.engine.runner, "execute", faulty)
     return settings
@@ -75,9 +75,9 @@ def test_an_engine_loop_stuck_in_a_step_makes_the_replica_unready_until_it_moves
     release = threading.Event()
     execute = engine.engine.runner.execute
 
-    def stuck(plan, block_tables):
+    def stuck(plan, block_tables, interrupt=None):
         release.wait(10)  # a hung kernel, until the test lets it go
-        return execute(plan, block_tables)
+        return execute(plan, block_tables, interrupt)
 
     client.app.state.replica.stall_timeout_s = 0.2
     monkeypatch.setattr(engine.engine.runner, "execute", stuck)
