@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.context import request_context
 from gateway.metrics import GatewayMetrics
 from gateway.request_body import request_payload
-from gateway.resume import Moved, Pump, Stalled, StreamTracker
+from gateway.resume import Moved, ProgressTracker, Pump, Stalled, StreamTracker
 from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica, ReplicaState
@@ -194,7 +194,8 @@ class Forwarder:
                                                                                ).encode()
             key = routing_key(target, request, payload)
             resume = None
-            if stream and endpoint != "embeddings" and payload.get("n", 1) == 1:
+            # A whole reply with logprobs cannot be continued: the first replica's are not in its progress.
+            if endpoint != "embeddings" and payload.get("n", 1) == 1 and (stream or _no_logprobs(payload)):
                 options = payload.get("stream_options")
                 include_usage = isinstance(options, dict) and options.get("include_usage") is True
                 resume = _Resume(group, ENDPOINTS[endpoint][0], {**payload, "model": target.name}, include_usage)
@@ -254,6 +255,13 @@ class Forwarder:
         handed_over = False
         try:
             response = await self._open(replica.base_url + ENDPOINTS[endpoint][0], content, headers, lease)
+            if (not stream and resumable and response.status_code == 200
+                    and response.headers.get(RESUMABLE_HEADER) == "1"):
+                chunks, first = await self._first_bytes(response, lease)
+                handed_over = True
+                assert call.resume is not None
+                leg = _Leg(replica, response, lease, self._pump(chunks, True), first)
+                return await self._whole_reply(request, leg, call, call.resume, headers)
             if not stream or response.status_code != 200:
                 data = await self._read_all(response, lease)
                 lease.succeeded()
@@ -332,11 +340,7 @@ class Forwarder:
                     leg.lease.succeeded()
                     return
                 except (UpstreamError, Moved) as err:
-                    if isinstance(err, (Moved, Stalled)):  # not a fault of its own: it may just be busy
-                        leg.lease.succeeded()
-                    else:
-                        self._fail(leg.lease, f"stream broke midway: {err!r}")
-                    await leg.close()
+                    await self._let_go(leg, err)
                     if tracker is None or resume is None or not (tracker.resumable or tracker.finished):
                         if not (tracker is not None and (tracker.done or tracker.failed)):
                             yield _error_event(_interrupted(model))
@@ -344,15 +348,11 @@ class Forwarder:
                     if tracker.finished:  # only the usage chunk and [DONE] were missing
                         yield tracker.ending(request_context(request.scope).prompt_tokens)
                         return
-                    cause = _cause(err, leg.replica)
-                    next_leg = await self._continuation(request, resume, tracker, call, headers, tried)
+                    next_leg = await self._resume(request, leg, err, resume, tracker.continuation(resume.payload),
+                                                  len(tracker.token_ids), call, headers, tried)
                     if next_leg is None:
                         yield _error_event(_interrupted(model))
                         return
-                    self.metrics.migrations.labels(model, cause).inc()
-                    self.metrics.resumed_tokens.labels(model).inc(len(tracker.token_ids))
-                    log.info("stream_resumed", model=model, cause=cause, replica=next_leg.replica.replica_id,
-                             from_replica=leg.replica.replica_id, tokens_sent=len(tracker.token_ids))
                     leg = next_leg
         except TimeoutError:
             assert call.deadline is not None
@@ -361,17 +361,70 @@ class Forwarder:
             await leg.close()
             self.metrics.e2e.labels(model).observe(self.clock() - call.start)
 
+    async def _whole_reply(self, request: Request, leg: _Leg, call: _Call, resume: _Resume,
+                           headers: dict[str, str]) -> Response:
+        """A non-streamed generation, read as progress (runtimes/server/wire.py PROGRESS_MEDIA_TYPE): when its replica
+        fails, stalls, answers 503 (its engine died) or is drained with migration before the reply line has come, the
+        rest is generated on another replica, and the client gets the one whole reply that ends it."""
+        progress = ProgressTracker()
+        tried = {leg.replica.replica_id}
+        try:
+            while True:
+                try:
+                    chunk: bytes | None = leg.first
+                    while chunk is not None:
+                        progress.feed(chunk)
+                        chunk = await self._next(leg, call)
+                    if progress.reply is None or progress.reply[0] == 503:
+                        raise UpstreamError("the reply ended before its last line" if progress.reply is None
+                                            else "answered 503 midway")
+                    leg.lease.succeeded()
+                    status, body = progress.reply
+                    return Response(body, status_code=status, media_type="application/json")
+                except (UpstreamError, Moved) as err:
+                    await self._let_go(leg, err)
+                    next_leg = await self._resume(request, leg, err, resume, progress.continuation(resume.payload),
+                                                  len(progress.token_ids), call, headers, tried)
+                    if next_leg is None:
+                        raise APIError(503, f"model {call.model!r}: the replica failed midway and no other could "
+                                            f"finish the reply", code="reply_interrupted") from err
+                    leg = next_leg
+        finally:
+            await leg.close()
+
+    async def _let_go(self, leg: _Leg, err: Exception) -> None:
+        """Close a leg that broke off midway; held against its replica unless it was moved or went quiet (it may just
+        be busy)."""
+        if isinstance(err, (Moved, Stalled)):
+            leg.lease.succeeded()
+        else:
+            self._fail(leg.lease, f"reply broke midway: {err!r}")
+        await leg.close()
+
+    async def _resume(self, request: Request, leg: _Leg, err: Exception, resume: _Resume, body: bytes, num_tokens: int,
+                      call: _Call, headers: dict[str, str], tried: set[str]) -> _Leg | None:
+        """The continuation (`body`: after `num_tokens` generated) of what broke off on `leg`, opened on another
+        replica of the model (`_continuation`), counted and logged; None if none could take it."""
+        next_leg = await self._continuation(request, resume, body, call, headers, tried)
+        if next_leg is None:
+            return None
+        cause = _cause(err, leg.replica)
+        self.metrics.migrations.labels(call.model, cause).inc()
+        self.metrics.resumed_tokens.labels(call.model).inc(num_tokens)
+        log.info("generation_resumed", model=call.model, cause=cause, replica=next_leg.replica.replica_id,
+                 from_replica=leg.replica.replica_id, tokens_generated=num_tokens)
+        return next_leg
+
     async def _next(self, leg: _Leg, call: _Call) -> bytes | None:
         """The next chunk (None at the end); TimeoutError at the request's deadline."""
         if call.deadline is None:
             return await leg.pump.get()
         return await asyncio.wait_for(leg.pump.get(), max(call.deadline - self.clock(), 0.0))
 
-    async def _continuation(self, request: Request, resume: _Resume, tracker: StreamTracker, call: _Call,
+    async def _continuation(self, request: Request, resume: _Resume, body: bytes, call: _Call,
                             headers: dict[str, str], tried: set[str]) -> _Leg | None:
-        """Open the rest of a broken stream on another ready replica of the model, waiting (with backoff, within
-        the request's deadline and `resume_wait_s`) for one to be ready; None if none could take it."""
-        body = tracker.continuation(resume.payload)
+        """Open the rest of a broken generation (`body`) on another ready replica of the model, waiting (with backoff,
+        within the request's deadline and `resume_wait_s`) for one to be ready; None if none could take it."""
         give_up = self.clock() + self.settings.resume_wait_s
         if call.deadline is not None:
             give_up = min(give_up, call.deadline)
@@ -469,6 +522,12 @@ class _Resume:
     include_usage: bool
 
 
+def _no_logprobs(payload: dict[str, Any]) -> bool:
+    """Whether a generation request asks for no logprobs (completions: null; chat: false or absent; 0 asks)."""
+    logprobs = payload.get("logprobs")
+    return logprobs is None or logprobs is False
+
+
 def _cause(err: Exception, replica: Replica) -> str:
     """Why a stream moved, for the migrations metric."""
     if isinstance(err, Moved):
@@ -490,7 +549,7 @@ class _Call:
     model: str
     key: str | None
     deadline: float | None
-    resume: _Resume | None = None  # set for a generation stream of one choice: it can go on elsewhere
+    resume: _Resume | None = None  # set for a generation of one choice that can go on elsewhere
 
 
 def routing_key(spec: ModelSpec, request: Request, payload: dict[str, Any]) -> str | None:

@@ -1,5 +1,5 @@
-"""Resumable streams, the gateway's side: what a relayed generation has shown its client, and reading a replica's
-reply in a way that can be stopped at any moment.
+"""Resumable generations, the gateway's side: what a relayed stream has shown its client, what a non-streamed
+reply's replica has generated so far, and reading a replica's reply in a way that can be stopped at any moment.
 
 A generation stream is resumable when the gateway asked for token ids (runtimes/server/wire.py RESUMABLE_HEADER)
 and the replica answered with them. `StreamTracker` passes its events on whole, without their token-id comment
@@ -7,6 +7,7 @@ lines, and keeps what a continuation needs: the ids of every token the client ha
 `created`, and whether the choice has finished. When the replica fails, times out or is drained with migration
 mid-stream, the forwarder (gateway/proxy.py) sends `continuation()` to another replica of the model, and that
 stream goes on through the same tracker: the client sees one stream, with one id, every token once.
+`ProgressTracker` does the same for a non-streamed generation, whose client only ever sees the final reply.
 
 `Pump` reads a reply's chunks in a task of its own into a small queue, so that a relay waiting for the next chunk
 can be told to stop (`stop()`: the replica is being drained with migration) without cancelling the relay itself.
@@ -20,10 +21,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from gateway.upstream import UpstreamTimeout
-from runtimes.server.wire import RESUME_FIELD, TOKENS_COMMENT
+from gateway.upstream import UpstreamError, UpstreamTimeout
+from runtimes.server.wire import REPLY_LINE, RESUME_FIELD, TOKENS_COMMENT
 
 _TOKENS = TOKENS_COMMENT.encode()
+_REPLY = REPLY_LINE.encode()
 _DATA = b"data: "
 
 
@@ -111,6 +113,51 @@ class StreamTracker:
                      "choices": [], "usage": usage}
             tail = _DATA + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
         return tail + b"data: [DONE]\n\n"
+
+
+class ProgressTracker:
+    """Follows a non-streamed generation's progress reply (runtimes/server/wire.py PROGRESS_MEDIA_TYPE): the ids of
+    the tokens generated so far, then the final status and reply. The client sees only that reply, so a continuation
+    needs nothing but the token ids, and the replica that finishes answers with the whole text."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.status: int | None = None  # set once the reply line has come; the body follows it
+        self._body: list[bytes] = []
+        self._pending = b""
+
+    @property
+    def reply(self) -> tuple[int, bytes] | None:
+        """The final status and body, once the reply line has come (the body is whole when the reply has ended)."""
+        return None if self.status is None else (self.status, b"".join(self._body))
+
+    def feed(self, data: bytes) -> None:
+        """Take what has arrived; UpstreamError for a line that is neither a token line nor the reply line."""
+        if self.status is not None:
+            self._body.append(data)
+            return
+        buffer = self._pending + data
+        while True:
+            line, newline, rest = buffer.partition(b"\n")
+            if not newline:
+                self._pending = buffer
+                return
+            buffer = rest
+            ids = line[len(_TOKENS):].split(b",") if line.startswith(_TOKENS) else []
+            if ids and all(t.isdigit() for t in ids):
+                self.token_ids.extend(map(int, ids))
+            elif line.startswith(_REPLY) and line[len(_REPLY):].isdigit():
+                self.status, self._pending = int(line[len(_REPLY):]), b""
+                self._body.append(buffer)
+                return
+            else:
+                raise UpstreamError(f"not a progress line: {line[:80]!r}")
+
+    def continuation(self, payload: dict[str, Any]) -> bytes:
+        """The body that asks another replica to go on after the tokens generated so far; what the broken reply had
+        begun of a line (its tokens are made again) or of a reply it did not finish is dropped."""
+        self._pending, self.status, self._body = b"", None, []
+        return json.dumps({**payload, RESUME_FIELD: {"token_ids": self.token_ids}}).encode()
 
 
 class Moved(Exception):

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from policies.classify import classify
 from runtimes.llm.async_engine import AsyncLLMEngine
+from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.errors import APIError
@@ -34,7 +35,15 @@ from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest, S
 from runtimes.server.replica import ProbeFailed
 from runtimes.server.replica_app import DEFAULT_MAX_BODY_BYTES, ReplicaEndpoints, assemble_app
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_body, completion_body
-from runtimes.server.streaming import Event, SSEResponse, chat_events, completion_events, sse_stream
+from runtimes.server.streaming import (
+    Event,
+    ProgressResponse,
+    SSEResponse,
+    chat_events,
+    completion_events,
+    progress_lines,
+    sse_stream,
+)
 from runtimes.server.wire import RESUMABLE_HEADER
 
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
@@ -89,7 +98,7 @@ class _Server(ReplicaEndpoints):
             prompt = await anyio.to_thread.run_sync(self.engine.engine.tokenizer.encode, prompt)
         lane = self._lane(request, body.priority, prompt, params)
         gen = Generation(self.engine, f"cmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock,
-                         body.resume_token_ids)
+                         body.resume_token_ids, self._resumed_text(body, params))
         logprobs = self.logprobs if params.logprobs is not None else None
         # a resumed stream's logprob offsets go on from the text its first part showed
         offset = sum(len(self.logprobs.token(t)) for t in body.resume_token_ids) if logprobs is not None else 0
@@ -104,7 +113,7 @@ class _Server(ReplicaEndpoints):
         prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
         lane = self._lane(request, body.priority, prompt, params)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock,
-                         body.resume_token_ids)
+                         body.resume_token_ids, self._resumed_text(body, params))
         logprobs = self.logprobs if params.logprobs is not None else None
         num_top = body.top_logprobs or 0
         resumed = body.multiserve_resume is not None
@@ -112,6 +121,17 @@ class _Server(ReplicaEndpoints):
             request, gen, body,
             lambda meta: chat_events(gen, meta, body.include_usage, logprobs, num_top, resumed),
             lambda meta, choices: chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top))
+
+    def _resumed_text(self, body: SamplingFields, params: SamplingParams) -> str:
+        """What a whole reply that another replica began starts with: the text of the tokens it had generated (a
+        stream's client has that text already: "")."""
+        if body.multiserve_resume is None or body.stream:
+            return ""
+        if params.logprobs is not None:  # the reply would lack the first replica's logprobs
+            raise APIError(400, "a continued reply cannot have logprobs", param="multiserve_resume")
+        _, text = IncrementalDetokenizer.resumed(self.engine.engine.tokenizer, body.resume_token_ids,
+                                                 skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+        return text
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """Render the chat template and tokenize (templates write their own BOS)."""
@@ -140,12 +160,13 @@ class _Server(ReplicaEndpoints):
         """Submit `gen` and answer with the stream of its `events` once its first output is in, or with its `whole`
         body. A refused request raises here (400, 429); a client that leaves first (while it is queued, in prefill
         or, not streamed, at any point) gets 499 and its request is aborted, not run for nobody. A continuation
-        (`multiserve_resume`) keeps the first stream's id and creation time."""
+        (`multiserve_resume`) keeps the first stream's id and creation time. A gateway that may continue a whole reply
+        elsewhere (RESUMABLE_HEADER) gets it as progress (`ProgressResponse`)."""
         resume, stream = body.multiserve_resume, body.stream
 
         async def started() -> ResponseMeta:
             await gen.start()
-            if resume is not None:
+            if resume is not None and resume.id is not None and resume.created is not None:
                 return ResponseMeta(resume.id, resume.created, body.model)
             return ResponseMeta(gen.request_id, int(self.wall_clock()), body.model)
 
@@ -153,12 +174,13 @@ class _Server(ReplicaEndpoints):
             meta = await started()
             return whole(meta, await gen.collect())
 
-        if stream:
+        resumable = request.headers.get(RESUMABLE_HEADER) == "1"
+        if stream or resumable:
             meta = await until_disconnect(request, started)
-            if meta is not None:
-                with_token_ids = request.headers.get(RESUMABLE_HEADER) == "1"
-                return SSEResponse(sse_stream(events(meta), gen, with_token_ids), gen.num_prompt_tokens,
-                                   with_token_ids)
+            if meta is not None and stream:
+                return SSEResponse(sse_stream(events(meta), gen, resumable), gen.num_prompt_tokens, resumable)
+            if meta is not None:  # a whole reply, preceded by the progress a gateway needs to continue it elsewhere
+                return ProgressResponse(progress_lines(gen, lambda choices: whole(meta, choices)))
         else:
             reply = await until_disconnect(request, collected)
             if reply is not None:

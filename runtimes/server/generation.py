@@ -52,12 +52,15 @@ class Generation:
         metrics: ServerMetrics,
         clock: Callable[[], float],
         resume_token_ids: Sequence[int] = (),
+        resumed_text: str = "",
     ) -> None:
-        """`resume_token_ids`: what another replica streamed of this request (n = 1); they count in its usage, and
-        generation goes on after them."""
+        """`resume_token_ids`: what another replica generated of this request (n = 1); they count in its usage, and
+        generation goes on after them. `resumed_text`: where the choice's text starts (theirs, for a whole reply)."""
         self.request_id = request_id
         self.choices = [Choice(i) for i in range(params.n)]
         self.choices[0].token_ids.extend(resume_token_ids)
+        if resumed_text:
+            self.choices[0].text_parts.append(resumed_text)
         self.num_prompt_tokens = 0
         self._metrics = metrics
         self._clock = clock

@@ -30,12 +30,13 @@ class StreamOptions(_Strict):
 
 class ResumeFields(_Strict):
     """A continuation (`multiserve_resume`, sent by the gateway): the request as first sent, plus what another replica
-    had streamed of it. The stream that answers keeps the first one's `id` and `created` and goes on after `token_ids`
-    (runtimes/llm/engine.py `add_request`)."""
+    had generated of it. Generation goes on after `token_ids` (runtimes/llm/engine.py `add_request`); a stream keeps
+    the first one's `id` and `created` (a whole reply, of which the client has seen nothing, gets its own when they
+    are not given)."""
 
     token_ids: list[int] = Field(max_length=1 << 20)  # none yet: a chat stream had sent only its role
-    id: str = Field(min_length=1, max_length=128)
-    created: int = Field(ge=0, le=1 << 40)
+    id: str | None = Field(None, min_length=1, max_length=128)
+    created: int | None = Field(None, ge=0, le=1 << 40)
 
 
 class SamplingFields(_Strict):
@@ -91,9 +92,9 @@ class SamplingFields(_Strict):
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequestError(
                 f"best_of other than n is not supported (best_of={self.best_of}, n={self.n})", param="best_of")
-        if self.multiserve_resume is not None and not (self.stream and self.n == 1):
-            raise InvalidRequestError("multiserve_resume continues a stream of one choice: it needs stream true and "
-                                      "n = 1", param="multiserve_resume")
+        if self.multiserve_resume is not None and self.n != 1:
+            raise InvalidRequestError(f"multiserve_resume continues a request of one choice: it needs n = 1, got "
+                                      f"n = {self.n}", param="multiserve_resume")
 
     @property
     def resume_token_ids(self) -> list[int]:

@@ -9,7 +9,7 @@ against `http.disconnect` (runtimes/server/disconnect.py).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -17,10 +17,10 @@ import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtimes.server.errors import LOGGED_WHERE_RAISED, error_payload
-from runtimes.server.generation import Generation
+from runtimes.server.errors import LOGGED_WHERE_RAISED, error_payload, to_api_error
+from runtimes.server.generation import Choice, Generation
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
-from runtimes.server.wire import PROMPT_TOKENS_HEADER, RESUMABLE_HEADER, TOKENS_COMMENT
+from runtimes.server.wire import PROGRESS_MEDIA_TYPE, PROMPT_TOKENS_HEADER, REPLY_LINE, RESUMABLE_HEADER, TOKENS_COMMENT
 
 log = structlog.get_logger(__name__)
 DONE = "data: [DONE]\n\n"
@@ -31,27 +31,34 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response that always closes its event generator, however the response ends."""
+class _ClosingResponse(StreamingResponse):
+    """A streamed response that always closes its generator, however the response ends."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncGenerator[str, None], num_prompt_tokens: int | None = None,
-                 with_token_ids: bool = False) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        if num_prompt_tokens is not None:  # so a gateway can count a stream's tokens without a usage chunk
-            headers[PROMPT_TOKENS_HEADER] = str(num_prompt_tokens)
-        if with_token_ids:  # says the events carry their token ids: the gateway can resume the stream elsewhere
-            headers[RESUMABLE_HEADER] = "1"
-        super().__init__(events, headers=headers)
-        self._events = events
+    def __init__(self, parts: AsyncGenerator[str, None], headers: dict[str, str]) -> None:
+        super().__init__(parts, headers={"Cache-Control": "no-cache", **headers})
+        self._parts = parts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             # A failed send (client gone) leaves the generator suspended at a yield; close it now, not at GC.
-            await self._events.aclose()
+            await self._parts.aclose()
+
+
+class SSEResponse(_ClosingResponse):
+    """A text/event-stream response of generation events."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None], num_prompt_tokens: int | None = None,
+                 with_token_ids: bool = False) -> None:
+        headers = {"X-Accel-Buffering": "no"}
+        if num_prompt_tokens is not None:  # so a gateway can count a stream's tokens without a usage chunk
+            headers[PROMPT_TOKENS_HEADER] = str(num_prompt_tokens)
+        if with_token_ids:  # says the events carry their token ids: the gateway can resume the stream elsewhere
+            headers[RESUMABLE_HEADER] = "1"
+        super().__init__(events, headers)
 
 
 async def sse_stream(events: AsyncGenerator[Event, None], generation: Generation,
@@ -74,6 +81,39 @@ async def sse_stream(events: AsyncGenerator[Event, None], generation: Generation
         yield DONE
     finally:
         await events.aclose()
+        await generation.aclose()
+
+
+class ProgressResponse(_ClosingResponse):
+    """A non-streamed generation's progress, for a gateway that may continue it elsewhere (runtimes/server/wire.py
+    PROGRESS_MEDIA_TYPE): token-id lines as outputs come, then the status line and the whole reply."""
+
+    media_type = PROGRESS_MEDIA_TYPE
+
+    def __init__(self, lines: AsyncGenerator[str, None]) -> None:
+        super().__init__(lines, {RESUMABLE_HEADER: "1"})
+
+
+async def progress_lines(generation: Generation,
+                         whole: Callable[[list[Choice]], dict[str, Any]]) -> AsyncGenerator[str, None]:
+    """The lines of a `ProgressResponse`: the ids of each output's tokens, then the reply line with the status and
+    `whole(choices)`, or the error's status and body when generation fails midway. The last output's ids are left
+    out: a gateway that has them all but no reply line would ask to go on after a finished generation (past its
+    EOS, or with nothing of max_tokens left); without them, a continuation makes that last token again."""
+    status, reply = 200, None
+    try:
+        try:
+            async for out in generation.outputs():
+                if out.new_token_ids and not out.finished:
+                    yield f"{TOKENS_COMMENT}{','.join(map(str, out.new_token_ids))}\n"
+            reply = whole(generation.choices)
+        except Exception as exc:
+            if not isinstance(exc, LOGGED_WHERE_RAISED):
+                log.exception("request failed", request_id=generation.request_id)
+            error = to_api_error(exc)
+            status, reply = error.status, error.payload()
+        yield f"{REPLY_LINE}{status}\n{json.dumps(reply, ensure_ascii=False, separators=(',', ':'))}"
+    finally:
         await generation.aclose()
 
 

@@ -18,6 +18,14 @@ REPLICA_TOKEN_ENV = "MULTISERVE_REPLICA_TOKEN"
 RESUMABLE_HEADER = "x-multiserve-resumable"
 TOKENS_COMMENT = ": multiserve-tokens "
 
-# In the body of a continuation (runtimes/server/protocol.py ResumeFields): the tokens already streamed, and the id
-# and creation time the continued stream keeps.
+# A non-streamed generation asked for with RESUMABLE_HEADER is answered, once its first token is out, as progress
+# (media type PROGRESS_MEDIA_TYPE): a TOKENS_COMMENT line for each output that carries tokens, then a line
+# REPLY_LINE + "<status>" and, as the rest of the body, the reply (JSON) the client is to get with that status. If
+# the replica fails before that line, the gateway continues the request elsewhere, and only the final reply, from
+# whichever replica finished it, reaches the client.
+PROGRESS_MEDIA_TYPE = "application/x-multiserve-progress"
+REPLY_LINE = ": multiserve-reply "
+
+# In the body of a continuation (runtimes/server/protocol.py ResumeFields): the tokens already generated, and (for a
+# stream) the id and creation time the continued stream keeps.
 RESUME_FIELD = "multiserve_resume"

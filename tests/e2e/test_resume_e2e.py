@@ -1,6 +1,7 @@
 """No broken streams: a replica killed mid-generation, or drained with migration, and every stream goes on on the
-other replica, on the same client connection, with the text the undisturbed run gives (real gateway, real workers,
-the official openai client; the module's own `gateway` from tests/e2e/conftest.py: two tiny-chat replicas)."""
+other replica, on the same client connection, with the text the undisturbed run gives; a non-streamed request is
+finished there too, as one whole reply (real gateway, real workers, the official openai client; the module's own
+`gateway` from tests/e2e/conftest.py: two tiny-chat replicas)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @dataclass
 class Run:
-    """One streamed completion as its client saw it."""
+    """One completion as its client saw it (streamed, or `whole`)."""
 
+    whole: bool = False
     text: str = ""
     ids: set[str] = field(default_factory=set)
     chunks: int = 0
@@ -31,14 +33,20 @@ class Run:
     error: str | None = None
 
 
-def _requests(count_greedy: int, count_seeded: int) -> list[dict]:
+def _requests(count_greedy: int, count_seeded: int, count_whole: int = 0) -> list[dict]:
+    """Streamed greedy and seeded requests, then `count_whole` non-streamed ones (greedy and seeded in turn)."""
     requests = [{"prompt": f"request {i}: the story goes", "temperature": 0.0} for i in range(count_greedy)]
     requests += [{"prompt": f"sampled {i}: once upon a time", "temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
                  for i in range(count_seeded)]
+    requests += [{"prompt": f"whole {i}: it was late", "whole": True,
+                  **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 300 + i})}
+                 for i in range(count_whole)]
     return requests
 
 
 async def _stream(client: openai.AsyncOpenAI, request: dict, run: Run) -> None:
+    if request.get("whole"):
+        return await _whole(client, {k: v for k, v in request.items() if k != "whole"}, run)
     try:
         stream = await client.completions.create(model="tiny-chat", max_tokens=MAX_TOKENS, stream=True,
                                                  stream_options={"include_usage": True},
@@ -55,6 +63,20 @@ async def _stream(client: openai.AsyncOpenAI, request: dict, run: Run) -> None:
         run.error = repr(err)
 
 
+async def _whole(client: openai.AsyncOpenAI, request: dict, run: Run) -> None:
+    run.whole = True
+    try:
+        completion = await client.completions.create(model="tiny-chat", max_tokens=MAX_TOKENS,
+                                                     extra_body={"ignore_eos": True}, **request)
+    except Exception as err:
+        run.error = repr(err)
+        return
+    run.ids.add(completion.id)
+    run.text, run.finish_reason = completion.choices[0].text, completion.choices[0].finish_reason
+    assert completion.usage is not None
+    run.usage = (completion.usage.prompt_tokens, completion.usage.completion_tokens)
+
+
 async def _run_all(gateway: Gateway, requests: list[dict], disturb=None) -> list[Run]:
     """Stream every request at once; `disturb(runs)` runs alongside (it waits for what it needs)."""
     runs = [Run() for _ in requests]
@@ -69,7 +91,7 @@ async def _run_all(gateway: Gateway, requests: list[dict], disturb=None) -> list
 
 async def _until_all_streaming(runs: list[Run], min_chunks: int = 3, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not all(run.chunks >= min_chunks or run.error for run in runs):
+    while not all(run.chunks >= min_chunks or run.error or run.whole for run in runs):
         assert time.monotonic() < deadline, "the streams did not start"
         await asyncio.sleep(0.005)
     assert not any(run.finish_reason for run in runs), "a stream ended before the disturbance: make them longer"
@@ -88,7 +110,7 @@ def _assert_same(runs: list[Run], reference: list[Run]) -> None:
         assert run.error is None, f"request {i}: {run.error}"
         assert run.finish_reason == "length" and run.usage is not None and run.usage[1] == MAX_TOKENS, i
         assert run.usage == ref.usage, i
-        assert len(run.ids) == 1, f"request {i} changed its id: {run.ids}"
+        assert len(run.ids) == 1, f"request {i} changed its id: {run.ids}"  # (a whole reply's is its own)
         assert run.text == ref.text, f"request {i} differs from its undisturbed run"
 
 
@@ -101,9 +123,10 @@ def _wait_all_ready(gateway: Gateway, timeout_s: float = 60.0) -> None:
 
 def test_a_replica_killed_mid_stream_loses_no_stream(gateway):
     _wait_all_ready(gateway)
-    requests = _requests(16, 8)
+    requests = _requests(16, 8, count_whole=6)
     reference = asyncio.run(_run_all(gateway, requests))
     assert all(r.error is None for r in reference)
+    retries_before = _metric(gateway, 'multiserve_gateway_retries_total{model="tiny-chat"}')
     killed: list[dict] = []
 
     async def kill_busiest(runs: list[Run]) -> None:
@@ -113,8 +136,10 @@ def test_a_replica_killed_mid_stream_loses_no_stream(gateway):
         os.kill(victim["pid"], signal.SIGKILL)
 
     runs = asyncio.run(_run_all(gateway, requests, kill_busiest))
-    assert killed and killed[0]["in_flight"] >= 12  # the one serving most of them
+    assert killed and killed[0]["in_flight"] >= 15  # the one serving most of them
     _assert_same(runs, reference)
+    # the whole replies the killed replica had were continued, not sent again from the start (a retry)
+    assert _metric(gateway, 'multiserve_gateway_retries_total{model="tiny-chat"}') == retries_before
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
     assert 'multiserve_gateway_stream_migrations_total{cause="replica_failed",model="tiny-chat"}' in metrics
     _wait_all_ready(gateway)  # the pool restarts it
@@ -196,6 +221,10 @@ def test_a_live_engine_edit_rolls_out_without_breaking_a_stream(gateway):
 
 
 def _migrations(gateway: Gateway, cause: str) -> float:
+    return _metric(gateway, f'multiserve_gateway_stream_migrations_total{{cause="{cause}",model="tiny-chat"}}')
+
+
+def _metric(gateway: Gateway, sample: str) -> float:
+    """The value of one sample (name and labels as exposed) of the gateway's metrics; 0 when absent."""
     text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-    prefix = f'multiserve_gateway_stream_migrations_total{{cause="{cause}",model="tiny-chat"}} '
-    return sum(float(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix))
+    return sum(float(line.removeprefix(f"{sample} ")) for line in text.splitlines() if line.startswith(f"{sample} "))

@@ -182,8 +182,11 @@ class FakeReplicas:
             except asyncio.CancelledError:
                 self.cancelled[host] += 1
                 raise
+        resumable = request.headers.get("x-multiserve-resumable") == "1"
         if body.get("stream") is True:
-            return self._stream(host, body, behaviour, request.headers.get("x-multiserve-resumable") == "1")
+            return self._stream(host, body, behaviour, resumable)
+        if resumable:
+            return self._progress(host, request.url.path, body, behaviour)
         return httpx.Response(200, json=_reply(host, request.url.path, body))
 
     def _refuse(self, request: httpx.Request, behaviour: str) -> httpx.Response | None:
@@ -244,6 +247,23 @@ class FakeReplicas:
             chunks.append(sse({"id": stream_id, "object": "chat.completion.chunk", "created": 7,
                                "model": body.get("model"), "choices": [], "usage": usage}))
         return self._send_stream(host, [*chunks, b"data: [DONE]\n\n"], behaviour, {"x-multiserve-resumable": "1"})
+
+    def _progress(self, host: str, path: str, body: dict[str, Any], behaviour: str) -> httpx.Response:
+        """A whole reply as a replica sends it to a gateway that may continue it: the ids of tokens 100 + i (all but
+        the last), then the reply line and the reply, whose text is every token's `tok<i>` (a continuation's too)."""
+        resume = body.get("multiserve_resume") or {}
+        chunks = [f": multiserve-tokens {100 + i}\n".encode()
+                  for i in range(len(resume.get("token_ids", ())), NUM_STREAM_CHUNKS - 1)]
+        reply = _reply(host, path, body)
+        text = "".join(f"tok{i}" for i in range(NUM_STREAM_CHUNKS))
+        if path == "/v1/completions":
+            reply["choices"][0]["text"] = text
+        else:
+            reply["choices"][0]["message"]["content"] = text
+        reply["usage"] = {"prompt_tokens": 3, "completion_tokens": NUM_STREAM_CHUNKS, "total_tokens": 7}
+        chunks.append(b": multiserve-reply 200\n" + json.dumps(reply).encode())
+        return self._send_stream(host, chunks, behaviour, {"content-type": "application/x-multiserve-progress",
+                                                           "x-multiserve-resumable": "1"})
 
     def _send_stream(self, host: str, chunks: list[bytes], behaviour: str,
                      headers: dict[str, str] | None = None) -> httpx.Response:

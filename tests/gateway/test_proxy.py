@@ -283,8 +283,10 @@ def test_outstanding_counts_requests_in_flight_and_returns_to_zero(with_gateway)
         gw.replicas.set("alpha/1", "down")
         await gw.client.post("/v1/chat/completions", json=chat())
         assert [sum(counts.values()) for counts in in_flight] == [1] * len(in_flight)
-        # 3 served (the broken stream resumed on alpha/0: one more) + alpha/0, alpha/1 and beta/0 for the last one
-        assert len(in_flight) == 7
+        hosts = [r.host for r in gw.replicas.received]
+        # 3 served (what broke off on alpha/1 resumed on alpha/0: one more each) + what the last one tried
+        assert len(in_flight) == len(hosts) and hosts[-1] == "fake-beta-0"
+        assert hosts[:6] == ["fake-alpha-1", "fake-alpha-0"] * 3, hosts
         assert set(gw.outstanding().values()) == {0}
 
     with_gateway(scenario)

@@ -1,6 +1,6 @@
-"""Resumable streams at the gateway, against fake replicas that speak the protocol (tests/gateway/fakes.py): a
-stream that breaks, stalls or whose replica is drained with migration goes on elsewhere, seamlessly; the pieces
-(`StreamTracker`, `Pump`) on their own."""
+"""Resumable generations at the gateway, against fake replicas that speak the protocol (tests/gateway/fakes.py): a
+stream or a whole reply that breaks, stalls or whose replica is drained with migration goes on elsewhere, seamlessly;
+the pieces (`StreamTracker`, `ProgressTracker`, `Pump`) on their own."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.proxy import ProxySettings
-from gateway.resume import Moved, Pump, StreamTracker
+from gateway.resume import Moved, ProgressTracker, Pump, StreamTracker
 from tests.gateway.fakes import ADMIN_TOKEN, NUM_STREAM_CHUNKS, FakeGateway, Received, chat
 
 ALL_TOKENS = [f"tok{i}" for i in range(NUM_STREAM_CHUNKS)]
@@ -141,7 +141,100 @@ def test_with_nowhere_to_go_the_stream_ends_in_band_after_resume_wait(with_gatew
     with_gateway(scenario, proxy_settings=ProxySettings(resume_wait_s=5.0))
 
 
+def test_a_whole_reply_whose_replica_breaks_midway_is_finished_on_another(with_gateway):
+    """Not streamed: the client gets one whole reply, from the replica that finished it, with every token; the
+    continuation carried the ids the first one had generated."""
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("alpha/0", "break_midstream")
+        gw.replicas.set("alpha/1", "down")
+
+        def up_again(received: Received) -> None:
+            gw.replicas.set("alpha/1", "ok")
+
+        gw.replicas.on_request = up_again
+        response = await gw.client.post("/v1/chat/completions", json=chat(max_tokens=4))
+        assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+        reply = response.json()
+        assert reply["choices"][0]["message"]["content"] == "".join(ALL_TOKENS) and reply["replica"] == "fake-alpha-1"
+        assert reply["usage"]["completion_tokens"] == NUM_STREAM_CHUNKS
+        [resumed] = continuations(gw)
+        assert resumed.host == "fake-alpha-1" and "stream" not in resumed.body  # as the client sent it
+        assert resumed.body["multiserve_resume"] == {"token_ids": [100, 101]}
+        assert gw.replicas.received[0].headers["x-multiserve-resumable"] == "1"
+        assert gw.metric("multiserve_gateway_stream_migrations_total", model="alpha", cause="replica_failed") == 1
+        assert gw.metric("multiserve_gateway_resumed_tokens_total", model="alpha") == 2
+        assert set(gw.outstanding().values()) == {0}
+
+    with_gateway(scenario)
+
+
+def test_a_whole_reply_moves_at_once_when_its_replica_is_drained_with_migration(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("alpha/0", "stall_midstream")  # two token lines, then silence (30 s)
+        gw.replicas.set("alpha/1", "down")
+        request = asyncio.create_task(gw.client.post("/v1/completions", json={"model": "alpha", "prompt": "hi"}))
+        while gw.outstanding().get("alpha/0") != 1:
+            await asyncio.sleep(0.001)
+        gw.replicas.set("alpha/1", "ok")
+        await asyncio.sleep(0.05)
+        admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+        assert (await gw.client.post("/admin/replicas/alpha/0/drain", json={"migrate": True},
+                                     headers=admin)).status_code == 200
+        response = await asyncio.wait_for(request, 5.0)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == "".join(ALL_TOKENS)
+        assert [r.body["multiserve_resume"] for r in continuations(gw)] == [{"token_ids": [100, 101]}]
+        assert gw.metric("multiserve_gateway_stream_migrations_total", model="alpha", cause="drained") == 1
+
+    with_gateway(scenario)
+
+
+def test_a_whole_reply_with_logprobs_or_several_choices_is_not_asked_for_as_progress(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        for extra in ({"logprobs": True}, {"n": 2}):
+            response = await gw.client.post("/v1/chat/completions", json=chat(**extra))
+            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"].startswith(
+                "hello from")
+        completions = await gw.client.post("/v1/completions", json={"model": "alpha", "prompt": "hi", "logprobs": 0})
+        assert completions.status_code == 200
+        assert all("x-multiserve-resumable" not in r.headers for r in gw.replicas.received)
+
+    with_gateway(scenario)
+
+
+def test_with_nowhere_to_go_a_whole_reply_is_a_503_after_resume_wait(with_gateway):
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("beta/0", "break_midstream")
+        gw.replicas.on_request = lambda received: gw.pool.drain("beta/0")
+        response = await gw.client.post("/v1/chat/completions", json=chat("beta"))
+        assert response.status_code == 503 and response.json()["error"]["code"] == "reply_interrupted"
+        assert 5.0 <= sum(gw.proxy_sleep.delays) < 6.0
+
+    with_gateway(scenario, proxy_settings=ProxySettings(resume_wait_s=5.0))
+
+
 # ------------------------------------------------------------------------------------ the pieces
+
+
+def test_progress_tracker_reads_lines_across_chunks_and_keeps_the_reply_whole():
+    progress = ProgressTracker()
+    for chunk in (b": multiserve-tokens 5\n: multiserve-to", b"kens 6,7\n", b": multiserve-reply 200\n{\"a\": ",
+                  b"1}"):
+        progress.feed(chunk)
+    assert progress.token_ids == [5, 6, 7] and progress.reply == (200, b'{"a": 1}')
+    again = json.loads(progress.continuation({"model": "m", "stream": False}))
+    assert again == {"model": "m", "stream": False, "multiserve_resume": {"token_ids": [5, 6, 7]}}
+    assert progress.reply is None  # a continuation starts a new reply
+    broken = ProgressTracker()
+    broken.feed(b": multiserve-tokens 1\n: multiserve-tok")  # the rest of that line never came
+    assert json.loads(broken.continuation({}))["multiserve_resume"] == {"token_ids": [1]}
+
+
+@pytest.mark.parametrize("line", [b"data: {}\n", b": multiserve-tokens 1,x\n", b": multiserve-reply ok\n"])
+def test_progress_tracker_refuses_a_line_it_does_not_know(line):
+    from gateway.upstream import UpstreamError
+
+    with pytest.raises(UpstreamError, match="not a progress line"):
+        ProgressTracker().feed(line)
 
 
 def _event(tokens: list[int] | None, payload: str) -> bytes:

@@ -35,7 +35,8 @@ def test_records_usage_of_replies_and_counts_streams_without_usage(with_gateway,
     assert [(r["model"], r["endpoint"], r["status"]) for r in rows] == [
         ("alpha", "chat", 200), ("beta", "chat", 200), ("comp", "completions", 200), (None, "chat", 404)]
     first, stream, completion = rows[:3]
-    assert (first["prompt_tokens"], first["output_tokens"], first["usage"]) == (3, 2, "reported")
+    # the reply's own usage (the fake's progress reply, which the gateway asks for, has NUM_STREAM_CHUNKS tokens)
+    assert (first["prompt_tokens"], first["output_tokens"], first["usage"]) == (3, NUM_STREAM_CHUNKS, "reported")
     assert first["lane"] == "interactive"  # 3 prompt tokens, max_tokens 16: short both ways
     assert first["end_s"] >= first["start_s"] > 0
     assert (stream["stream"], stream["output_tokens"], stream["usage"]) == (True, NUM_STREAM_CHUNKS, "counted")
