@@ -183,8 +183,8 @@ class MultiLevelPolicy:
         it will get a step of its own: within the same share, so the work thrown away is bounded too."""
         return self.config.interrupt_steps and _lane(priority) == INTERACTIVE and self._urgent_step_allowed()
 
-    def step_yields(self, scheduled: Sequence[Queued]) -> bool:
-        return all(lane_of(request) != INTERACTIVE for request in scheduled)
+    def step_yields(self, prefilling: Sequence[Queued]) -> bool:
+        return all(lane_of(request) != INTERACTIVE for request in prefilling)
 
     def _urgent_step_allowed(self) -> bool:
         total, urgent = self._recent_steps

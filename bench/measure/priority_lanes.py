@@ -159,21 +159,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=40.0)
     parser.add_argument("--settle-s", type=float, default=5.0, help="background start-up before interactive load")
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    # A step cannot be interrupted: an arrival waits for the one in flight, so the per-step token budget bounds
-    # what any policy can do for TTFT (Sarathi-Serve's chunk size trade-off between latency and throughput).
+    # Unless a policy stops the step in flight for an arrival, it waits for it, so the per-step token budget bounds
+    # what a policy can do for TTFT (Sarathi-Serve's chunk size trade-off between latency and throughput).
     parser.add_argument("--max-num-batched-tokens", type=int, default=128)
     parser.add_argument("--background-concurrency", type=int, default=12)
     parser.add_argument("--normal-concurrency", type=int, default=2)
     parser.add_argument("--interactive-rate", type=float, default=0.5, help="interactive arrivals per second")
     parser.add_argument("--num-idle", type=int, default=8)
+    parser.add_argument("--policies", default=",".join(SCHEDULINGS),
+                        help=f"which of {', '.join(SCHEDULINGS)} to compare (comma-separated)")
     args = parser.parse_args(argv)
+    schedulings = [s.strip() for s in args.policies.split(",") if s.strip()]
+    if unknown := [s for s in schedulings if s not in POLICIES]:
+        parser.error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(SCHEDULINGS)}")
     models = "".join(MODEL_YAML.format(scheduling=s, policy=POLICIES[s], source=SOURCE,
                                        max_num_seqs=args.max_num_seqs,
-                                       max_num_batched_tokens=args.max_num_batched_tokens) for s in SCHEDULINGS)
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULINGS}
+                                       max_num_batched_tokens=args.max_num_batched_tokens) for s in schedulings)
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in schedulings}
     with tempfile.TemporaryDirectory() as workdir, serving_registry(models, Path(workdir)) as url:
         for rep in range(args.repeats):
-            for scheduling in SCHEDULINGS if rep % 2 == 0 else SCHEDULINGS[::-1]:
+            for scheduling in schedulings if rep % 2 == 0 else schedulings[::-1]:
                 run = asyncio.run(_run_one(url, f"smollm2-{scheduling}", args, seed=rep))
                 runs[scheduling].append(run)
                 print(f"rep {rep} {scheduling}: interactive TTFT p99 {run['interactive']['ttft_ms']['p99']:.0f} ms "

@@ -255,7 +255,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return outputs
-        interruptible = not plan.urgent and self.scheduler.waiting.step_yields([s.request for s in plan.scheduled])
+        chunks = [item.request for item in plan.scheduled if item.num_new_tokens > 1]
+        interruptible = not plan.urgent and self.scheduler.waiting.step_yields(chunks)
         try:
             result, faults = self._execute(plan, self._yield_wanted.is_set if interruptible else None)
         except StepInterrupted:

@@ -48,9 +48,10 @@ class QueuePolicy(Protocol):
         """Whether a step in flight should stop for an arrival of `priority` that `urgent_step` would give a step of
         its own (asked from another thread than the scheduler's, before the arrival is queued)."""
 
-    def step_yields(self, scheduled: Sequence[Request]) -> bool:
-        """Whether a step running `scheduled` may stop for such an arrival (not one that runs such work already: a
-        flood of arrivals would keep stopping the step that starts the first of them)."""
+    def step_yields(self, prefilling: Sequence[Request]) -> bool:
+        """Whether a step that runs prompt chunks of `prefilling` (and any decodes) may stop for such an arrival: not
+        one that starts such a request already (a flood of arrivals would keep stopping the step that starts the
+        first of them); a decode loses only its step."""
 
     def on_step(self, urgent: bool) -> None:
         """A step was planned; `urgent`: one of its own for urgent arrivals (for the bound on those)."""
@@ -113,7 +114,7 @@ class FCFSPolicy:
     def yields_to(self, priority: int) -> bool:
         return False
 
-    def step_yields(self, scheduled: Sequence[Request]) -> bool:
+    def step_yields(self, prefilling: Sequence[Request]) -> bool:
         return False
 
     def on_step(self, urgent: bool) -> None:

@@ -497,3 +497,20 @@ def test_a_step_with_interactive_work_is_not_stopped_and_fcfs_never_yields(tiny_
     fcfs.request_yield(INTERACTIVE)
     fcfs.step()
     assert fcfs.num_interrupted_steps == 0 and fcfs.scheduler.requests["a"].num_computed_tokens == 16
+
+
+def test_a_step_with_an_interactive_decode_and_a_background_chunk_is_stopped(tiny_loaded):
+    """An interactive request that is decoding loses one step; the arrival does not wait behind the chunk."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = _interrupt_engine(tiny_loaded)
+    engine.add_request("chat", [50, 51, 52], greedy, priority=INTERACTIVE)
+    engine.step()  # chat's prompt and first token
+    engine.add_request("bg", list(range(5, 45)), greedy, priority=BACKGROUND)
+    engine.request_yield(INTERACTIVE)
+    assert engine.step() == [] and engine.num_interrupted_steps == 1  # chat's decode and bg's first chunk: stopped
+    tokens: dict[str, list[int]] = {"chat": [], "bg": []}
+    engine.clear_yield()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert len(tokens["chat"]) == 7 and tokens["bg"] == _solo(tiny_loaded, list(range(5, 45)), greedy)
