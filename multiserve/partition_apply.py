@@ -37,7 +37,11 @@ def add_apply_parser(actions: argparse._SubParsersAction, default_config: Path) 
     apply.add_argument("--dry-run", action="store_true", help="print every action; change nothing")
     apply.add_argument("--state-file", default=DEFAULT_STATE_FILE,
                        help="where apply records what it created (only that is ever destroyed or stopped)")
-    apply.add_argument("--mps-log-root", default=DEFAULT_MPS_LOG_ROOT, help="one MPS log directory per GPU below it")
+    apply.add_argument("--mps-log-root", default=DEFAULT_MPS_LOG_ROOT,
+                       help="one MPS log directory per daemon below it (per GPU, or per shared MIG device)")
+    apply.add_argument("--rollback-on-failure", action="store_true",
+                       help="when an action fails, undo what this apply created (MIG devices, MPS daemons) instead "
+                            "of keeping it for the next apply to finish")
     apply.set_defaults(func=run_apply)
 
 
@@ -95,7 +99,8 @@ def _apply(args: argparse.Namespace, inputs: tuple[Registry, dict[str, ModelShap
         mig, read, runner, state_path = _targets(args, inventory, env, runner, Path(scratch))
         try:
             outcome = reconcile(read, replica_demands(registry, shapes), options,
-                                Applier(mig, runner, AppliedStateFile(state_path)), args.dry_run, args.mps_log_root)
+                                Applier(mig, runner, AppliedStateFile(state_path), rollback=args.rollback_on_failure),
+                                args.dry_run, args.mps_log_root)
         except InfeasiblePlan as exc:
             print(f"error: infeasible plan for {args.config} on {inventory.source}:", file=err)
             err.writelines(f"  - {problem}\n" for problem in exc.problems)
@@ -135,7 +140,8 @@ def prepare_devices(config: str | Path, mode: str, env: Mapping[str, str] | None
         return 0
     args = argparse.Namespace(config=str(config), shapes=None, inventory=inventory_file, gpus=None, mig_fallback=None,
                               max_memory_fraction=PlanOptions().max_memory_fraction, dry_run=False,
-                              state_file=DEFAULT_STATE_FILE, mps_log_root=DEFAULT_MPS_LOG_ROOT)
+                              state_file=DEFAULT_STATE_FILE, mps_log_root=DEFAULT_MPS_LOG_ROOT,
+                              rollback_on_failure=False)
     try:
         inputs = plan_inputs(args, env)
     except (RegistryError, InventoryFileError, ValueError):

@@ -184,6 +184,7 @@ def render_plan(plan: Plan) -> str:
              _gib(d.foreign_bytes) if d.foreign_bytes else "-", ", ".join(d.replica_ids) or "-"]
             for d in plan.devices]
     lines += table(["DEVICE", "NAME", "MODE", "PLANNED / USABLE", "OTHERS USE", "REPLICAS"], rows)
+    lines += ["", "tree:", *render_tree(plan)]
     rows = [[r.replica_id, r.device_key, r.isolation, _gib(r.memory_bytes),
              "-" if r.memory_fraction is None else f"{r.memory_fraction:.3f}", _gib(r.kv_cache_bytes),
              "-" if r.sm_percent is None else str(r.sm_percent), f"{r.weight:g} ({r.weight_share:.0%})",
@@ -197,6 +198,31 @@ def render_plan(plan: Plan) -> str:
     if notes:
         lines += ["", "notes:", *(f"  - {n}" for n in notes)]
     return "\n".join(lines) + "\n"
+
+
+def render_tree(plan: Plan) -> list[str]:
+    """`Plan.tree()` indented: each device, its MIG devices, and the replicas in each, with their shares."""
+    lines = []
+    for device in plan.tree():
+        if not device["mig_devices"] and not device["replicas"]:
+            continue
+        lines.append(f"  {device['device']} ({device['name']}): {device['mode']}")
+        for mig in device["mig_devices"]:
+            new = ", to create" if mig["to_create"] else ""
+            how = "" if mig["sharing"] == "mig" else f", {mig['sharing']} in MIG instance {mig['instance']!r}"
+            daemon = f", MPS pipe {mig['mps_pipe_directory']}" if mig["mps_pipe_directory"] else ""
+            lines.append(f"    MIG {mig['profile']} at slot {mig['start']} ({_gib(mig['memory_bytes'])}{new}{how}"
+                         f"{daemon}): {mig['device']}")
+            lines += [f"      {_tree_client(r)}" for r in mig["replicas"]]
+        lines += [f"    {_tree_client(r)}" for r in device["replicas"]]
+    return lines or ["  (no replica)"]
+
+
+def _tree_client(replica: Mapping[str, Any]) -> str:
+    isolation = replica["isolation"]
+    share = (f", {replica['sm_percent']} % of the SMs" if isolation == "mps" and replica["sm_percent"] is not None
+             else f", {replica['weight_share']:.0%} of the time" if isolation == "timeslice" else "")
+    return f"{replica['replica_id']}: {isolation}, {_gib(replica['memory_bytes'])}{share}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -235,6 +261,13 @@ def applied_and_live(state_file: str, env: Mapping[str, str]) -> dict[str, Any]:
     return {"applied": applied, "time_shares": live}
 
 
+def _daemon_device(daemon: Mapping[str, Any]) -> str:
+    """What an MPS daemon serves: a whole GPU, or one MIG device of it (a nested plan's shared instance)."""
+    uuid = str(daemon["device_uuid"])
+    return f"MIG device {uuid} of GPU {daemon['gpu_index']}" if uuid.startswith("MIG-") else \
+        f"GPU {daemon['gpu_index']}"
+
+
 def render_applied_and_live(data: dict[str, Any]) -> str:
     applied = data["applied"]
     lines = ["", "applied by multiserve:"]
@@ -242,7 +275,7 @@ def render_applied_and_live(data: dict[str, Any]) -> str:
         lines.append(f"  {applied['error']}")
     else:
         lines += [f"  MIG device {uuid} on GPU {gpu}" for uuid, gpu in applied["mig_devices"].items()]
-        lines += [f"  MPS daemon for GPU {d['gpu_index']} (pipe {pipe}): {', '.join(d['settings']) or 'defaults'}"
+        lines += [f"  MPS daemon for {_daemon_device(d)} (pipe {pipe}): {', '.join(d['settings']) or 'defaults'}"
                   for pipe, d in applied["mps_daemons"].items()]
         if len(lines) == 2:
             lines.append("  nothing")

@@ -147,6 +147,17 @@ class Placement(Frozen):
     memory_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
     sm_percent: int | None = Field(default=None, ge=1, le=100, strict=True)
     weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT)  # share of time-slices relative to co-located models
+    # mps/timeslice only: share one MIG instance with every model that names the same one (MPS or time-slicing
+    # inside it), next to mig models on the same GPU; the partitioner sizes it from their summed memory
+    mig_instance: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_-]*$", max_length=64)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Placement:
+        if self.mig_instance is not None and self.isolation not in ("mps", "timeslice"):
+            raise FieldProblems([Problem("mig_instance", f"names a MIG instance to share by mps or timeslice, but "
+                                                         f"isolation is {self.isolation!r} (a mig replica gets an "
+                                                         f"instance of its own, an exclusive one a whole GPU)")])
+        return self
 
 
 class QueueOptions(Frozen):
@@ -228,6 +239,8 @@ class ModelSpec(Frozen):
                     *_duplicates("aliases", self.aliases)]
         problems += _duplicates("fallbacks", self.fallbacks)
         problems += _duplicates("context_window_fallbacks", self.context_window_fallbacks)
+        if self.placement.mig_instance is not None and self.device == "cpu":
+            problems.append(Problem("placement.mig_instance", "a MIG instance is part of a GPU, but device is 'cpu'"))
         problems += [Problem(f"aliases[{i}]", "an alias cannot repeat the model's own name")
                      for i, alias in enumerate(self.aliases) if alias == self.name]
         problems += [Problem(where, "a model cannot fall back to itself")

@@ -2,7 +2,12 @@
 
 MIG devices are created and destroyed through the backend (NVML: privileged); MPS daemons are started, given
 their defaults and stopped through a `CommandRunner` (`nvidia-cuda-mps-control`). Everything done is written
-to the applied-state file as it happens, so a later apply knows what is ours to undo.
+to the applied-state file as it happens, so a later apply knows what is ours to undo. A daemon for a MIG device
+created in the same run is started on that device's new UUID (its action names the device by its placeholder).
+
+On a failure the applier stops; what it did stays done and recorded, and the next apply carries on from there.
+With `rollback=True` it undoes instead what this run created (daemons it started, MIG devices it made), newest
+first, so the devices are as they were apart from what it freed; nothing it did not create is touched.
 
 `reconcile` is the whole operation: plan, decide, execute; when MIG cannot be applied (MIG mode off, or NVML
 NoPermission) and a fallback is configured, it re-plans the `mig` replicas as `mps` or `timeslice` and applies
@@ -23,7 +28,7 @@ from partitioner.devices.backend import DeviceError, MigControl
 from partitioner.devices.inventory import Inventory
 from partitioner.planning.demand import ReplicaDemand
 from partitioner.planning.placement import PlanOptions
-from partitioner.planning.plan import Plan
+from partitioner.planning.plan import PENDING_MIG, Plan, pending_mig_ref
 from partitioner.planning.planner import plan
 
 _MIG_HINTS = {
@@ -36,24 +41,55 @@ _MIG_HINTS = {
 
 class Applier:
     """Executes actions in order; the first failure stops it with an `ApplyError` (what was done stays done
-    and recorded)."""
+    and recorded, or with `rollback`, what this run created is undone)."""
 
-    def __init__(self, mig: MigControl, runner: CommandRunner, state_file: AppliedStateFile) -> None:
+    def __init__(self, mig: MigControl, runner: CommandRunner, state_file: AppliedStateFile,
+                 rollback: bool = False) -> None:
         self.mig = mig
         self.runner = runner
         self.state_file = state_file
+        self.rollback = rollback
 
     def execute(self, actions: Sequence[Action]) -> dict[str, str]:
-        """Run `actions`; returns replica id -> UUID of each MIG device created."""
+        """Run `actions`; returns replica id -> UUID of the MIG device created for it (each replica of a shared
+        instance gets the instance's)."""
         created: dict[str, str] = {}
+        new_devices: dict[str, str] = {}  # placeholder -> UUID of the MIG devices made so far
+        done: list[Action] = []
         for action in actions:
-            if action.kind in ("create_mig_device", "destroy_mig_device"):
-                uuid = self._mig(action)
-                if uuid is not None and action.replica_id is not None:
-                    created[action.replica_id] = uuid
-            else:
-                self._mps(action)
+            try:
+                if action.kind in ("create_mig_device", "destroy_mig_device"):
+                    uuid = self._mig(action)
+                    if uuid is not None:
+                        new_devices[pending_mig_ref(str(action.profile), action.start)] = uuid
+                        created |= {rid: uuid for rid in action.clients or (action.replica_id,) if rid is not None}
+                        action = dataclasses.replace(action, uuid=uuid)
+                else:
+                    action = _on_created_device(action, new_devices)
+                    self._mps(action)
+            except ApplyError as exc:
+                if not self.rollback:
+                    raise
+                raise type(exc)(f"{exc}{self._undo(done)}") from None
+            done.append(action)
         return created
+
+    def _undo(self, done: list[Action]) -> str:
+        """Undo what this run created, newest first; what it says about that, for the error message."""
+        undo = [_undo_action(a) for a in reversed(done) if a.kind in ("create_mig_device", "start_mps_daemon")]
+        undone: list[str] = []
+        for action in undo:
+            try:
+                if action.kind == "destroy_mig_device":
+                    self._mig(action)
+                else:
+                    self._mps(action)
+            except ApplyError as exc:
+                kept = f"; kept {', '.join(undone)}" if undone else ""
+                return f". Rolling back failed: {exc}{kept}; what is left is recorded in {self.state_file.path}"
+            undone.append(f"destroyed MIG device {action.uuid}" if action.kind == "destroy_mig_device" else
+                          f"stopped the MPS daemon of {action.pipe_directory}")
+        return f". Rolled back: {'; '.join(undone)}" if undone else ". Nothing was created, nothing to roll back"
 
     def _mig(self, action: Action) -> str | None:
         state = self.state_file.load()
@@ -103,6 +139,23 @@ class Applier:
         self.state_file.save(state)
 
 
+def _on_created_device(action: Action, new_devices: dict[str, str]) -> Action:
+    """`action` (an MPS one) aimed at the MIG device its placeholder stands for, created earlier in this run."""
+    if action.uuid is None or not action.uuid.startswith(PENDING_MIG):
+        return action
+    if action.uuid not in new_devices:
+        raise ApplyError(f"{action.describe()}: its MIG device {action.uuid} was not created by this apply; "
+                         f"apply again to re-plan")
+    return dataclasses.replace(action, uuid=new_devices[action.uuid])
+
+
+def _undo_action(action: Action) -> Action:
+    """What reverses `action`: a MIG device created is destroyed, a daemon started is told to quit."""
+    if action.kind == "create_mig_device":
+        return Action("destroy_mig_device", action.gpu_index, uuid=action.uuid)
+    return Action("stop_mps_daemon", action.gpu_index, uuid=action.uuid, pipe_directory=action.pipe_directory)
+
+
 @dataclass
 class ApplyOutcome:
     """What `reconcile` planned and did (or, dry, would do)."""
@@ -126,10 +179,13 @@ def reconcile(read_inventory: Callable[[], Inventory], demands: Sequence[Replica
             raise
         reason = str(exc)
     fallback = options.mig_fallback
-    demands = [dataclasses.replace(d, isolation=fallback) if d.isolation == "mig" else d for d in demands]
+    shared = any(d.mig_instance is not None for d in demands)
+    demands = [dataclasses.replace(d, isolation=fallback) if d.isolation == "mig" else
+               dataclasses.replace(d, mig_instance=None) for d in demands]
     inventory = read_inventory()  # what the failed attempt left (a permission error changes nothing)
     outcome = _apply(plan(inventory, demands, options), inventory, applier, dry_run, mps_log_root)
-    outcome.fallback_reason = f"{reason}. Fallback: the mig replicas run with {fallback} isolation instead"
+    outcome.fallback_reason = (f"{reason}. Fallback: the mig replicas run with {fallback} isolation instead"
+                               + (", and those that shared a MIG instance share a whole GPU" if shared else ""))
     return outcome
 
 

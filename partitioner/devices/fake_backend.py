@@ -1,8 +1,9 @@
 """A `DeviceBackend` (and `MigControl`) over an inventory held in memory: for tests, and for planning without a GPU.
 
 It models what the applier will run into on real hardware: MIG slot occupancy under the real placement rules
-(`mig_fit`), processes that keep a GPU or MIG device in use, MPS daemons by pipe directory, and NVML errors
-(`NoPermission`, `InUse`, `InsufficientResources`, ...) injected into the next call of an operation.
+(`mig_fit`), processes that keep a GPU or MIG device in use, MPS daemons by pipe directory (one per directory,
+each serving the device it was started on, which it keeps in use), and NVML errors (`NoPermission`, `InUse`,
+`InsufficientResources`, ...) injected into the next call of an operation.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class FakeBackend:
         self._next_gi = {d.index: 1 + max((m.gpu_instance_id or 0 for m in d.mig_devices), default=0)
                          for d in inventory.devices}
         self.calls: list[tuple[Operation, tuple[object, ...]]] = []  # every state-changing call, in order
+        self._daemon_devices: dict[str, str] = {}  # pipe directory -> the GPU or MIG device its daemon serves
 
     @classmethod
     def from_file(cls, path: str | Path) -> FakeBackend:
@@ -118,6 +120,9 @@ class FakeBackend:
         users = [p.pid for p in gpu.processes if p.device_uuid == uuid]
         if users:
             raise DeviceError("in_use", f"GPU {index}: MIG device {uuid} is used by pid(s) {users}")
+        daemons = sorted(pipe for pipe, served in self._daemon_devices.items() if served == uuid)
+        if daemons:
+            raise DeviceError("in_use", f"GPU {index}: MIG device {uuid} is served by the MPS daemon(s) of {daemons}")
         self._gpus[index] = replace(gpu, mig_devices=tuple(m for m in gpu.mig_devices if m.uuid != uuid))
 
     # --- what the world does around the backend (tests) ---------------------------------------------------------
@@ -133,8 +138,15 @@ class FakeBackend:
                                     memory_used_bytes=gpu.memory_used_bytes + used_memory_bytes,
                                     memory_free_bytes=gpu.memory_free_bytes - used_memory_bytes)
 
-    def start_mps(self, pipe_directory: str, pid: int) -> None:
+    def start_mps(self, pipe_directory: str, pid: int, device_uuid: str | None = None) -> None:
+        """A control daemon starts in `pipe_directory`; on `device_uuid` (its CUDA_VISIBLE_DEVICES) when given, which
+        must be a GPU with MIG mode off or an existing MIG device, as a real daemon finds no device otherwise."""
         self._check("start_mps", f"MPS daemon in {pipe_directory}", pipe_directory)
+        if pipe_directory in self._mps.pipe_directories:
+            raise DeviceError("in_use", f"an MPS control daemon already runs with pipe directory {pipe_directory}")
+        if device_uuid is not None:
+            self._check_mps_device(device_uuid)
+            self._daemon_devices[pipe_directory] = device_uuid
         self._mps = MpsStatus(control_pids=(*self._mps.control_pids, pid),
                               pipe_directories=(*self._mps.pipe_directories, pipe_directory))
 
@@ -143,9 +155,23 @@ class FakeBackend:
         dirs = self._mps.pipe_directories
         if pipe_directory not in dirs:
             raise DeviceError("not_found", f"no MPS daemon with pipe directory {pipe_directory}")
+        self._daemon_devices.pop(pipe_directory, None)
         i = dirs.index(pipe_directory)
         pids = self._mps.control_pids
         self._mps = MpsStatus(control_pids=pids[:i] + pids[i + 1:], pipe_directories=dirs[:i] + dirs[i + 1:])
+
+    def _check_mps_device(self, uuid: str) -> None:
+        for gpu in self._gpus.values():
+            if gpu.uuid == uuid and gpu.mig_mode:
+                raise DeviceError("invalid_state", f"GPU {gpu.index} is in MIG mode: an MPS daemon must be started "
+                                                   f"on one of its MIG devices, not on the GPU {uuid}")
+            if gpu.uuid == uuid or any(m.uuid == uuid for m in gpu.mig_devices):
+                return
+        raise DeviceError("not_found", f"no GPU or MIG device {uuid} for an MPS daemon")
+
+    def mps_device(self, pipe_directory: str) -> str | None:
+        """The device the daemon of `pipe_directory` serves (None: none running, or started without saying)."""
+        return self._daemon_devices.get(pipe_directory)
 
     def snapshot(self) -> Inventory:
         """The current state as an inventory (what `read_inventory` would return, without the catalog fill)."""

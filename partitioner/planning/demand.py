@@ -51,6 +51,7 @@ class ReplicaDemand:
     sm_percent: int | None = None
     weight: float = 1.0
     device: Device = "auto"
+    mig_instance: str | None = None  # the MIG instance it shares with the other demands naming it (mps/timeslice)
 
     @property
     def replica_id(self) -> str:
@@ -74,7 +75,8 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
         placement = model.placement
         demands += [ReplicaDemand(model=model.name, replica=r, isolation=placement.isolation, memory_bytes=memory,
                                   kv_cache_bytes=kv, sm_percent=placement.sm_percent, weight=placement.weight,
-                                  device=model.device) for r in range(model.replicas)]
+                                  device=model.device, mig_instance=placement.mig_instance)
+                    for r in range(model.replicas)]
     if problems:
         raise InfeasiblePlan(problems)
     return demands

@@ -30,13 +30,39 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class Placed:
-    """A demand with the isolation it gets and where it goes."""
+    """A demand with the isolation it gets and where it goes.
+
+    A shared MIG instance is placed like one mig replica (so it is sized, reused, slotted and re-dealt by the
+    same rules): its `demand` is the members' summed memory under `shared_key(instance)`, and `members` are the
+    replicas that share it, each with its own isolation (all mps, or all timeslice)."""
 
     demand: ReplicaDemand
     isolation: str  # what it gets: mig | mps | timeslice | exclusive, or "cpu" (time-sliced on the CPU)
     note: str = ""
     profile: MigProfile | None = None  # a MIG device to create
     reused: MigDevice | None = None  # an existing MIG device
+    instance: str | None = None  # the registry's `placement.mig_instance` this placement stands for
+    members: tuple[Placed, ...] = ()
+
+    @property
+    def sharing(self) -> str | None:
+        """How the members share the instance (mps | timeslice); None for anything but a shared instance."""
+        return self.members[0].isolation if self.members else None
+
+    def label(self) -> str:
+        """Who it is for, in messages: the replica, or the shared instance and its replicas."""
+        if self.instance is None:
+            return self.demand.replica_id
+        return f"MIG instance {self.instance!r} ({self.sharing}: {', '.join(self.replica_ids())})"
+
+    def replica_ids(self) -> list[str]:
+        """The replicas this placement seats: its members, or itself."""
+        return [m.demand.replica_id for m in self.members] if self.members else [self.demand.replica_id]
+
+
+def shared_key(instance: str) -> str:
+    """The key a shared MIG instance goes by where a replica id would (its plan entry, the action creating it)."""
+    return f"mig-instance:{instance}"
 
 
 @dataclass

@@ -17,9 +17,19 @@ class InfeasiblePlan(Exception):
         super().__init__("\n".join(self.problems))
 
 
+PENDING_MIG = "pending-mig:"  # how the placeholder of a MIG device still to be created begins
+
+
+def pending_mig_ref(profile: str, start: int | None) -> str:
+    """The placeholder of a MIG device still to be created, where its UUID will go (env, MPS daemon)."""
+    return f"{PENDING_MIG}{profile}@{start}"
+
+
 @dataclass(frozen=True)
 class PlannedMigDevice:
-    """A MIG device a replica runs on: one that exists (`uuid`), or one to create at `start`."""
+    """A MIG device one replica runs on, or that several share (`sharing`): one that exists (`uuid`), or one to
+    create at `start`. A shared one's `replica_id` is `placement.shared_key` of its instance; `clients` are the
+    replicas in it, whose `ReplicaPlan.device_key` is its `device_key`."""
 
     profile: str
     profile_id: int
@@ -28,11 +38,17 @@ class PlannedMigDevice:
     memory_bytes: int
     replica_id: str
     uuid: str | None = None  # None: to be created
+    instance: str | None = None  # the registry's `placement.mig_instance` it stands for
+    sharing: str | None = None  # mps | timeslice: how `clients` share it; None: one mig replica alone
+    clients: tuple[str, ...] = ()
+    device_key: str | None = None  # names its clients' device, MPS pipe and log directories and arbiter
+    mps_pipe_directory: str | None = None
+    start_mps_daemon: bool = False
 
     @property
     def device_ref(self) -> str:
         """What CUDA_VISIBLE_DEVICES gets: the UUID, or a placeholder the applier swaps for the new device's UUID."""
-        return self.uuid or f"pending-mig:{self.profile}@{self.start}"
+        return self.uuid or pending_mig_ref(self.profile, self.start)
 
 
 @dataclass(frozen=True)
@@ -85,13 +101,15 @@ class PlanAction:
     profile: str | None = None
     start: int | None = None
     pipe_directory: str | None = None
+    mig_device: str | None = None  # start_mps_daemon inside a MIG device: its UUID or pending placeholder
 
     def describe(self) -> str:
         if self.kind == "enable_mig":
             return f"enable MIG mode on GPU {self.gpu_index} (needs root and an idle GPU; takes effect after a reset)"
         if self.kind == "create_mig_device":
             return f"create MIG device {self.profile} at slot {self.start} on GPU {self.gpu_index}"
-        return f"start an MPS control daemon for GPU {self.gpu_index} with pipe directory {self.pipe_directory}"
+        inside = f"MIG device {self.mig_device} of " if self.mig_device else ""
+        return f"start an MPS control daemon for {inside}GPU {self.gpu_index} with pipe directory {self.pipe_directory}"
 
 
 @dataclass(frozen=True)
@@ -125,12 +143,41 @@ class Plan:
                 out.append(PlanAction("enable_mig", d.index))
             out += [PlanAction("create_mig_device", d.index, profile=m.profile, start=m.start)
                     for m in d.mig_devices if m.uuid is None]
+            out += [PlanAction("start_mps_daemon", d.index, pipe_directory=m.mps_pipe_directory,
+                               mig_device=m.device_ref) for m in d.mig_devices if m.start_mps_daemon]
             if d.start_mps_daemon:
                 out.append(PlanAction("start_mps_daemon", d.index, pipe_directory=d.mps_pipe_directory))
         return tuple(out)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, with the actions spelled out."""
+        """JSON-ready, with the actions spelled out and the tree (`tree()`)."""
         data = asdict(self)
         data["actions"] = [{**asdict(a), "description": a.describe()} for a in self.actions()]
+        data["tree"] = self.tree()
         return data
+
+    def tree(self) -> list[dict[str, Any]]:
+        """Who shares what, nested: device -> MIG devices (on a MIG GPU) -> the replicas in each; on any other
+        device its replicas directly. The flat `devices` and `replicas` hold the same facts; this is the shape an
+        operator reads them in (`partition plan` prints it, `--json` includes it)."""
+        on_mig = {r.replica_id for d in self.devices for m in d.mig_devices for r in self._in_mig_device(m)}
+        return [{"device": d.key, "name": d.name, "mode": d.mode, "managed": d.managed, "uuid": d.uuid,
+                 "mig_devices": [{"profile": m.profile, "start": m.start, "memory_bytes": m.memory_bytes,
+                                  "device": m.device_ref, "to_create": m.uuid is None, "instance": m.instance,
+                                  "sharing": m.sharing or "mig", "mps_pipe_directory": m.mps_pipe_directory,
+                                  "replicas": [_client_node(r) for r in self._in_mig_device(m)]}
+                                 for m in d.mig_devices],
+                 "replicas": [_client_node(r) for r in self.replicas
+                              if r.device_key == d.key and r.replica_id not in on_mig]}
+                for d in self.devices]
+
+    def _in_mig_device(self, m: PlannedMigDevice) -> list[ReplicaPlan]:
+        """The replicas that run on MIG device `m`: its clients when shared, else the one it is for."""
+        if m.sharing:
+            return [r for r in self.replicas if r.device_key == m.device_key]
+        return [r for r in self.replicas if r.replica_id == m.replica_id]
+
+
+def _client_node(r: ReplicaPlan) -> dict[str, Any]:
+    return {"replica_id": r.replica_id, "isolation": r.isolation, "memory_bytes": r.memory_bytes,
+            "memory_fraction": r.memory_fraction, "sm_percent": r.sm_percent, "weight_share": r.weight_share}

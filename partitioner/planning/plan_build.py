@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from partitioner.devices.inventory import Inventory
 from partitioner.devices.mig_fit import Slot, fit_placements, max_compute_slices
-from partitioner.planning.placement import GpuState, Placed, PlanOptions
+from partitioner.planning.placement import GpuState, Placed, PlanOptions, shared_key
 from partitioner.planning.plan import DevicePlan, Plan, PlannedMigDevice, ReplicaPlan
 from registry.fields import MIB
 
@@ -35,9 +37,9 @@ def _gpu_plan(gpu: GpuState, inventory: Inventory, options: PlanOptions) -> tupl
         capacity = gpu.capacity_bytes if gpu.managed else None
         return DevicePlan(mode="none", capacity_bytes=capacity, **base), []  # type: ignore[arg-type]
     placed = sorted(gpu.placed, key=lambda p: p.demand.replica_id)
-    ids = tuple(p.demand.replica_id for p in placed)
+    ids = tuple(sorted(rid for p in placed for rid in p.replica_ids()))
     if gpu.mode == "mig":
-        return _mig_plan(gpu, placed, ids, base, options)
+        return _mig_plan(gpu, placed, ids, base, inventory, options)
     total_weight = sum(p.demand.weight for p in placed)
     pipe, start_daemon, shares = None, False, {}
     if gpu.mode == "mps":
@@ -58,7 +60,7 @@ def _gpu_plan(gpu: GpuState, inventory: Inventory, options: PlanOptions) -> tupl
     return device, replicas
 
 
-def _mig_plan(gpu: GpuState, placed: list[Placed], ids: tuple[str, ...], base: dict,
+def _mig_plan(gpu: GpuState, placed: list[Placed], ids: tuple[str, ...], base: dict, inventory: Inventory,
               options: PlanOptions) -> tuple[DevicePlan, list[ReplicaPlan]]:
     dev = gpu.dev
     new = [p for p in gpu.placed if p.profile is not None]  # planning order: the order the slot search saw
@@ -84,15 +86,46 @@ def _mig_plan(gpu: GpuState, placed: list[Placed], ids: tuple[str, ...], base: d
             mig = PlannedMigDevice(profile=q.name, profile_id=q.profile_id, start=start_of[rid],
                                    memory_slices=q.memory_slices, memory_bytes=q.memory_bytes, replica_id=rid)
             sm = q.sm_count
+        if p.instance is not None:
+            mig, clients = _shared_mig_device(mig, p, dev.index, inventory, options)
+            replicas += clients
+        else:
+            replicas.append(_replica(p, f"gpu{dev.index}", "mig", {"CUDA_VISIBLE_DEVICES": mig.device_ref},
+                                     (p.demand.memory_bytes or 0) / mig.memory_bytes, 1.0,
+                                     sm_percent=round(100 * sm / full_sm), gpu_index=dev.index))
         migs.append(mig)
-        replicas.append(_replica(p, f"gpu{dev.index}", "mig", {"CUDA_VISIBLE_DEVICES": mig.device_ref},
-                                 (p.demand.memory_bytes or 0) / mig.memory_bytes, 1.0,
-                                 sm_percent=round(100 * sm / full_sm), gpu_index=dev.index))
     capacity = sum(int(m.memory_bytes * options.max_memory_fraction) for m in migs)
     device = DevicePlan(mode="mig", capacity_bytes=capacity, planned_bytes=gpu.planned_bytes,
                         enable_mig=not dev.mig_mode, mig_devices=tuple(sorted(migs, key=lambda m: (m.start or 0))),
                         replica_ids=ids, **base)
     return device, replicas
+
+
+def _shared_mig_device(mig: PlannedMigDevice, p: Placed, gpu_index: int, inventory: Inventory,
+                       options: PlanOptions) -> tuple[PlannedMigDevice, list[ReplicaPlan]]:
+    """The MIG device of a shared instance, with its own MPS daemon when its members use MPS, and its members'
+    plan entries: each sees only that MIG device, and MPS clients reach its daemon through its pipe directory.
+
+    The device key (and so the pipe and log directories and the arbiter's socket) follows the MIG device's slot,
+    not the instance's name: a daemon serves one MIG device, so a re-plan that moves the instance must start a
+    new daemon rather than find the old one, which still serves the old device."""
+    key = f"gpu{gpu_index}-mig{mig.start}" if mig.start is not None else f"gpu{gpu_index}-{mig.uuid}"
+    members = list(p.members)
+    pipe = f"{options.mps_pipe_root}/{key}" if p.sharing == "mps" else None
+    shares = _mps_shares(members) if pipe is not None else {}
+    total_weight = sum(m.demand.weight for m in members)
+    replicas = []
+    for m in members:
+        env = {"CUDA_VISIBLE_DEVICES": mig.device_ref}
+        if pipe is not None:
+            env |= _mps_env(pipe, shares[m.demand.replica_id], m.demand.memory_bytes)
+        replicas.append(_replica(m, key, str(p.sharing), env, (m.demand.memory_bytes or 0) / mig.memory_bytes,
+                                 m.demand.weight / total_weight, sm_percent=shares.get(m.demand.replica_id),
+                                 gpu_index=gpu_index))
+    shared = replace(mig, replica_id=shared_key(str(p.instance)), instance=p.instance, sharing=p.sharing,
+                     clients=tuple(m.demand.replica_id for m in members), device_key=key, mps_pipe_directory=pipe,
+                     start_mps_daemon=pipe is not None and pipe not in inventory.mps.pipe_directories)
+    return shared, replicas
 
 
 def _mps_shares(placed: list[Placed]) -> dict[str, int]:

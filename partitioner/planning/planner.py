@@ -5,6 +5,10 @@ profile that holds it, placed by an exhaustive slot search). `mps`: replicas sha
 percentages summing to at most 100 and pinned-memory limits. `timeslice`: replicas share it by weight (the
 arbiter enforces it). `exclusive`: one replica alone. Replicas on the CPU are time-sliced by weight.
 
+Plans nest one level: mps or timeslice replicas that name the same `mig_instance` share one MIG device, placed on a
+`mig` GPU like a mig replica the size of their summed memory; inside it they share by MPS (thread percentages of
+the instance's SMs, at most 100 in all) or by weight.
+
 Demands are placed in a fixed order (exclusive, mig, mps, timeslice; larger first; then by id), each on the first
 GPU that takes it (GPUs already in its mode first), so the same input always gives the same plan. Memory admission
 counts what processes that are not ours use. GPUs outside `PlanOptions.gpus` are never touched, and MIG mode is
@@ -15,14 +19,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from partitioner.devices.inventory import GpuDevice, Inventory, MigDevice, MigProfile
 from partitioner.devices.mig_fit import Slot, fit_placements, max_compute_slices, plannable_profiles
 from partitioner.planning.demand import ReplicaDemand
-from partitioner.planning.placement import GpuState, Placed, PlanOptions
+from partitioner.planning.placement import GpuState, Placed, PlanOptions, shared_key
 from partitioner.planning.plan import InfeasiblePlan, Plan
 from partitioner.planning.plan_build import build_plan
-from registry.fields import GIB
+from registry.fields import GIB, Device
 
 _ORDER = {"exclusive": 0, "mig": 1, "mps": 2, "timeslice": 3}
 
@@ -42,8 +47,10 @@ def plan(inventory: Inventory, demands: Sequence[ReplicaDemand], options: PlanOp
     managed = [g for g in gpus if g.managed]
     resolved = [_resolve(d, managed, inventory, options) for d in demands]
     problems = [r for r in resolved if isinstance(r, str)]
+    placeable, instance_problems = _fold_shared_instances([r for r in resolved if not isinstance(r, str)], options)
+    problems += instance_problems
     cpu: list[Placed] = []
-    for placed in sorted((r for r in resolved if not isinstance(r, str)), key=_order_key):
+    for placed in sorted(placeable, key=_order_key):
         if placed.isolation == "cpu":
             cpu.append(placed)
             continue
@@ -54,6 +61,51 @@ def plan(inventory: Inventory, demands: Sequence[ReplicaDemand], options: PlanOp
         raise InfeasiblePlan(problems)
     _settle_mig_assignment(managed, options)
     return build_plan(inventory, gpus, cpu, options)
+
+
+def _fold_shared_instances(placed: list[Placed], options: PlanOptions) -> tuple[list[Placed], list[str]]:
+    """Replace the replicas that name a MIG instance by one mig placement per instance, sized to their summed
+    memory, so the MIG rules (profiles, slots, reuse) treat the instance as one replica; and the problems of the
+    instances whose members cannot share one (mixed isolation, MPS over 100 %)."""
+    out: list[Placed] = []
+    groups: dict[str, list[Placed]] = {}
+    for p in placed:
+        if p.isolation != "cpu" and p.demand.mig_instance is not None:
+            groups.setdefault(p.demand.mig_instance, []).append(p)
+        else:
+            out.append(p)
+    problems = []
+    for name, members in sorted(groups.items()):
+        members.sort(key=lambda m: m.demand.replica_id)
+        problem = _shared_instance_problem(name, members, options)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        memory = sum(m.demand.memory_bytes or 0 for m in members)
+        device: Device = "cuda" if any(m.demand.device == "cuda" for m in members) else "auto"
+        stand_in = ReplicaDemand(model=shared_key(name), replica=0, isolation="mig", memory_bytes=memory,
+                                 device=device)
+        out.append(Placed(stand_in, "mig", instance=name, members=tuple(members)))
+    return out, problems
+
+
+def _shared_instance_problem(name: str, members: list[Placed], options: PlanOptions) -> str | None:
+    """Why `members` cannot share one MIG instance, or None."""
+    ids = {kind: [m.demand.replica_id for m in members if m.isolation == kind] for kind in ("mps", "timeslice")}
+    where = f"MIG instance {name!r}"
+    if ids["mps"] and ids["timeslice"]:
+        return (f"{where}: {', '.join(ids['mps'])} ask mps and {', '.join(ids['timeslice'])} timeslice; the "
+                f"replicas of one instance share it one way (all mps or all timeslice)")
+    if not ids["mps"]:
+        return None
+    if len(members) > options.max_mps_clients:
+        return (f"{where}: {len(members)} mps replicas, but MPS allows {options.max_mps_clients} clients per device: "
+                f"over by {len(members) - options.max_mps_clients}")
+    shares = [m.demand.sm_percent or 1 for m in members]
+    if sum(shares) > 100:
+        return (f"{where} (mps: {', '.join(ids['mps'])}): MPS thread percentages {shares} of the instance's SMs "
+                f"would sum to {sum(shares)} %: over 100 % by {sum(shares) - 100}")
+    return None
 
 
 def _settle_mig_assignment(gpus: list[GpuState], options: PlanOptions) -> None:
@@ -89,7 +141,7 @@ def _settle_mig_assignment(gpus: list[GpuState], options: PlanOptions) -> None:
             return
         free.remove(slot)
         gpu, device = slot
-        dealt.append((gpu, Placed(placed.demand, "mig", placed.note, profile=device.profile, reused=device.reused)))
+        dealt.append((gpu, replace(placed, profile=device.profile, reused=device.reused)))
     for gpu in {id(g): g for g, _ in mig}.values():
         gpu.placed = [q for g, q in dealt if g is gpu]
 
@@ -124,6 +176,14 @@ def _resolve(d: ReplicaDemand, managed: list[GpuState], inventory: Inventory,
     if d.memory_bytes is None:
         return (f"{d.replica_id}: its memory is unknown, so it cannot be admitted to a GPU: set the model's "
                 f"placement.memory_gib, or give its shape (layers, KV heads, head size, weight bytes)")
+    if d.mig_instance is not None and not any(g.dev.mig_capable and plannable_profiles(g.dev) for g in managed):
+        gpus = ", ".join(g.label() for g in managed)
+        if options.mig_fallback is None:
+            return (f"{d.replica_id}: shares MIG instance {d.mig_instance!r}, but no GPU it may use can do MIG "
+                    f"({gpus}); set a fallback to share a whole GPU instead")
+        return Placed(replace(d, mig_instance=None), d.isolation,
+                      f"no MIG-capable GPU ({gpus}): {d.isolation} on a whole GPU, not in MIG instance "
+                      f"{d.mig_instance!r}")
     if d.isolation == "mig" and not any(g.dev.mig_capable and plannable_profiles(g.dev) for g in managed):
         gpus = ", ".join(g.label() for g in managed)
         if options.mig_fallback is None:
@@ -151,7 +211,9 @@ def _shared_gpu_refusal(p: Placed, gpu: GpuState, options: PlanOptions) -> str |
     if gpu.dev.mig_mode:
         return "MIG mode is on (only mig replicas; the planner never turns MIG off)"
     if gpu.mode not in ("none", p.isolation) or (p.isolation == "exclusive" and gpu.placed):
-        return f"already planned for {gpu.mode} with {len(gpu.placed)} replica(s) (one mode per GPU)"
+        hint = ("; mps/timeslice replicas share a MIG GPU only inside a MIG instance: set their "
+                "placement.mig_instance" if gpu.mode == "mig" else "")
+        return f"already planned for {gpu.mode} with {len(gpu.placed)} replica(s) (one mode per GPU{hint})"
     need, free = p.demand.memory_bytes or 0, gpu.capacity_bytes - gpu.planned_bytes
     if need > free:
         return (f"{_gib(free)} free of {_gib(gpu.capacity_bytes)} usable ({len(gpu.placed)} replica(s) planned, "
@@ -170,7 +232,7 @@ def _place_mig(p: Placed, gpus: list[GpuState], options: PlanOptions) -> str | N
     if reused is not None:
         gpu, device = reused
         gpu.mode = "mig"
-        gpu.placed.append(Placed(p.demand, "mig", p.note, reused=device))
+        gpu.placed.append(replace(p, isolation="mig", reused=device))
         return None
     reasons = []
     order = sorted(gpus, key=lambda g: (0 if g.dev.mig_mode else 1 if g.mode == "mig" else 2, g.dev.index))
@@ -180,7 +242,7 @@ def _place_mig(p: Placed, gpus: list[GpuState], options: PlanOptions) -> str | N
             profile = _first_fitting_profile(p, gpu, options)
             if profile is not None:
                 gpu.mode = "mig"
-                gpu.placed.append(Placed(p.demand, "mig", p.note, profile=profile))
+                gpu.placed.append(replace(p, isolation="mig", profile=profile))
                 return None
             reason = _no_profile_reason(p, gpu, options)
         reasons.append(f"{gpu.label()}: {reason}")
@@ -257,14 +319,38 @@ def _no_profile_reason(p: Placed, gpu: GpuState, options: PlanOptions) -> str:
         return (f"no MIG profile holds {_gib(p.demand.memory_bytes or 0)}{sm}: the largest, {largest.name}, "
                 f"gives {_gib(usable)} usable ({largest.sm_count} SMs): short by {_gib(short)}")
     taken = [f"{m.profile} at slot {m.start} (existing)" for m in gpu.dev.mig_devices]
-    taken += [f"{q.profile.name} for {q.demand.replica_id}" for q in gpu.placed if q.profile is not None]
-    return f"no free slots for {fitting[0].name} or larger: taken by " + ", ".join(taken)
+    taken += [f"{q.profile.name} for {q.label()} ({_gib(q.demand.memory_bytes or 0)})" for q in gpu.placed
+              if q.profile is not None]
+    return f"no free slots for {fitting[0].name} or larger: taken by " + ", ".join(taken) + _slot_shortfall(p, gpu,
+                                                                                                          options)
+
+
+def _slot_shortfall(p: Placed, gpu: GpuState, options: PlanOptions) -> str:
+    """By how much the demand misses the largest profile that still has a free slot (or that none has)."""
+    planned = [q.profile for q in gpu.placed if q.profile is not None]
+    taken = [Slot.of(m) for m in gpu.dev.mig_devices]
+    free = [q for q in plannable_profiles(gpu.dev)
+            if fit_placements([*planned, q], taken, max_compute_slices(gpu.dev)) is not None]
+    if not free:
+        return "; no slot is left for any profile"
+    largest = free[-1]
+    usable = int(largest.memory_bytes * options.max_memory_fraction)
+    short = (p.demand.memory_bytes or 0) - usable
+    if short <= 0:  # its memory would fit; the SMs asked for do not
+        return (f"; the largest that still fits, {largest.name}, has {largest.sm_count} SMs: short by "
+                f"{_sm_needed(p.demand, gpu.dev) - largest.sm_count} SMs")
+    return f"; the largest that still fits, {largest.name}, gives {_gib(usable)} usable: short by {_gib(short)}"
 
 
 def _refused(p: Placed, reasons: list[str]) -> str:
     d = p.demand
-    sm = f", {d.sm_percent} % SMs" if d.sm_percent else ""
-    return f"{d.replica_id} ({p.isolation}, needs {_gib(d.memory_bytes or 0)}{sm}) does not fit: " + "; ".join(reasons)
+    if p.instance is not None:  # the label already says who shares it and how
+        head = f"MIG instance {p.instance!r} ({p.sharing} for {', '.join(p.replica_ids())}; needs " \
+               f"{_gib(d.memory_bytes or 0)} in all)"
+    else:
+        sm = f", {d.sm_percent} % SMs" if d.sm_percent else ""
+        head = f"{d.replica_id} ({p.isolation}, needs {_gib(d.memory_bytes or 0)}{sm})"
+    return f"{head} does not fit: " + "; ".join(reasons)
 
 
 def _gib(n: int) -> str:

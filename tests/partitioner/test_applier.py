@@ -1,6 +1,6 @@
-"""The applier against the fake backend and a recording command runner: the exact actions and commands for MIG
-and MPS plans, idempotent re-applies, dry runs, and the error paths (MIG mode off, NoPermission with and without
-a fallback, InUse, InsufficientResources, a failing MPS command)."""
+"""The applier against the fake backend and a strict fake of the MPS control command (fake_mps.py): the exact
+actions and commands for MIG and MPS plans, idempotent re-applies, dry runs, and the error paths (MIG mode off,
+NoPermission with and without a fallback, InUse, InsufficientResources, a failing MPS command)."""
 
 from __future__ import annotations
 
@@ -9,32 +9,14 @@ import pytest
 from partitioner.applying.actions import Action, ApplyError, MigUnavailable
 from partitioner.applying.applied_state import AppliedStateFile
 from partitioner.applying.applier import Applier, reconcile
-from partitioner.applying.commands import CommandResult
 from partitioner.devices.fake_backend import FakeBackend
 from partitioner.devices.read import read_inventory
 from partitioner.planning.placement import PlanOptions
 from registry.fields import GIB
 from tests.partitioner.conftest import demand, gpus
+from tests.partitioner.fake_mps import FakeMpsRunner
 
 MPS = "nvidia-cuda-mps-control"
-
-
-class RecordingRunner:
-    """Records (argv, env, stdin); a daemon start or quit shows in the fake backend as it would on a host."""
-
-    def __init__(self, backend: FakeBackend, returncode: int = 0) -> None:
-        self.backend, self.returncode = backend, returncode
-        self.commands: list[tuple[list[str], dict[str, str], str | None]] = []
-
-    def run(self, argv, env, input_text=None) -> CommandResult:
-        self.commands.append((list(argv), dict(env), input_text))
-        if self.returncode:
-            return CommandResult(self.returncode, "", "An instance of this daemon is already running")
-        if argv[1:] == ["-d"]:
-            self.backend.start_mps(env["CUDA_MPS_PIPE_DIRECTORY"], pid=4000 + len(self.commands))
-        elif input_text == "quit\n":
-            self.backend.stop_mps(env["CUDA_MPS_PIPE_DIRECTORY"])
-        return CommandResult(0)
 
 
 @pytest.fixture
@@ -46,7 +28,7 @@ def world(tmp_path):
         for index in mig_gpus:  # the operator's step, before multiserve runs
             backend.set_mig_mode(index, True)
         backend.calls.clear()
-        runner = RecordingRunner(backend, runner_rc)
+        runner = FakeMpsRunner(backend, runner_rc)
         applier = Applier(backend, runner, AppliedStateFile(tmp_path / "state.json"))
         return backend, runner, applier
 

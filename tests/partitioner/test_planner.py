@@ -144,7 +144,8 @@ def test_gpus_the_config_does_not_name_are_never_touched():
     assert result.actions() and all(a.gpu_index == 1 for a in result.actions())
     message = infeasible(gpus(count=2), [demand("a", 0, gib=5), demand("b", 0, "mig", 5)], PlanOptions(gpus=(1,)))
     assert message == ("a/0 (timeslice, needs 5.00 GiB) does not fit: GPU 1 (NVIDIA H100 80GB HBM3): already "
-                       "planned for mig with 1 replica(s) (one mode per GPU)")  # GPU 0 is not even considered
+                       "planned for mig with 1 replica(s) (one mode per GPU; mps/timeslice replicas share a MIG GPU "
+                       "only inside a MIG instance: set their placement.mig_instance)")  # GPU 0 is not considered
 
 
 def test_naming_a_gpu_the_inventory_lacks_is_an_error():

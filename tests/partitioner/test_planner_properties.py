@@ -1,6 +1,7 @@
 """Properties of every plan, over random inventories (shipped GPU kinds, MIG on or off, existing MIG devices,
-other processes) and random demands: memory within capacity, MPS shares within 100 %, MIG layouts valid and
-non-overlapping, deterministic, GPUs not named left alone, and an applied plan re-planned needs no actions."""
+other processes) and random demands (some sharing MIG instances): memory within capacity, MPS shares within
+100 %, MIG layouts valid and non-overlapping, deterministic, GPUs not named left alone, and an applied plan
+re-planned needs no actions."""
 
 from __future__ import annotations
 
@@ -53,10 +54,13 @@ def demand_lists(draw: st.DrawFn) -> list:
     out = []
     for model in range(draw(st.integers(1, 8))):
         isolation = draw(st.sampled_from(["mig", "mig", "mps", "timeslice", "exclusive"]))
+        # some mps/timeslice models share a MIG instance (one per isolation, or one for both: refused as mixed)
+        shared = isolation in ("mps", "timeslice") and draw(st.booleans())
+        instance = draw(st.sampled_from([isolation, isolation, "mixed"])) if shared else None
         out.append(demand(f"m{model}", draw(st.integers(0, 2)), isolation, draw(st.integers(1, 70)),
                           sm_percent=draw(st.one_of(st.none(), st.integers(1, 60))),
                           weight=draw(st.sampled_from([0.5, 1.0, 3.0])),
-                          device=draw(st.sampled_from(["auto"] * 6 + ["cpu"]))))
+                          device=draw(st.sampled_from(["auto"] * 6 + ["cpu"])), mig_instance=instance))
     return out
 
 
@@ -87,8 +91,17 @@ def test_memory_fits_and_mps_shares_stay_within_100_percent(case):
         return
     assert sorted(r.replica_id for r in result.replicas) == sorted(d.replica_id for d in demands)
     for device in result.devices:
+        shared = {m.device_key: m for m in device.mig_devices if m.sharing}
         mine = [r for r in result.replicas if r.device_key == device.key]
-        assert sorted(r.replica_id for r in mine) == sorted(device.replica_ids)
+        assert sorted(r.replica_id for r in result.replicas if r.device_key in {device.key, *shared}) == \
+            sorted(device.replica_ids)
+        for key, m in shared.items():  # a shared MIG device holds its clients, on it and within MPS's 100 %
+            clients = [r for r in result.replicas if r.device_key == key]
+            assert sorted(r.replica_id for r in clients) == sorted(m.clients)
+            assert sum(r.memory_bytes or 0 for r in clients) <= int(m.memory_bytes * 0.95)
+            assert all(r.env["CUDA_VISIBLE_DEVICES"] == m.device_ref and r.isolation == m.sharing for r in clients)
+            if m.sharing == "mps":
+                assert sum(r.sm_percent or 0 for r in clients) <= 100
         if device.mode in ("mps", "timeslice", "exclusive") and device.index is not None:
             assert sum(r.memory_bytes or 0 for r in mine) <= device.capacity_bytes
             gpu = inventory.gpu(device.index)
@@ -98,7 +111,7 @@ def test_memory_fits_and_mps_shares_stay_within_100_percent(case):
         if device.mode == "exclusive":
             assert len(mine) == 1
         if device.mode == "mig":
-            by_replica = {m.replica_id: m for m in device.mig_devices}
+            by_replica = {m.replica_id: m for m in device.mig_devices if not m.sharing}
             for r in mine:
                 assert (r.memory_bytes or 0) <= int(by_replica[r.replica_id].memory_bytes * 0.95)
                 assert r.env["CUDA_VISIBLE_DEVICES"] == by_replica[r.replica_id].device_ref

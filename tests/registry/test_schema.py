@@ -144,6 +144,14 @@ INVALID = {
                "models[0].placement.weight: Input should be greater than 0"),
     "isolation": (registry_text(chat("a", ", placement: {isolation: vgpu}")),
                   "models[0].placement.isolation: Input should be 'mig', 'mps', 'timeslice' or 'exclusive'"),
+    "mig instance with mig isolation": (
+        registry_text(chat("a", ", placement: {isolation: mig, mig_instance: shared}")),
+        "models[0].placement.mig_instance: names a MIG instance to share by mps or timeslice, but isolation is 'mig'"),
+    "mig instance on the cpu": (
+        registry_text(chat("a", ", device: cpu, placement: {isolation: mps, mig_instance: shared}")),
+        "models[0].placement.mig_instance: a MIG instance is part of a GPU, but device is 'cpu'"),
+    "mig instance name": (registry_text(chat("a", ", placement: {isolation: mps, mig_instance: Shared/1}")),
+                          "models[0].placement.mig_instance: String should match pattern"),
     "routing": (registry_text(chat("a", ", policy: {routing: random}")), "models[0].policy.routing: Input should be"),
     "multilevel without scheduling": (registry_text(chat("a", ", policy: {multilevel: {aging_s: 5}}")),
                                       "models[0].policy.multilevel: only used with scheduling 'multilevel'"),
