@@ -10,11 +10,13 @@ EngineFaultError, which ends the engine loop (the replica then reports itself de
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from policies.admission import RateMeter, retry_after_s
@@ -26,7 +28,7 @@ from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.loader import LoadedModel, load_model
 from runtimes.llm.model import StepInterrupted
-from runtimes.llm.model_runner import ModelRunner, StepResult, allocate_kv_caches, num_blocks_for_budget
+from runtimes.llm.model_runner import ModelRunner, StepResult, SuspendedStep, allocate_kv_caches, num_blocks_for_budget
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
@@ -36,6 +38,10 @@ from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, record_failure
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
+
+log = structlog.get_logger(__name__)
+
+_Ran = tuple[StepResult, list[tuple[ScheduledRequest, Exception]]]  # a step's results, and the requests that failed
 
 
 @dataclass
@@ -89,7 +95,10 @@ class LLMEngine:
         self.num_request_faults = 0
         # Set from other threads (`request_yield`): the step in flight stops at its next layer boundary.
         self._yield_wanted = threading.Event()
-        self.num_interrupted_steps = 0
+        self.num_interrupted_steps = 0  # steps stopped between layers for an arrival ...
+        self.num_dropped_steps = 0  # ... and of those, the ones not finished later (their work is redone)
+        self._suspended: SuspendedStep | None = None  # a stopped step, finished after the arrival's step
+        self._suspended_tables: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def from_source(cls, source: str, config: EngineConfig | None = None, **kwargs: object) -> LLMEngine:
@@ -252,17 +261,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._expire_waiting()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        chosen = self._choose_step()
+        if chosen is None:
             return outputs
-        chunks = [item.request for item in plan.scheduled if item.num_new_tokens > 1]
-        interruptible = not plan.urgent and self.scheduler.waiting.step_yields(chunks)
+        plan, run = chosen
         try:
-            result, faults = self._execute(plan, self._yield_wanted.is_set if interruptible else None)
-        except StepInterrupted:
-            self._yield_wanted.clear()
-            self.num_interrupted_steps += 1
+            ran = run()
+        except StepInterrupted as stop:
+            self._suspend(stop.partial, plan)
             return outputs
+        if ran is None:  # a stopped step that failed when finished: dropped, its plan runs again
+            return outputs
+        result, faults = ran
         for item, error in faults:
             outputs += self._fail(item.request.request_id, error)
         advanced = self.scheduler.update(plan, result.sampled)
@@ -282,8 +292,66 @@ class LLMEngine:
             self._self_check_id = None  # it passed: the faults were the requests' own
         return outputs
 
-    def _execute(self, plan: SchedulerOutput, interrupt: Callable[[], bool] | None,
-                 ) -> tuple[StepResult, list[tuple[ScheduledRequest, Exception]]]:
+    def _choose_step(self) -> tuple[SchedulerOutput, Callable[[], _Ran | None]] | None:
+        """The step to run, and how: a stopped step is finished, unless an arrival due a step of its own fits first
+        (the stopped one is then kept for after it); else the scheduler's plan. None: nothing to run."""
+        suspended = self._take_suspended()
+        if suspended is not None:
+            urgent = self.scheduler.schedule_urgent()
+            if urgent.is_empty:
+                return suspended.plan, functools.partial(self._resume, suspended, self._interrupt_for(suspended.plan))
+            self._suspended = suspended
+            return urgent, functools.partial(self._execute, urgent, None)
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return None
+        return plan, functools.partial(self._execute, plan, self._interrupt_for(plan))
+
+    def _interrupt_for(self, plan: SchedulerOutput) -> Callable[[], bool] | None:
+        """What may stop `plan` between layers: a yield asked for an arrival (`request_yield`), unless the policy
+        spares the step (an urgent one, or one that starts an urgent request's prompt)."""
+        chunks = [item.request for item in plan.scheduled if item.num_new_tokens > 1]
+        if plan.urgent or not self.scheduler.waiting.step_yields(chunks):
+            return None
+        return self._yield_wanted.is_set
+
+    def _suspend(self, partial: object, plan: SchedulerOutput) -> None:
+        """Keep a step that stopped between layers to finish after the arrival's step; one stopped inside the fault
+        isolation's reruns (a part of its batch) is dropped instead, to be planned again."""
+        self._yield_wanted.clear()
+        self.num_interrupted_steps += 1
+        if isinstance(partial, SuspendedStep) and len(partial.plan.scheduled) == len(plan.scheduled):
+            tables = {item.request.request_id: tuple(self.kv.block_tables[item.request.request_id])
+                      for item in plan.scheduled}
+            self._suspended, self._suspended_tables = partial, tables
+
+    def _take_suspended(self) -> SuspendedStep | None:
+        """The stopped step to finish, if its requests are as it left them (running, at the same progress, holding
+        the same blocks); else it is dropped (an abort in between freed blocks it would write to), and its requests
+        compute those tokens again in a later step."""
+        suspended, self._suspended = self._suspended, None
+        if suspended is None:
+            return None
+        for item in suspended.plan.scheduled:
+            request = item.request
+            if (request.status != RequestStatus.RUNNING or request.num_computed_tokens != item.start
+                    or tuple(self.kv.block_tables.get(request.request_id, ())) !=
+                    self._suspended_tables.get(request.request_id)):
+                self.num_dropped_steps += 1
+                return None
+        return suspended
+
+    def _resume(self, suspended: SuspendedStep, interrupt: Callable[[], bool] | None) -> _Ran | None:
+        """Finish a stopped step; None when that fails. Such a fault is not isolated here: the step is dropped, and
+        the next run of its requests (bisected as usual) finds whose it was."""
+        try:
+            return self.runner.resume(suspended, interrupt), []
+        except Exception as error:
+            log.warning("a stopped step failed when finished; its requests run it again", error=repr(error))
+            self.num_dropped_steps += 1
+            return None
+
+    def _execute(self, plan: SchedulerOutput, interrupt: Callable[[], bool] | None) -> _Ran:
         """Run the plan; a request that makes it fail is left out (with its error) and the rest run without it.
         `interrupt`: see `ModelRunner.execute` (StepInterrupted passes through)."""
         # A rerun is harmless: progress is counted, and seeded noise is keyed by position (runtimes/llm/sampler.py).

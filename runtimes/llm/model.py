@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -28,13 +29,30 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetad
 DecodeWeights = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[int]]
 
 
+@dataclass
+class PartialForward:
+    """Where a forward pass stopped between layers: the next layer to run and the hidden state before it."""
+
+    next_layer: int
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+
 class StepInterrupted(BaseException):  # a cancellation, like asyncio.CancelledError, not an error
-    """Raised between layers when the step's `interrupt()` says an urgent arrival should not wait for it.
+    """Raised between layers when the step's `interrupt()` says an urgent arrival should not wait for it; `partial`
+    is where the step stands (the model's `PartialForward`, wrapped by the model runner), so it can be finished
+    later.
 
     A BaseException, as cancellations are, so that error handling (the fault isolation's bisect-and-rerun) lets it
-    through to the engine, which drops the step's results: the KV it wrote part-way is rewritten when the same
-    tokens run again, and the prefix cache only indexes blocks of completed steps.
+    through to the engine, which either finishes the step after the arrival's or drops it (its requests then
+    compute the same tokens again, overwriting the KV it wrote part-way; the prefix cache only indexes blocks of
+    completed steps).
     """
+
+    def __init__(self, partial: object = None) -> None:
+        super().__init__()
+        self.partial = partial
 
 
 # Batches of at least this many rows use a CPU pre-packed weight where the loader made one (see `Linear`).
@@ -241,17 +259,28 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         interrupt: Callable[[], bool] | None = None,
     ) -> torch.Tensor:  # [T, H] final hidden states
-        """`interrupt`, asked after each layer (not inside the one-call decode stack, which is short): True stops
-        the step with StepInterrupted."""
+        """`interrupt`, asked after each layer but the last (not inside the one-call decode stack, which is short):
+        True stops the step with StepInterrupted, whose `partial` `resume` takes."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a block-format table dequantizes to fp32
         rope = self.rotary.lookup(positions)
         if (native := self._decode_natively(x, rope, kv_caches, meta)) is not None:
             return self.norm.add_forward(*native)[0]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
-            if interrupt is not None and interrupt():
-                raise StepInterrupted
+        return self.resume(PartialForward(0, x, None, rope), kv_caches, meta, interrupt)
+
+    def resume(
+        self,
+        at: PartialForward,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:  # [T, H] final hidden states
+        """The layers from `at.next_layer` on (the rest of a pass that stopped there, over the same batch and KV
+        cache), then the final norm; `interrupt` as in `forward`."""
+        x, residual, last = at.x, at.residual, len(self.layers) - 1
+        for i in range(at.next_layer, last + 1):
+            x, residual = self.layers[i](x, residual, at.rope, kv_caches[i], meta)
+            if interrupt is not None and i < last and interrupt():
+                raise StepInterrupted(PartialForward(i + 1, x, residual, at.rope))
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]

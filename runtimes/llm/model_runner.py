@@ -9,7 +9,7 @@ import torch
 
 from runtimes.llm.attention import AttentionMetadata
 from runtimes.llm.config import ModelConfig
-from runtimes.llm.model import LlamaForCausalLM
+from runtimes.llm.model import LlamaForCausalLM, PartialForward, StepInterrupted
 from runtimes.llm.sampler import Sampler, SamplingRow
 from runtimes.llm.scheduler import SchedulerOutput
 
@@ -55,7 +55,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
                 interrupt: Callable[[], bool] | None = None) -> StepResult:
-        """Run the plan; `interrupt` (asked between layers) may stop it with StepInterrupted, before sampling."""
+        """Run the plan; `interrupt` (asked between layers) may stop it with StepInterrupted, whose `partial` is a
+        `SuspendedStep` that `resume` finishes."""
         if self.device.type == "cpu":
             # Denormal floats (tiny activations, some dequantized weights) are 10-100x slower on x86 unless
             # flushed to zero; measured here: a 512-token SmolLM2 prefill step 3.2 s -> 0.59 s. Values below
@@ -66,9 +67,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_index: list[int] = []
-        rows: list[SamplingRow] = []
-        row_ids: list[str] = []
+        sampling = _Sampling()
         for item in plan.scheduled:
             request, start, count = item.request, item.start, item.num_new_tokens
             input_ids.extend(request.token_ids[start : start + count])
@@ -77,8 +76,8 @@ class ModelRunner:
             seq_lens.append(start + count)
             tables.append(block_tables[request.request_id])
             if item.samples:
-                sample_index.append(len(input_ids) - 1)
-                rows.append(
+                sampling.index.append(len(input_ids) - 1)
+                sampling.rows.append(
                     SamplingRow(
                         params=request.params,
                         prompt_token_ids=request.prompt_token_ids,
@@ -87,18 +86,57 @@ class ModelRunner:
                         eos_token_ids=request.eos_token_ids,
                     )
                 )
-                row_ids.append(request.request_id)
+                sampling.request_ids.append(request.request_id)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta, interrupt)  # [T, H]
+        try:
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, interrupt)  # [T, H]
+        except StepInterrupted as stop:
+            assert isinstance(stop.partial, PartialForward)
+            raise StepInterrupted(SuspendedStep(plan, meta, stop.partial, sampling)) from None
+        return self._sample(hidden, sampling)
+
+    @torch.inference_mode()
+    def resume(self, step: SuspendedStep, interrupt: Callable[[], bool] | None = None) -> StepResult:
+        """Finish a step that StepInterrupted stopped (nothing its requests hold may have changed meanwhile); it may
+        stop again, with a new SuspendedStep."""
+        if self.device.type == "cpu":
+            torch.set_flush_denormal(True)
+        try:
+            hidden = self.model.resume(step.partial, self.kv_caches, step.meta, interrupt)
+        except StepInterrupted as stop:
+            assert isinstance(stop.partial, PartialForward)
+            raise StepInterrupted(SuspendedStep(step.plan, step.meta, stop.partial, step.sampling)) from None
+        return self._sample(hidden, step.sampling)
+
+    def _sample(self, hidden: torch.Tensor, sampling: _Sampling) -> StepResult:
         result = StepResult()
-        if not rows:
+        if not sampling.rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_index, device=self.device)])  # [B, V]
-        out = self.sampler(logits, rows)
-        for i, request_id in enumerate(row_ids):
+        logits = self.model.compute_logits(hidden[torch.tensor(sampling.index, device=self.device)])  # [B, V]
+        out = self.sampler(logits, sampling.rows)
+        for i, request_id in enumerate(sampling.request_ids):
             result.sampled[request_id] = out.token_ids[i]
-            if out.logprobs is not None and rows[i].params.logprobs is not None:
+            if out.logprobs is not None and sampling.rows[i].params.logprobs is not None:
                 result.logprobs[request_id] = (out.logprobs[i], out.top_logprobs[i])
         return result
+
+
+@dataclass
+class _Sampling:
+    """Which of a step's rows are sampled (their index in the batch), for whom and how."""
+
+    index: list[int] = field(default_factory=list)
+    rows: list[SamplingRow] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SuspendedStep:
+    """A step stopped between layers: its plan, batch metadata, where the forward pass stands and what to sample."""
+
+    plan: SchedulerOutput
+    meta: AttentionMetadata
+    partial: PartialForward
+    sampling: _Sampling

@@ -72,12 +72,14 @@ class _EngineCollector(Collector):
                                           labels=LABELS)
         preemptions.add_metric(labels, float(engine.scheduler.num_preemptions))
         yield preemptions
-        interrupted = CounterMetricFamily(
-            f"{PREFIX}_num_interrupted_steps",
-            "Steps stopped part-way for an interactive arrival's step of its own (their work is redone).",
-            labels=LABELS)
-        interrupted.add_metric(labels, float(engine.num_interrupted_steps))
-        yield interrupted
+        for name, doc, count in (
+                ("num_interrupted_steps", "Steps stopped between layers for an interactive arrival's step of its own "
+                                          "(finished after it).", engine.num_interrupted_steps),
+                ("num_dropped_steps", "Stopped steps not finished (a request of theirs changed meanwhile, or finishing "
+                                      "failed): their work is redone.", engine.num_dropped_steps)):
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=LABELS)
+            counter.add_metric(labels, float(count))
+            yield counter
 
 
 class ServerMetrics(ReplicaMetrics):

@@ -420,9 +420,10 @@ def _solo(tiny_loaded, prompt: list[int], params: SamplingParams) -> list[int]:
 
 def test_an_interactive_arrival_stops_the_step_in_flight_between_layers(tiny_loaded):
     """The arrival is announced (`request_yield`) while a background prompt's chunk runs: the step stops after the
-    layer it is in, nothing of it is applied (no progress, no token, no block in the prefix cache), the arrival
-    gets the next step to itself, and every output is the undisturbed one. An arrival that shares the background
-    prompt's prefix only reuses blocks of completed steps (a half-written block would give it wrong KV)."""
+    layer it is in, nothing of it is applied yet (no progress, no token, no block in the prefix cache), the arrival
+    gets the next step to itself, then the stopped step is finished from the layer where it stopped, and every
+    output is the undisturbed one. An arrival that shares the background prompt's prefix only reuses blocks of
+    completed steps (a half-written block would give it wrong KV)."""
     shared = list(range(20, 40))
     background_prompt = [*shared, *range(40, 60)]  # 40 tokens: three chunks of 16
     chat_prompt = [*shared, 7, 8, 9]
@@ -440,22 +441,19 @@ def test_an_interactive_arrival_stops_the_step_in_flight_between_layers(tiny_loa
     assert request.num_computed_tokens == 16 and engine.kv.pool.num_cached_blocks == 4
     layers = engine.runner.model.layers
     seen: list[int] = []
-    original = [layer.forward for layer in layers]
     for i, layer in enumerate(layers):
-        def forward(*args, _i=i, _f=original[i]):  # type: ignore[no-untyped-def]
+        def forward(*args, _i=i, _f=layer.forward):  # type: ignore[no-untyped-def]
             seen.append(_i)
-            if _i == 0 and len(seen) == 1:  # the arrival comes while the first layer runs
+            if len(seen) == 1:  # the arrival comes while the first layer runs
                 engine.request_yield(INTERACTIVE)
             return _f(*args)
         layer.forward = forward  # type: ignore[method-assign]
     step()
     assert seen == [0] and engine.num_interrupted_steps == 1  # stopped after layer 0
     assert request.num_computed_tokens == 16 and engine.kv.pool.num_cached_blocks == 4 and "bg" not in tokens
-    for i, layer in enumerate(layers):
-        layer.forward = original[i]  # type: ignore[method-assign]
     engine.clear_yield()  # what the async engine does when it takes the arrival in
     engine.add_request("chat", chat_prompt, greedy, priority=INTERACTIVE)
-    plan = engine.scheduler.schedule
+    plan = engine.scheduler.schedule_urgent
     plans = []
 
     def recording():  # type: ignore[no-untyped-def]
@@ -463,17 +461,68 @@ def test_an_interactive_arrival_stops_the_step_in_flight_between_layers(tiny_loa
         plans.append((out.urgent, [item.request.request_id for item in out.scheduled]))
         return out
 
-    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    engine.scheduler.schedule_urgent = recording  # type: ignore[method-assign]
     step()
-    assert plans[0] == (True, ["chat"])
+    assert plans == [(True, ["chat"])] and "chat" in tokens  # its own step, its first token
     chat = engine.scheduler.requests.get("chat")
     assert chat is None or chat.num_cached_tokens == 16  # hits: the first chunk's blocks only
+    all_layers = list(range(len(layers)))
+    del seen[:]
+    step()  # the stopped step, finished from layer 1
+    assert seen == all_layers[1:] and request.num_computed_tokens == 32
     while engine.has_unfinished_requests():
         step()
-    assert engine.num_interrupted_steps == 1  # a yield is taken once
+    assert engine.num_interrupted_steps == 1 and engine.num_dropped_steps == 0  # a yield is taken once
     assert tokens["bg"] == _solo(tiny_loaded, background_prompt, greedy)
     assert tokens["chat"] == _solo(tiny_loaded, chat_prompt, greedy)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and all(c == 0 for c in engine.kv.pool.ref_cnt)
+
+
+def _stopped(engine: LLMEngine) -> None:
+    """Step once with an interactive arrival announced: the step in flight stops (and is kept to finish)."""
+    engine.request_yield(INTERACTIVE)
+    assert engine.step() == []
+    engine.clear_yield()
+
+
+def test_a_stopped_step_whose_request_was_aborted_meanwhile_is_dropped_and_redone(tiny_loaded):
+    """Between the stop and the finish a request of the stopped step is aborted: its blocks are freed (and may go
+    to the arrival), so the step is not finished; the others compute those tokens again, with the same outputs."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine = _interrupt_engine(tiny_loaded)
+    prompts = {"bg1": list(range(5, 13)), "bg2": list(range(20, 28))}
+    for name, prompt in prompts.items():
+        engine.add_request(name, prompt, greedy, priority=BACKGROUND)
+    _stopped(engine)
+    assert engine.num_interrupted_steps == 1
+    engine.abort_request("bg1")
+    engine.add_request("chat", [60, 61, 62], greedy, priority=INTERACTIVE)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.num_dropped_steps == 1 and "bg1" not in tokens
+    assert tokens["bg2"] == _solo(tiny_loaded, prompts["bg2"], greedy)
+    assert tokens["chat"] == _solo(tiny_loaded, [60, 61, 62], greedy)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and all(c == 0 for c in engine.kv.pool.ref_cnt)
+
+
+def test_an_arrival_that_does_not_fit_displaces_nobody_while_a_step_is_stopped(tiny_loaded):
+    """No seat for the arrival (max_num_seqs): the stopped step is finished first; its requests are not preempted
+    to make room (their blocks hold what it wrote part-way)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                          scheduling="multilevel")
+    engine = LLMEngine(tiny_loaded(), config)
+    for name in ("bg1", "bg2"):
+        engine.add_request(name, list(range(5, 13)), greedy, priority=BACKGROUND)  # both in the first step
+    _stopped(engine)
+    assert len(engine.scheduler.running) == 2
+    engine.add_request("chat", [60, 61, 62], greedy, priority=INTERACTIVE)
+    engine.step()  # the stopped step, finished
+    assert engine.num_dropped_steps == 0 and engine.scheduler.num_preemptions == 0
+    assert engine.scheduler.requests["chat"].status.value == "waiting"
+    assert sum(r.num_computed_tokens for r in engine.scheduler.running) == 16
 
 
 def test_a_step_with_interactive_work_is_not_stopped_and_fcfs_never_yields(tiny_loaded):
@@ -514,3 +563,21 @@ def test_a_step_with_an_interactive_decode_and_a_background_chunk_is_stopped(tin
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
     assert len(tokens["chat"]) == 7 and tokens["bg"] == _solo(tiny_loaded, list(range(5, 45)), greedy)
+
+
+def test_a_stopped_step_that_fails_when_finished_is_run_again_from_its_plan(tiny_loaded, monkeypatch):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine = _interrupt_engine(tiny_loaded)
+    engine.add_request("bg", list(range(5, 25)), greedy, priority=BACKGROUND)
+    _stopped(engine)
+
+    def broken(step, interrupt=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected fault while finishing")
+
+    monkeypatch.setattr(engine.runner, "resume", broken)
+    assert engine.step() == [] and engine.num_dropped_steps == 1
+    assert engine.scheduler.requests["bg"].num_computed_tokens == 0  # nothing applied
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == _solo(tiny_loaded, list(range(5, 25)), greedy)
