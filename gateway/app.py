@@ -71,7 +71,7 @@ class GatewayState:
 
 
 # `gateway:` fields a running gateway cannot change: its socket, the limits it serves it with, its traffic log.
-RESTART_FIELDS = ("host", "port", "traffic", "http")
+RESTART_FIELDS = ("host", "port", "traffic", "http", "ray")
 
 
 def gateway_config_problems(running: GatewayConfig, new: GatewayConfig, env: Mapping[str, str]) -> list[Problem]:

@@ -25,6 +25,7 @@ from gateway.traffic import TrafficRecorder
 from gateway.upstream import ByScheme, HttpxUpstream
 from model_pool.launcher import LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
+from model_pool.ray_launcher import RayCluster, RayLauncher, ray_problems
 from partitioner.planning.placer import ReplicaPlacer, arbiter_dir
 from registry.errors import Problem
 from registry.schema import GatewayConfig, ModelSpec, Registry, TrafficLogConfig
@@ -37,11 +38,13 @@ log = structlog.get_logger(__name__)
 
 def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
                proxy_settings: ProxySettings | None = None, log_dir: Path | None = None,
-               env: dict[str, str] | None = None, placer: ReplicaPlacer | None = None) -> GatewayState:
+               env: dict[str, str] | None = None, placer: ReplicaPlacer | None = None,
+               ray_cluster: RayCluster | None = None) -> GatewayState:
     """Everything the gateway needs, wired together (no I/O yet: `lifespan` starts it).
 
     `placer` gives each replica its plan entry (the pool's `placement_for`); by default it plans the registry onto
-    this host's inventory (NVML, or the CPU), read when the first replica launches.
+    this host's inventory (NVML, or the CPU), read when the first replica launches. `ray_cluster`: where `launcher:
+    ray` models run (by default `gateway.ray` of the registry; connected when the first one starts).
     """
     env = dict(os.environ) if env is None else env
     gateway_cfg = store.registry.gateway
@@ -49,7 +52,9 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=None)
     placer = placer or default_placer(lambda: store.registry, env)
     launcher = LocalLauncher(log_dir=log_dir, env_drop=lambda: secret_env_names(store.registry.gateway))
-    pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, pool_settings, placement_for=placer)
+    ray_cluster = ray_cluster or RayCluster(gateway_cfg.ray)
+    pool = ModelPool({"local": launcher, "url": UrlLauncher(), "ray": RayLauncher(ray_cluster)}, http, pool_settings,
+                     placement_for=placer)
     metrics = GatewayMetrics(pool)
     metrics.add_time_shares(placer.shares)
 
@@ -115,7 +120,8 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
     return lifespan
 
 
-def run_serve(config: str | Path, host: str | None = None, port: int | None = None) -> int:
+def run_serve(config: str | Path, host: str | None = None, port: int | None = None,
+              ray_address: str | None = None) -> int:
     from runtimes.server.worker import configure_logging
 
     configure_logging()  # structlog JSON lines, the same shape as the workers'
@@ -124,9 +130,13 @@ def run_serve(config: str | Path, host: str | None = None, port: int | None = No
     # first, and every edit) can be placed on this host: an infeasible one is refused like an invalid one.
     placer = default_placer(lambda: store.registry, env)
     running: list[GatewayConfig] = []  # the gateway section it started with, once the first registry is read
+    clusters: list[RayCluster] = []  # made from the first registry's gateway.ray (it cannot change while running)
 
     def check(registry: Registry) -> list[Problem]:
         problems = list(placer.problems(registry))
+        if not clusters:
+            clusters.append(RayCluster(registry.gateway.ray, ray_address))
+        problems += ray_problems(registry, clusters[0])
         if running:  # an edit: some gateway fields cannot change while it runs
             problems += gateway_config_problems(running[0], registry.gateway, env)
         return problems
@@ -140,7 +150,7 @@ def run_serve(config: str | Path, host: str | None = None, port: int | None = No
     running.append(cfg)
     try:
         state = make_state(store, log_dir=Path(env.get("MULTISERVE_LOG_DIR", ".multiserve/logs")), env=env,
-                           placer=placer)
+                           placer=placer, ray_cluster=clusters[0])
     except ValueError as err:  # API keys that do not parse
         print(f"error: gateway.api_keys_env: {err}")
         return 2

@@ -192,10 +192,18 @@ class ModelPool:
             await self.sleep(self.settings.rollout_poll_s)
 
     async def _launch(self, group: InstanceGroup, replica: Replica, placement: ReplicaPlacement | None = None) -> None:
+        """Start the replica's process. A launcher that cannot (a Ray cluster that does not place the actor in time)
+        makes it a crashed replica: restarted with backoff, failed after a crash loop."""
         spec = group.spec
         if placement is None:
             placement = self.placement_for(spec, replica.index)
-        replica.handle = await self.launchers[spec.launcher].start(replica_launch(spec, replica.index, placement))
+        replica.handle = None
+        try:
+            replica.handle = await self.launchers[spec.launcher].start(replica_launch(spec, replica.index, placement))
+        except Exception as err:
+            log.error("replica_launch_failed", replica=replica.replica_id, error=str(err))
+            await self._on_crash(replica, None)
+            return
         replica.set_state(ReplicaState.STARTING, self.clock())
         self._schedule.launched_at[replica.replica_id] = self.clock()
         log.info("replica_launched", replica=replica.replica_id, url=replica.display_url)

@@ -84,7 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
     from multiserve.partition_apply import prepare_devices
 
     status = prepare_devices(args.config, args.apply_partition)
-    return status if status else run_serve(args.config, args.host, args.port)
+    return status if status else run_serve(args.config, args.host, args.port, args.ray_address)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -96,6 +96,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        help="create the MIG devices and start the MPS daemons the plan needs before any replica "
                             "starts: yes; no (serve then refuses such a plan, naming `partition apply`); auto "
                             "(default): yes when this process may (MPS daemons always, MIG devices as root)")
+    serve.add_argument("--ray-address", default=None,
+                       help="the Ray cluster for `launcher: ray` models: auto, host:port or ray://host:port "
+                            "(default: gateway.ray.address, else auto)")
     serve.set_defaults(func=_serve)
 
 

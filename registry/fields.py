@@ -27,8 +27,8 @@ MAX_BODY_BYTES = 1 << 30  # a request body the gateway buffers
 # Bounded integer fields are `strict`: `true` or "3" for `replicas` is a mistake, not 1 or 3.
 
 ModelType = Literal["chat", "completion", "embedding"]
-# A Ray launcher is planned; until a pool can start replicas on Ray, the schema refuses it by name.
-Launcher = Literal["local", "url"]
+# local: a worker process on this host; url: a server started elsewhere; ray: a worker started by a Ray actor
+Launcher = Literal["local", "url", "ray"]
 Device = Literal["auto", "cpu", "cuda"]
 Isolation = Literal["mig", "mps", "timeslice", "exclusive"]
 Scheduling = Literal["fcfs", "multilevel"]

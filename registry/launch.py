@@ -16,7 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
 from registry.fields import GIB, Alias, Device, Frozen, ModelName, ModelType
-from registry.schema import ModelSpec, Placement, QueueOptions
+from registry.schema import ModelSpec, Placement, QueueOptions, RayResources
 
 
 class ReplicaPlacement(Frozen):
@@ -44,6 +44,7 @@ class ReplicaLaunch(Frozen):
     queue: QueueOptions = Field(default_factory=QueueOptions)
     placement: ReplicaPlacement = Field(default_factory=ReplicaPlacement)
     url: str | None = None  # launcher `url`: the replica already runs there
+    ray: RayResources | None = None  # launcher `ray`: what its actor asks of its node
 
     @field_validator("engine", mode="before")
     @classmethod
@@ -79,4 +80,5 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
     return ReplicaLaunch(
         model=spec.name, index=index, type=spec.type, source=spec.source_ref(), aliases=tuple(spec.aliases),
         device=spec.device, engine=spec.engine, queue=queue, placement=placement or ReplicaPlacement(),
-        url=spec.urls[index] if index < len(spec.urls) else None)
+        url=spec.urls[index] if index < len(spec.urls) else None,
+        ray=(spec.ray or RayResources()) if spec.launcher == "ray" else None)

@@ -14,6 +14,7 @@ in code with plain `model_validate` has no file to be relative to and skips it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -33,6 +34,7 @@ from registry import sources
 from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
 from registry.errors import FieldProblems, Problem, pydantic_problems
 from registry.fields import (
+    GIB,
     MAX_BODY_BYTES,
     MAX_GIB,
     MAX_LOAD_BOUND,
@@ -87,6 +89,38 @@ class HttpLimits(Frozen):
     max_connections: int | None = Field(default=1000, ge=1, le=1 << 20, strict=True)
 
 
+class RayConnection(Frozen):
+    """The Ray cluster that `launcher: ray` models run on (model_pool/ray_launcher.py)."""
+
+    # `auto` (the cluster this host belongs to: `ray start` ran here), `host:port` of its GCS, or `ray://host:port`
+    # (Ray Client); None: `auto` when a model needs Ray. `multiserve serve --ray-address` overrides it.
+    address: str | None = Field(default=None, min_length=1, max_length=512)
+    namespace: str = Field(default="multiserve", pattern=r"^[A-Za-z0-9._-]+$", max_length=128)
+    # where a Ray replica's worker listens, on its node: None is the node's own address (reachable from the
+    # gateway); 127.0.0.1 only suits a cluster whose nodes all run on the gateway's host
+    worker_host: str | None = Field(default=None, min_length=1, max_length=255)
+    start_timeout_s: float = Field(default=120.0, gt=0, le=MAX_WAIT_S)  # for Ray to place and start an actor
+
+
+class RayResources(Frozen):
+    """What one replica's Ray actor asks of its node (Ray's own resource model): CPUs, GPUs (fractional to share one
+    between models), memory, and custom resources (a node label, a MIG profile a node advertises)."""
+
+    num_cpus: float = Field(default=1.0, ge=0, le=4096)
+    num_gpus: float = Field(default=0.0, ge=0, le=64)
+    memory_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
+    resources: dict[Annotated[str, Field(min_length=1, max_length=128)], Annotated[float, Field(gt=0)]] = {}
+
+    def ray_options(self) -> dict[str, Any]:
+        """As `ActorClass.options()` takes them."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory_gib is not None:
+            options["memory"] = int(self.memory_gib * GIB)
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        return options
+
+
 class GatewayConfig(Frozen):
     """Where the gateway listens and where it finds its secrets (names of environment variables, never values)."""
 
@@ -102,6 +136,7 @@ class GatewayConfig(Frozen):
     # relative root is relative to the registry file's directory; the default is that directory itself, so
     # models outside it need an entry here (e.g. [/srv/models]). `[]` allows no `{path}` sources at all.
     model_roots: list[Annotated[str, Field(min_length=1)]] = ["."]
+    ray: RayConnection = Field(default_factory=RayConnection)
 
 
 class ModelSource(Frozen):
@@ -212,6 +247,7 @@ class ModelSpec(Frozen):
     launcher: Launcher = "local"
     # launcher `url`: one running OpenAI-compatible server per replica
     urls: list[HttpUrlStr] = Field(default=[], max_length=MAX_REPLICAS)
+    ray: RayResources | None = None  # launcher `ray`: what each replica's actor asks of its node (default: 1 CPU)
     device: Device = "auto"
     enabled: bool = True
     placement: Placement = Field(default_factory=Placement)
@@ -261,8 +297,8 @@ class ModelSpec(Frozen):
                                           "served)") for name, given in unsupported if given]
 
     def _launcher_problems(self) -> list[Problem]:
+        problems = self._ray_problems()
         if self.launcher != "url":
-            problems = []
             if self.urls:
                 problems.append(Problem("urls", f"only used with launcher 'url' (launcher is {self.launcher!r})"))
             if self.source is None:
@@ -271,11 +307,24 @@ class ModelSpec(Frozen):
                 problems.append(Problem("source.url", f"only with launcher 'url' (launcher is {self.launcher!r})"))
             return problems
         if not self.urls:
-            return [Problem("urls", "launcher 'url' needs the URL of each replica's server")]
+            return [*problems, Problem("urls", "launcher 'url' needs the URL of each replica's server")]
         if self.replicas not in (0, len(self.urls)):
-            return [Problem("urls", f"launcher 'url' needs one URL per replica: replicas={self.replicas}, "
-                                    f"got {len(self.urls)} url(s)")]
-        return []
+            return [*problems, Problem("urls", f"launcher 'url' needs one URL per replica: replicas={self.replicas}, "
+                                               f"got {len(self.urls)} url(s)")]
+        return problems
+
+    def _ray_problems(self) -> list[Problem]:
+        if self.launcher != "ray":
+            return [Problem("ray", f"only used with launcher 'ray' (launcher is {self.launcher!r})")] \
+                if self.ray is not None else []
+        problems = []
+        if importlib.util.find_spec("ray") is None:
+            problems.append(Problem("launcher", "'ray' needs Ray installed where the gateway runs: "
+                                                "pip install 'multiserve[ray]'"))
+        if self.placement != Placement():
+            problems.append(Problem("placement", "the partitioner plans this host's devices only; a Ray replica's "
+                                                 "share of its node is its `ray` resources (num_gpus, resources)"))
+        return problems
 
     def model_references(self) -> list[tuple[str, str]]:
         """(field, model name) for every other model this one names: fallbacks, context fallbacks, variants."""

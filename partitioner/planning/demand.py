@@ -65,7 +65,7 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
     shapes = shapes or {}
     demands, problems = [], []
     for i, model in enumerate(registry.models):
-        if not model.enabled or model.replicas == 0 or model.launcher == "url":
+        if not model.enabled or model.replicas == 0 or model.launcher in ("url", "ray"):
             continue  # nothing of ours runs on a device for it
         try:
             memory, kv = replica_memory(model, shapes.get(model.name), overhead_bytes)

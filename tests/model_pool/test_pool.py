@@ -384,6 +384,33 @@ def test_a_crash_looping_replica_is_marked_failed_and_never_restarted():
     run(scenario, settings=PoolSettings(max_crashes=3, crash_window_s=60.0, restart_backoff_s=1.0))
 
 
+def test_a_launcher_that_cannot_start_a_replica_makes_it_a_crash_retried_with_backoff():
+    """A launcher that raises (a Ray cluster that did not place the actor in time) neither stops `apply` nor the
+    supervision: the replica counts as crashed, is started again after the backoff, and fails after a crash loop."""
+    async def scenario(h: Harness) -> None:
+        start, attempts = h.launcher.start, []
+
+        async def unplaced(request):  # type: ignore[no-untyped-def]
+            attempts.append(request.index)
+            if len(attempts) <= 2:
+                raise RuntimeError("the actor was not placed within 120 s")
+            return await start(request)
+
+        h.launcher.start = unplaced  # type: ignore[method-assign]
+        await h.pool.apply(registry(model("alpha")))
+        replica = h.replica("alpha/0")
+        assert replica.state == UNHEALTHY and replica.restarts == 1 and replica.handle is None
+        h.clock.advance(1.0)
+        await h.pool.tick()  # the second attempt fails too
+        assert replica.restarts == 2 and replica.state == UNHEALTHY
+        h.clock.advance(5.0)
+        await h.pool.tick()  # the third starts it
+        await h.pool.tick()
+        assert replica.state == READY and attempts == [0, 0, 0]
+
+    run(scenario, settings=PoolSettings(restart_backoff_s=0.5, max_crashes=5))
+
+
 def test_crashes_spread_wider_than_the_window_are_not_a_loop():
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha")))

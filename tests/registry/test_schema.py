@@ -128,6 +128,15 @@ INVALID = {
                 "models[0].urls[0]: must be an http:// or https:// URL, got 'h:1'"),
     "urls without url launcher": (registry_text(chat("a", ", urls: [http://h:1]")),
                                   "models[0].urls: only used with launcher 'url' (launcher is 'local')"),
+    "ray resources without ray launcher": (registry_text(chat("a", ", ray: {num_gpus: 1}")),
+                                           "models[0].ray: only used with launcher 'ray' (launcher is 'local')"),
+    "ray with a placement": (registry_text(chat("a", ", launcher: ray, placement: {isolation: mps}")),
+                             "models[0].placement: the partitioner plans this host's devices only; a Ray replica's "
+                             "share of its node is its `ray` resources"),
+    "ray negative gpus": (registry_text(chat("a", ", launcher: ray, ray: {num_gpus: -1}")),
+                          "models[0].ray.num_gpus: Input should be greater than or equal to 0"),
+    "ray custom resource": (registry_text(chat("a", ", launcher: ray, ray: {resources: {node_b: 0}}")),
+                            "models[0].ray.resources.node_b: Input should be greater than 0"),
     "source url with local launcher": (registry_text("{name: a, type: chat, source: {url: http://h/m}}"),
                                        "models[0].source.url: only with launcher 'url'"),
     "no source": (registry_text("{name: a, type: chat}"), "models[0].source: required with launcher 'local'"),
@@ -255,3 +264,19 @@ def test_policy_options_reach_the_engine():
 def test_registry_validates_from_python_too():
     with pytest.raises(ValidationError, match="duplicate model name"):
         Registry.model_validate({"models": [{"name": "a", "type": "chat", "source": {"path": "/m"}}] * 2})
+
+
+def test_a_ray_launcher_asks_its_resources_and_says_how_to_install_ray(monkeypatch):
+    ray = "{num_cpus: 2, num_gpus: 0.5, memory_gib: 4, resources: {node_b: 1}}"
+    registry = parse_registry(registry_text(chat("a", f", launcher: ray, replicas: 2, ray: {ray}")), "r.yaml")
+    [spec] = registry.models
+    assert spec.ray is not None and spec.ray.ray_options() == {
+        "num_cpus": 2.0, "num_gpus": 0.5, "memory": 4 << 30, "resources": {"node_b": 1.0}}
+    assert replica_launch(spec, 1).ray == spec.ray
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(RegistryError, match=r"models\[0\]\.launcher: 'ray' needs Ray installed where the gateway "
+                                            r"runs: pip install 'multiserve\[ray\]'"):
+        parse_registry(registry_text(chat("a", ", launcher: ray")), "r.yaml")

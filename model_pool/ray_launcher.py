@@ -1,0 +1,232 @@
+"""Replicas on a Ray cluster: each one is a Ray actor that starts the same `multiserve worker` process a local
+replica is, on whichever node Ray places it, and reports the worker's URL; the gateway then routes to it like to
+any replica (probes, leases, migration), and the pool supervises it the same way: a worker that exits, an actor that
+is killed, or a node that dies ends the handle (`exit_code()`), and the pool starts a new actor with its usual
+backoff and crash-loop rules, which Ray places on a node that still has the resources.
+
+Ray is an optional dependency (`pip install 'multiserve[ray]'`): nothing here imports it until a `launcher: ray`
+model is started or checked. What an actor asks of its node is the model's `ray:` section (`RayResources`: CPUs,
+fractional GPUs, memory, custom resources such as a node label); Ray itself isolates GPUs (it sets the actor's
+CUDA_VISIBLE_DEVICES, which the worker inherits). A registry whose Ray models no node of the cluster could ever
+hold, or a cluster that cannot be reached, is refused like any invalid registry (`ray_problems`), so the last good
+one keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from model_pool.launcher import die_with_parent, free_port
+from registry.errors import Problem
+from registry.launch import ReplicaLaunch
+from registry.schema import RayConnection, RayResources, Registry
+from runtimes.server.wire import REPLICA_TOKEN_ENV
+
+log = structlog.get_logger(__name__)
+
+ACTOR_LOST = -1  # exit_code() of a replica whose actor died (killed, or its node lost) rather than its worker exiting
+
+
+class RayUnavailable(RuntimeError):
+    """Ray is not installed, or the cluster cannot be reached (or runs another Ray version)."""
+
+
+class RayCluster:
+    """The gateway's connection to one Ray cluster, made on first use (connecting takes seconds) and shared by the
+    launcher and the registry check."""
+
+    def __init__(self, connection: RayConnection, address_override: str | None = None) -> None:
+        self.connection = connection
+        self.address = address_override or connection.address or "auto"
+        self._lock = threading.Lock()
+        self._actor_class: Any = None
+
+    def ray(self) -> Any:
+        """The `ray` module, connected; RayUnavailable says why not."""
+        try:
+            import ray
+        except ImportError as err:
+            raise RayUnavailable("Ray is not installed where the gateway runs: pip install 'multiserve[ray]'") from err
+        with self._lock:
+            if not ray.is_initialized():
+                try:
+                    ray.init(address=self.address, namespace=self.connection.namespace, log_to_driver=False,
+                             logging_level=logging.WARNING)
+                except Exception as err:  # unreachable, refused, or a version mismatch: Ray says which
+                    raise RayUnavailable(f"cannot connect to the Ray cluster at {self.address!r}: {err}") from err
+                log.info("ray_connected", address=self.address, ray_version=ray.__version__)
+        return ray
+
+    def actor_class(self) -> Any:
+        """`ReplicaActor` as a Ray actor class (made once: remote() registers the class with the cluster)."""
+        ray = self.ray()
+        if self._actor_class is None:
+            self._actor_class = ray.remote(max_restarts=0)(ReplicaActor)  # the pool restarts, with its backoff
+        return self._actor_class
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's alive nodes, each with its total resources (`Resources`) and address."""
+        return [n for n in self.ray().nodes() if n.get("Alive")]
+
+
+class ReplicaActor:
+    """Runs on a Ray node: starts one `multiserve worker` there and watches it. A plain class, made a Ray actor by
+    `RayCluster.actor_class()`, so importing this module needs no Ray."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, launch_json: str, token: str, host: str | None, env: dict[str, str]) -> tuple[str, int]:
+        """Start the worker on a free port of this node; returns its base URL and pid."""
+        if host is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        port = free_port(host)
+        command = [sys.executable, "-m", "multiserve", "worker", "--launch", launch_json, "--host", host,
+                   "--port", str(port)]
+        # the actor's environment carries Ray's own CUDA_VISIBLE_DEVICES for its GPUs
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
+        self.process = subprocess.Popen(command, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        return f"http://{host}:{port}", self.process.pid
+
+    async def wait(self) -> int:
+        """The worker's exit status, once it has exited."""
+        assert self.process is not None
+        while (code := self.process.poll()) is None:
+            await asyncio.sleep(0.2)
+        return code
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout_s`; the exit status."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.terminate()
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGKILL)
+            return self.process.wait()
+
+
+@dataclass
+class RayHandle:
+    """A replica on Ray: its worker's URL, and the actor that owns the worker."""
+
+    base_url: str
+    actor: Any = field(repr=False)
+    worker_pid: int
+    node: str
+    token: str | None = field(default=None, repr=False)
+    _exit: int | None = None
+    _watch: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.worker_pid  # on its node (the same host in a one-host cluster)
+
+    def exit_code(self) -> int | None:
+        return self._exit
+
+    def watch(self, cluster: RayCluster) -> None:
+        """Follow the worker: its exit status once it exits, ACTOR_LOST if the actor or its node dies first."""
+        async def follow() -> None:
+            ray = cluster.ray()
+            try:
+                self._exit = int(await self.actor.wait.remote())
+            except ray.exceptions.RayError as err:
+                log.warning("ray_actor_lost", url=self.base_url, node=self.node, error=str(err)[:200])
+                self._exit = ACTOR_LOST
+
+        self._watch = asyncio.create_task(follow(), name=f"ray-watch {self.base_url}")
+
+    async def stop(self, timeout_s: float) -> None:
+        import ray
+
+        if self._exit is None:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                await asyncio.wait_for(self.actor.stop.remote(timeout_s), timeout_s + 5.0)
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(self.actor)
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._exit is None:
+            self._exit = 0
+
+
+class RayLauncher:
+    """Starts each replica as a Ray actor with the model's `ray` resources (see the module)."""
+
+    def __init__(self, cluster: RayCluster) -> None:
+        self.cluster = cluster
+
+    async def start(self, launch: ReplicaLaunch) -> RayHandle:
+        resources = launch.ray or RayResources()
+        actor_class = await asyncio.to_thread(self.cluster.actor_class)
+        actor = actor_class.options(**resources.ray_options()).remote()
+        token = secrets.token_urlsafe(32)
+        # the worker inherits its actor's environment (Ray's, on that node: none of the gateway's secrets)
+        env = dict(launch.placement.env)
+        timeout_s = self.cluster.connection.start_timeout_s
+        try:
+            url, pid = await asyncio.wait_for(
+                actor.start.remote(launch.model_dump_json(), token, self.cluster.connection.worker_host, env),
+                timeout_s)
+        except TimeoutError as err:
+            self.cluster.ray().kill(actor)
+            raise RayUnavailable(f"{launch.replica_id}: Ray did not place and start its actor within "
+                                 f"{timeout_s:g} s (asking {resources.ray_options()}); is a node with those "
+                                 f"resources free?") from err
+        node = str(url.split("//", 1)[1].rsplit(":", 1)[0])
+        handle = RayHandle(url, actor, int(pid), node, token)
+        handle.watch(self.cluster)
+        return handle
+
+
+def ray_problems(registry: Registry, cluster: RayCluster | None) -> list[Problem]:
+    """Why the registry's `launcher: ray` models cannot run on the cluster: it cannot be reached, or a model asks
+    for more than any one of its nodes has (an actor Ray could never place). Empty when there is no such model."""
+    models = [(i, m) for i, m in enumerate(registry.models) if m.launcher == "ray" and m.enabled and m.replicas]
+    if not models:
+        return []
+    if cluster is None:
+        return [Problem("gateway.ray", "launcher 'ray' models need the gateway connected to a Ray cluster")]
+    try:
+        nodes = cluster.nodes()
+    except RayUnavailable as err:
+        return [Problem("gateway.ray.address", str(err))]
+    problems = []
+    for i, model in models:
+        asked = _asked(model.ray or RayResources())
+        if not any(all(node.get("Resources", {}).get(k, 0.0) >= v for k, v in asked.items()) for node in nodes):
+            have = "; ".join(f"{n.get('NodeManagerAddress', '?')}: {_short(n.get('Resources', {}))}" for n in nodes)
+            problems.append(Problem(f"models[{i}].ray", f"no node of the Ray cluster has {_short(asked)} for one "
+                                                        f"replica of {model.name!r}; nodes: {have or 'none'}"))
+    return problems
+
+
+def _asked(resources: RayResources) -> dict[str, float]:
+    """The request in the names Ray reports node resources by."""
+    asked = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.resources}
+    if resources.memory_gib is not None:
+        asked["memory"] = resources.memory_gib * (1 << 30)
+    return {k: v for k, v in asked.items() if v > 0}
+
+
+def _short(resources: dict[str, float]) -> str:
+    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "object_store"))}
+    return ", ".join(f"{k} {v / (1 << 30):.1f} GiB" if k == "memory" else f"{k} {v:g}" for k, v in sorted(
+        shown.items())) or "nothing"

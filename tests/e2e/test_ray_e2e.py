@@ -1,0 +1,194 @@
+"""Replicas on a Ray cluster (`launcher: ray`): a local cluster started for this module (head on loopback, no
+dashboard, a small object store; two "nodes" as custom resources `node_a` and `node_b`), a real gateway and real
+workers started by Ray actors, the official openai client. Killing an actor, or its worker, mid-load loses no
+stream (they go on on the other replica) and the replica comes back; scaling works; a resource no node has is
+refused and the last registry keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from model_pool.launcher import free_port
+from tests.e2e.conftest import ADMIN_TOKEN, Gateway, running_gateway
+from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
+
+pytest.importorskip("ray", reason="launcher: ray needs the ray extra (make install installs it)")
+
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+# A throwaway cluster on loopback, for this module only: no token (Ray's default for a real one is token auth)
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}
+MAX_TOKENS = 400
+REGISTRY = """\
+gateway:
+  host: 127.0.0.1
+  port: {port}
+  ray: {{address: "127.0.0.1:{ray_port}", worker_host: 127.0.0.1, start_timeout_s: 60}}
+models:
+  - name: tiny-ray
+    type: chat
+    source: {{path: {model}}}
+    replicas: 2
+    launcher: ray
+    ray: {{num_cpus: 0.5, resources: {{node_a: 1}}}}
+    device: cpu
+    engine: {{block_size: 16, kv_cache_gib: 0.02, max_model_len: 512, max_num_seqs: 16}}
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A one-machine Ray cluster: `ray start --head --block` in a process of its own, stopped with it."""
+    port = free_port()
+    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+    temp = tmp_path_factory.mktemp("ray")
+    log = (temp / "head.log").open("wb")
+    head = subprocess.Popen(
+        [ray_cli, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+         "--num-cpus=4", '--resources={"node_a": 4, "node_b": 2}', "--include-dashboard=false",
+         "--object-store-memory=100000000", "--disable-usage-stats", f"--temp-dir={temp}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **NO_AUTH})
+    try:
+        yield port
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(ray_head: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("ray-gateway")
+    model = write_gguf(hf_model(TinySpec(max_position_embeddings=512), seed=3), root / "tiny.gguf")
+    port = free_port()
+    with running_gateway(root, REGISTRY.format(port=port, ray_port=ray_head, model=model), port, model,
+                         extra_env=NO_AUTH) as gw:
+        yield gw
+
+
+def _replicas(gateway: Gateway) -> list[dict]:
+    return httpx.get(f"{gateway.url}/health/models", timeout=10).json()["models"]["tiny-ray"]["replicas"]
+
+
+def _wait_ready(gateway: Gateway, count: int, timeout_s: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        replicas = [r for r in _replicas(gateway) if r["state"] != "stopped"]
+        if len(replicas) == count and all(r["state"] == "ready" for r in replicas):
+            return replicas
+        assert time.monotonic() < deadline, replicas
+        time.sleep(0.2)
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def _stream(client: openai.AsyncOpenAI, i: int, chunks: list[int]) -> str:
+    """One greedy stream; `chunks[i]` counts what has arrived."""
+    stream = await client.completions.create(model="tiny-ray", prompt=f"ray {i}: the story goes", max_tokens=MAX_TOKENS,
+                                             temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    text = ""
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            chunks[i] += 1
+    return text
+
+
+async def _load(gateway: Gateway, count: int, disturb=None) -> list[str]:  # type: ignore[no-untyped-def]
+    """`count` streams at once; `disturb(chunks)` runs alongside once every stream has sent a few chunks."""
+    chunks = [0] * count
+    async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
+                                  timeout=120) as client:
+        tasks = [asyncio.create_task(_stream(client, i, chunks)) for i in range(count)]
+        if disturb is not None:
+            deadline = time.monotonic() + 60
+            while min(chunks) < 3:
+                assert time.monotonic() < deadline, chunks
+                await asyncio.sleep(0.005)
+            assert max(chunks) < MAX_TOKENS, "a stream ended before the disturbance: make them longer"
+            await disturb()
+        return list(await asyncio.gather(*tasks))
+
+
+def test_ray_replicas_serve_the_openai_client(gateway):
+    replicas = _wait_ready(gateway, 2)
+    assert all(r["url"].startswith("http://127.0.0.1:") for r in replicas)
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        reply = client.chat.completions.create(model="tiny-ray", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("target", ["actor", "worker"])
+def test_a_killed_actor_or_worker_loses_no_stream_and_comes_back(gateway, target):
+    """SIGKILL of the Ray actor that owns the busier replica's worker (the worker gets SIGTERM with it, and its
+    graceful stop ends its streams), or of the worker itself (its streams break and go on on the other replica),
+    while 8 streams run: every stream completes with its undisturbed text, and the pool starts a new actor, which
+    Ray places, and whose worker becomes ready."""
+    _wait_ready(gateway, 2)
+    reference = asyncio.run(_load(gateway, 8))
+    killed: list[dict] = []
+
+    async def kill_busiest() -> None:
+        victim = max(_replicas(gateway), key=lambda r: r["in_flight"])
+        killed.append(victim)
+        os.kill(_parent_of(victim["pid"]) if target == "actor" else victim["pid"], signal.SIGKILL)
+
+    assert asyncio.run(_load(gateway, 8, kill_busiest)) == reference
+    deadline = time.monotonic() + 120
+    while True:  # the pool noticed (the actor's exit, or its worker's) and started a new one
+        back = next(r for r in _replicas(gateway) if r["id"] == killed[0]["id"])
+        if back["restarts"] > killed[0]["restarts"] and back["state"] == "ready":
+            break
+        assert time.monotonic() < deadline, back
+        time.sleep(0.2)
+    assert back["pid"] != killed[0]["pid"]
+    if target == "worker":
+        text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+        assert 'multiserve_gateway_stream_migrations_total{cause="replica_failed",model="tiny-ray"}' in text
+
+
+def test_ray_replicas_scale_1_3_1_through_the_admin_api(gateway):
+    for count in (1, 3, 1):
+        reply = httpx.post(f"{gateway.url}/admin/models/tiny-ray/scale", json={"replicas": count}, headers=ADMIN,
+                           timeout=180)
+        assert reply.status_code == 200, reply.text
+        _wait_ready(gateway, count)
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        assert client.completions.create(model="tiny-ray", prompt="hi", max_tokens=4).usage is not None
+    reply = httpx.post(f"{gateway.url}/admin/models/tiny-ray/scale", json={"replicas": 2}, headers=ADMIN,
+                       timeout=180)
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_resource_no_node_has_is_refused_by_name_and_the_last_registry_keeps_serving(gateway):
+    _wait_ready(gateway, 2)
+    entry = {"type": "chat", "source": {"path": str(gateway.model_path)}, "replicas": 2, "launcher": "ray",
+             "device": "cpu", "ray": {"num_cpus": 0.5, "resources": {"gpu_node": 1}},
+             "engine": {"block_size": 16, "kv_cache_gib": 0.02, "max_model_len": 512, "max_num_seqs": 16}}
+    reply = httpx.put(f"{gateway.url}/admin/models/tiny-ray", json=entry, headers=ADMIN, timeout=60)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert "no node of the Ray cluster has" in message and "gpu_node 1" in message and "node_a 4" in message
+    status = httpx.get(f"{gateway.url}/admin/registry/status", headers=ADMIN, timeout=10).json()
+    assert "gpu_node" in str(status)
+    assert [r["state"] for r in _replicas(gateway)] == ["ready", "ready"]
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        assert client.completions.create(model="tiny-ray", prompt="hi", max_tokens=4).usage is not None
