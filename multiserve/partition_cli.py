@@ -1,4 +1,5 @@
-"""`multiserve partition plan|apply|status`: the partitioner from the command line (multiserve/cli.py registers it).
+"""`multiserve partition plan|simulate|apply|status`: the partitioner from the command line (multiserve/cli.py
+registers it).
 
 Exit status: 0 done; 1 the plan is infeasible or a device read failed (the message says what and where);
 2 bad input (registry, inventory or shapes file).
@@ -11,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -24,7 +26,10 @@ from registry.fields import GIB
 if TYPE_CHECKING:
     from partitioner.planning.demand import ModelShape
     from partitioner.planning.placement import PlanOptions
+    from partitioner.simulate.evaluate import Evaluated
     from registry.schema import Registry
+
+    _PlanInputs = tuple[Registry, dict[str, ModelShape], Inventory, PlanOptions]
 
 INVENTORIES = "partitioner/inventories"  # as a path in the source tree, for the hints printed to operators
 
@@ -37,7 +42,17 @@ def add_partition_parser(sub: argparse._SubParsersAction, default_config: Path) 
     plan = actions.add_parser("plan", help="print where every replica of the registry would run, and with what")
     add_plan_arguments(plan, default_config)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--objective", choices=["configured", "goodput"], default="configured",
+                      help="configured (default): the registry's placements as written; goodput: the candidate "
+                           "plan (`partition simulate`) that serves the most requests within their SLOs")
+    add_traffic_arguments(plan)
     plan.set_defaults(func=run_plan)
+    simulate = actions.add_parser("simulate", help="simulate the traffic on candidate plans (MIG, MPS, "
+                                  "time-slicing, nested) and rank them by goodput")
+    add_plan_arguments(simulate, default_config)
+    add_traffic_arguments(simulate)
+    simulate.add_argument("--json", action="store_true", help="print every candidate's results as JSON")
+    simulate.set_defaults(func=run_simulate)
     status = actions.add_parser("status", help="print the device inventory (NVML, or a fake/CPU one)")
     _add_inventory_argument(status)
     status.add_argument("--json", action="store_true", help="print the inventory as JSON")
@@ -59,6 +74,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser, default_config: Path) ->
                         help="of each GPU's (or MIG device's) memory, at most this much for our replicas")
 
 
+def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the simulator serves (partitioner/simulate/traffic.py describes the file)."""
+    parser.add_argument("--traffic", default=None,
+                        help="YAML/JSON of model -> rate, prompt/output lengths (or a gateway traffic log to "
+                             "replay) and SLOs; default: 1 request/s, 512 + 128 tokens, TTFT 1 s, TPOT 100 ms")
+    parser.add_argument("--duration-s", type=float, default=None, help="arrivals over this long (default: the "
+                        "file's duration_s, else 60)")
+    parser.add_argument("--seed", type=int, default=None, help="the traffic's seed (default: the file's, else 0)")
+    parser.add_argument("--drain-s", type=float, default=30.0,
+                        help="simulate this long after the last arrival, so that late requests can finish")
+
+
 def _add_inventory_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inventory", default=None,
                         help=f"plan for the GPUs of this file (e.g. {INVENTORIES}/h100-80gb.json) instead of NVML's")
@@ -75,19 +102,143 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
     if isinstance(inputs, int):
         return inputs
     registry, shapes, inventory, options = inputs
+    if args.objective == "goodput":
+        return _plan_for_goodput(args, inputs, out, err)
     try:
         result = plan(inventory, replica_demands(registry, shapes), options)
     except InfeasiblePlan as exc:
-        print(f"error: infeasible plan for {args.config} on {inventory.source}:", file=err)
-        for problem in exc.problems:
-            print(f"  - {problem}", file=err)
+        _print_infeasible(args, inventory, exc, err)
         return 1
     out.write(json.dumps(result.to_dict(), indent=2) + "\n" if args.json else render_plan(result))
     return 0
 
 
-def plan_inputs_or_exit_code(args: argparse.Namespace, env: Mapping[str, str], err: TextIO
-                             ) -> tuple[Registry, dict[str, ModelShape], Inventory, PlanOptions] | int:
+def _print_infeasible(args: argparse.Namespace, inventory: Inventory, exc: InfeasiblePlan, err: TextIO) -> None:
+    print(f"error: infeasible plan for {args.config} on {inventory.source}:", file=err)
+    for problem in exc.problems:
+        print(f"  - {problem}", file=err)
+
+
+def _plan_for_goodput(args: argparse.Namespace, inputs: _PlanInputs, out: TextIO, err: TextIO) -> int:
+    """`partition plan --objective goodput`: the simulated best candidate, printed as a plan."""
+    from partitioner.simulate.evaluate import best
+
+    evaluated = _evaluate_candidates(args, inputs, err)
+    if isinstance(evaluated, int):
+        return evaluated
+    chosen = best(evaluated)
+    if chosen is None or chosen.candidate.plan is None:
+        print(f"error: no candidate plan for {args.config} on {inputs[2].source} could be simulated:", file=err)
+        for e in evaluated:
+            print(f"  - {e.candidate.name}: {e.error}", file=err)
+        return 1
+    static = _static_mig(evaluated)
+    if args.json:
+        data = {**chosen.candidate.plan.to_dict(), "objective": {
+            "name": "goodput", "candidate": chosen.candidate.name, "goodput_per_s": chosen.goodput_per_s,
+            "static_mig_goodput_per_s": None if static is None else static.goodput_per_s}}
+        out.write(json.dumps(data, indent=2) + "\n")
+        return 0
+    versus = "" if static is None else f" (static MIG: {static.goodput_per_s:.2f} req/s)"
+    out.write(f"objective goodput: {chosen.candidate.name}: {chosen.goodput_per_s:.2f} requests/s within their "
+              f"SLOs{versus}, of {len(evaluated)} candidates (`partition simulate` lists them)\n\n")
+    out.write(render_plan(chosen.candidate.plan))
+    return 0
+
+
+def run_simulate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
+                 env: Mapping[str, str] | None = None) -> int:
+    """`partition simulate`: every candidate plan simulated on the traffic, best first; infeasible ones with the
+    planner's reasons."""
+    out, err, env = out or sys.stdout, err or sys.stderr, os.environ if env is None else env
+    inputs = plan_inputs_or_exit_code(args, env, err)
+    if isinstance(inputs, int):
+        return inputs
+    evaluated = _evaluate_candidates(args, inputs, err)
+    if isinstance(evaluated, int):
+        return evaluated
+    out.write(json.dumps([_evaluated_dict(e) for e in evaluated], indent=2) + "\n" if args.json
+              else render_simulation(evaluated))
+    return 0
+
+
+def _evaluate_candidates(args: argparse.Namespace, inputs: _PlanInputs, err: TextIO) -> list[Evaluated] | int:
+    """The candidate plans of the registry, each simulated on the traffic; or the exit code after saying why not."""
+    from bench.profile import load_traffic as read_traffic_log
+    from partitioner.planning.demand import replica_demands
+    from partitioner.simulate.candidates import candidate_plans
+    from partitioner.simulate.evaluate import evaluate, sim_models
+    from partitioner.simulate.traffic import default_traffic, load_traffic
+
+    registry, shapes, inventory, options = inputs
+    try:
+        demands = replica_demands(registry, shapes)
+    except InfeasiblePlan as exc:
+        _print_infeasible(args, inventory, exc, err)
+        return 1
+    models = sim_models(registry, shapes)
+    try:
+        traffic = load_traffic(args.traffic, read_traffic_log) if args.traffic else \
+            default_traffic(sorted({d.model for d in demands}))
+        traffic = replace(traffic, duration_s=args.duration_s or traffic.duration_s,
+                          seed=traffic.seed if args.seed is None else args.seed)
+        missing = sorted({d.model for d in demands} - set(models))
+        if missing:
+            raise ValueError(f"no shape for model(s) {missing}: the simulator needs each one's layers, KV heads, "
+                             f"head size and weight bytes (--shapes)")
+    except ValueError as exc:
+        print(f"error: {exc}", file=err)
+        return 2
+    load = {m: t.offered_tokens_per_s(traffic.duration_s) * models[m].shape.weights_bytes
+            for m, t in traffic.models.items() if m in models}
+    return evaluate(candidate_plans(inventory, demands, options, load), inventory, models, traffic,
+                    drain_s=args.drain_s)
+
+
+def _static_mig(evaluated: Sequence[Evaluated]) -> Evaluated | None:
+    """The memory-sized all-MIG candidate (static partitioning), when it was simulated."""
+    return next((e for e in evaluated if e.error is None and e.candidate.family == "mig"
+                 and e.candidate.name.endswith("(memory-sized)")), None)
+
+
+def _evaluated_dict(e: Evaluated) -> dict[str, Any]:
+    return {"candidate": e.candidate.name, "family": e.candidate.family, "feasible": e.candidate.plan is not None,
+            "error": e.error, "goodput_per_s": e.goodput_per_s, "throughput_per_s": e.throughput_per_s,
+            "unplanned_bytes": e.unplanned_bytes, "models": {m: asdict(r) for m, r in e.models.items()},
+            "tree": None if e.candidate.plan is None else e.candidate.plan.tree()}
+
+
+def render_simulation(evaluated: Sequence[Evaluated]) -> str:
+    """Simulated candidates by goodput (best first), the best and the static MIG one per model, then the rest."""
+    from partitioner.simulate.evaluate import best
+
+    ran = sorted((e for e in evaluated if e.error is None), key=lambda e: -e.goodput_per_s)
+    rows = [[str(i), f"{e.goodput_per_s:.2f}", f"{e.throughput_per_s:.2f}", _gib(e.unplanned_bytes),
+             " ".join(f"{m}={r.goodput_per_s:.2f}" for m, r in e.models.items()), e.candidate.name]
+            for i, e in enumerate(ran, 1)]
+    lines = table(["#", "GOODPUT/S", "DONE/S", "UNPLANNED", "GOODPUT/S BY MODEL", "CANDIDATE"], rows)
+    top, static = best(evaluated), _static_mig(evaluated)
+    for label, e in (("best", top), ("static MIG", static)):
+        if e is not None:
+            lines += ["", f"{label}: {e.candidate.name}", *_model_table(e)]
+    if top is not None and static is not None and static.goodput_per_s > 0:
+        lines += ["", f"best / static MIG goodput: {top.goodput_per_s / static.goodput_per_s:.2f}x"]
+    failed = [e for e in evaluated if e.error is not None]
+    if failed:
+        lines += ["", "not simulated:", *(f"  - {e.candidate.name}: {e.error}" for e in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def _model_table(e: Evaluated) -> list[str]:
+    rows = [[m, f"{r.goodput_per_s:.2f}", f"{r.throughput_per_s:.2f}", f"{r.output_tokens_per_s:.0f}",
+             f"{r.ttft_ms['p50']:.0f} / {r.ttft_ms['p99']:.0f}", f"{r.tpot_ms['p50']:.1f} / {r.tpot_ms['p99']:.1f}",
+             f"{r.kv_peak_fraction:.0%}", f"{r.arrived} / {r.finished} / {r.in_flight} / {r.rejected}"]
+            for m, r in e.models.items()]
+    return ["  " + line for line in table(["MODEL", "GOODPUT/S", "DONE/S", "OUT TOK/S", "TTFT P50/P99 MS",
+                                           "TPOT P50/P99 MS", "KV PEAK", "ARRIVED/DONE/IN FLIGHT/REJECTED"], rows)]
+
+
+def plan_inputs_or_exit_code(args: argparse.Namespace, env: Mapping[str, str], err: TextIO) -> _PlanInputs | int:
     """`plan_inputs`, or the exit code after saying what is wrong: 2 for bad input, 1 when reading the devices
     failed."""
     from registry.errors import RegistryError
