@@ -294,14 +294,24 @@ class LLMEngine:
 
     def _choose_step(self) -> tuple[SchedulerOutput, Callable[[], _Ran | None]] | None:
         """The step to run, and how: a stopped step is finished, unless an arrival due a step of its own fits first
-        (the stopped one is then kept for after it); else the scheduler's plan. None: nothing to run."""
+        (the stopped one is then kept for after it); else the scheduler's plan. An arrival due a step of its own that
+        does not fit in one gets into the scheduler's ordinary plan at once, as without a stopped step: the stopped
+        one is dropped then (its requests run those tokens again). None: nothing to run."""
         suspended = self._take_suspended()
         if suspended is not None:
+            head = self.scheduler.waiting.peek()
+            due = head is not None and self.scheduler.waiting.urgent_step(head)
             urgent = self.scheduler.schedule_urgent()
-            if urgent.is_empty:
+            if displaced := {r.request_id for r in urgent.preempted} & self._suspended_tables.keys():
+                suspended = self._without(suspended, displaced)
+            if suspended is not None and urgent.is_empty and not due:
+                self.scheduler.waiting.on_step(False)  # a step like any other for the urgent steps' share
                 return suspended.plan, functools.partial(self._resume, suspended, self._interrupt_for(suspended.plan))
-            self._suspended = suspended
-            return urgent, functools.partial(self._execute, urgent, None)
+            if not urgent.is_empty:
+                self._suspended = suspended
+                return urgent, functools.partial(self._execute, urgent, None)
+            if suspended is not None:
+                self.num_dropped_steps += 1
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return None
@@ -340,6 +350,16 @@ class LLMEngine:
                 self.num_dropped_steps += 1
                 return None
         return suspended
+
+    def _without(self, suspended: SuspendedStep, request_ids: set[str]) -> SuspendedStep | None:
+        """The stopped step less requests the arrival displaced (their blocks are freed: the step must not write
+        them); None, counted as dropped, if nobody is left."""
+        for request_id in request_ids:
+            del self._suspended_tables[request_id]
+        pruned = self.runner.without(suspended, request_ids, self.kv.block_tables)
+        if pruned is None:
+            self.num_dropped_steps += 1
+        return pruned
 
     def _resume(self, suspended: SuspendedStep, interrupt: Callable[[], bool] | None) -> _Ran | None:
         """Finish a stopped step; None when that fails. Such a fault is not isolated here: the step is dropped, and

@@ -11,7 +11,7 @@ from runtimes.llm.attention import AttentionMetadata
 from runtimes.llm.config import ModelConfig
 from runtimes.llm.model import LlamaForCausalLM, PartialForward, StepInterrupted
 from runtimes.llm.sampler import Sampler, SamplingRow
-from runtimes.llm.scheduler import SchedulerOutput
+from runtimes.llm.scheduler import ScheduledRequest, SchedulerOutput
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -109,6 +109,39 @@ class ModelRunner:
             assert isinstance(stop.partial, PartialForward)
             raise StepInterrupted(SuspendedStep(step.plan, step.meta, stop.partial, step.sampling)) from None
         return self._sample(hidden, step.sampling)
+
+    def without(self, step: SuspendedStep, request_ids: set[str], block_tables: Mapping[str, list[int]]
+                ) -> SuspendedStep | None:
+        """The stopped step less the requests `request_ids` (preempted meanwhile): their tokens' rows taken out of
+        its hidden state, its batch metadata rebuilt for the rest. Rows are independent (each sequence attends only
+        to its own KV), so the rest finish as they would have. None when nobody is left."""
+        kept: list[ScheduledRequest] = []
+        rows: list[int] = []
+        offset = 0
+        for item in step.plan.scheduled:
+            if item.request.request_id not in request_ids:
+                kept.append(item)
+                rows.extend(range(offset, offset + item.num_new_tokens))
+            offset += item.num_new_tokens
+        if not kept:
+            return None
+        index = torch.tensor(rows, device=self.device)
+        partial = step.partial
+        cos, sin = partial.rope
+        pruned = PartialForward(partial.next_layer, partial.x[index],
+                                None if partial.residual is None else partial.residual[index], (cos[index], sin[index]))
+        meta = AttentionMetadata.build([i.num_new_tokens for i in kept], [i.start + i.num_new_tokens for i in kept],
+                                       [block_tables[i.request.request_id] for i in kept], self.block_size,
+                                       self.device)
+        sampling, at = _Sampling(), 0
+        by_id = dict(zip(step.sampling.request_ids, step.sampling.rows, strict=True))
+        for item in kept:
+            at += item.num_new_tokens
+            if (row := by_id.get(item.request.request_id)) is not None:
+                sampling.index.append(at - 1)
+                sampling.rows.append(row)
+                sampling.request_ids.append(item.request.request_id)
+        return SuspendedStep(SchedulerOutput(scheduled=kept, urgent=step.plan.urgent), meta, pruned, sampling)
 
     def _sample(self, hidden: torch.Tensor, sampling: _Sampling) -> StepResult:
         result = StepResult()

@@ -13,8 +13,8 @@ bound: policies/multilevel.py), the step admits only such arrivals and the runni
 `update(plan, sampled)` then applies the results: progress, new tokens, stop checks, freeing, and the prefix
 cache's new full blocks. A plan that never gets its update (its step stopped part-way for an urgent arrival)
 leaves a valid state: its requests keep the blocks it allocated and recompute the same tokens in a later step. While
-the engine holds such a step to finish it, only `schedule_urgent` runs: it admits urgent arrivals and displaces
-nobody, so the held step's requests and their blocks stay as they were.
+the engine holds such a step to finish it, only `schedule_urgent` runs: it admits urgent arrivals only, and a
+request it displaces is taken out of the held step (`ModelRunner.without`); the others keep their blocks.
 """
 
 from __future__ import annotations
@@ -124,13 +124,14 @@ class Scheduler:
         return self._planned(out, urgent=False)
 
     def schedule_urgent(self) -> SchedulerOutput:
-        """An urgent step alone, displacing nobody (a stopped step's requests are waiting to finish it: their blocks
-        must stay theirs); empty when the waiting head is not due one or does not fit."""
+        """An urgent step alone (no ordinary one instead): empty when the waiting head is not due one or does not
+        fit. It may displace background work as `schedule` does (`preempted`): a stopped step that holds such a
+        request finishes without it."""
         head = self.waiting.peek()
         out = SchedulerOutput()
         if head is None or not self.waiting.urgent_step(head):
             return out
-        self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True, displace=False)
+        self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
         return self._planned(out, urgent=True) if out.scheduled else out
 
     def _planned(self, out: SchedulerOutput, urgent: bool) -> SchedulerOutput:
@@ -181,7 +182,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, by_id: dict[str, ScheduledRequest],
-                       urgent_only: bool = False, displace: bool = True) -> int:
+                       urgent_only: bool = False) -> int:
         admitted: list[Request] = []  # never displaced again in the same step (no preempt/admit ping-pong)
         while budget > 0:
             request = self.waiting.peek()
@@ -193,8 +194,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
                 # The policy may let an urgent arrival displace less urgent running work (never FCFS); in a step
                 # of its own, less of it (only work that runs on idle capacity anyway).
-                victim = None if not displace else self.waiting.urgent_victim(
-                    request, [r for r in self.running if r not in admitted], own_step=urgent_only)
+                victim = self.waiting.urgent_victim(request, [r for r in self.running if r not in admitted],
+                                                    own_step=urgent_only)
                 if victim is None:
                     break
                 budget += self._preempt_in_plan(victim, out, by_id)

@@ -441,10 +441,12 @@ def test_an_interactive_arrival_stops_the_step_in_flight_between_layers(tiny_loa
     assert request.num_computed_tokens == 16 and engine.kv.pool.num_cached_blocks == 4
     layers = engine.runner.model.layers
     seen: list[int] = []
+    announced: list[bool] = []
     for i, layer in enumerate(layers):
         def forward(*args, _i=i, _f=layer.forward):  # type: ignore[no-untyped-def]
             seen.append(_i)
-            if len(seen) == 1:  # the arrival comes while the first layer runs
+            if not announced:  # the arrival comes while the first layer runs
+                announced.append(True)
                 engine.request_yield(INTERACTIVE)
             return _f(*args)
         layer.forward = forward  # type: ignore[method-assign]
@@ -507,22 +509,36 @@ def test_a_stopped_step_whose_request_was_aborted_meanwhile_is_dropped_and_redon
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and all(c == 0 for c in engine.kv.pool.ref_cnt)
 
 
-def test_an_arrival_that_does_not_fit_displaces_nobody_while_a_step_is_stopped(tiny_loaded):
-    """No seat for the arrival (max_num_seqs): the stopped step is finished first; its requests are not preempted
-    to make room (their blocks hold what it wrote part-way)."""
+def test_an_arrival_without_a_seat_displaces_background_work_out_of_the_stopped_step(tiny_loaded):
+    """No seat for the arrival (max_num_seqs): its step displaces a background request, as it would without a
+    stopped step; that request's rows are taken out of the stopped step, which the other one then finishes (not
+    redone), and every output is the undisturbed one."""
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
                           scheduling="multilevel")
     engine = LLMEngine(tiny_loaded(), config)
+    prompts = {"bg1": list(range(5, 13)), "bg2": list(range(20, 28)), "chat": [60, 61, 62]}
     for name in ("bg1", "bg2"):
-        engine.add_request(name, list(range(5, 13)), greedy, priority=BACKGROUND)  # both in the first step
+        engine.add_request(name, prompts[name], greedy, priority=BACKGROUND)  # both in the first step
     _stopped(engine)
     assert len(engine.scheduler.running) == 2
-    engine.add_request("chat", [60, 61, 62], greedy, priority=INTERACTIVE)
-    engine.step()  # the stopped step, finished
-    assert engine.num_dropped_steps == 0 and engine.scheduler.num_preemptions == 0
-    assert engine.scheduler.requests["chat"].status.value == "waiting"
-    assert sum(r.num_computed_tokens for r in engine.scheduler.running) == 16
+    engine.add_request("chat", prompts["chat"], greedy, priority=INTERACTIVE)
+    tokens: dict[str, list[int]] = {}
+
+    def step() -> list[str]:
+        outs = engine.step()
+        for out in outs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return [out.request_id for out in outs]
+
+    assert step() == ["chat"] and engine.scheduler.num_preemptions == 1  # its own step, a seat taken from bg2
+    assert step() == ["bg1"]  # the stopped step, finished without bg2
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.num_interrupted_steps == 1 and engine.num_dropped_steps == 0
+    for name, prompt in prompts.items():
+        assert tokens[name] == _solo(tiny_loaded, prompt, greedy), name
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and all(c == 0 for c in engine.kv.pool.ref_cnt)
 
 
 def test_a_step_with_interactive_work_is_not_stopped_and_fcfs_never_yields(tiny_loaded):
@@ -581,3 +597,19 @@ def test_a_stopped_step_that_fails_when_finished_is_run_again_from_its_plan(tiny
     while engine.has_unfinished_requests():
         tokens += [t for out in engine.step() for t in out.new_token_ids]
     assert tokens == _solo(tiny_loaded, list(range(5, 25)), greedy)
+
+
+def test_an_arrival_that_cannot_have_a_step_of_its_own_joins_the_ordinary_plan_at_once(tiny_loaded):
+    """Its own step cannot seat it (only normal work runs, which such a step never displaces): rather than wait for
+    the stopped step to finish, the stopped step is dropped and the ordinary plan (which may displace normal work)
+    takes the arrival now, as it would have without the stop."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                          scheduling="multilevel")
+    engine = LLMEngine(tiny_loaded(), config)
+    for name, prompt in (("n1", list(range(5, 13))), ("n2", list(range(20, 28)))):
+        engine.add_request(name, prompt, greedy, priority=NORMAL)
+    _stopped(engine)
+    engine.add_request("chat", [60, 61, 62], greedy, priority=INTERACTIVE)
+    outputs = engine.step()
+    assert engine.num_dropped_steps == 1 and "chat" in [out.request_id for out in outputs]
