@@ -30,18 +30,23 @@ def continuations(gw: FakeGateway) -> list[Received]:
     return [r for r in gw.replicas.received if "multiserve_resume" in r.body]
 
 
+def _start_on_alpha_0(gw: FakeGateway, behaviour: str) -> None:
+    """alpha/0 behaves as `behaviour`; alpha/1 refuses connections until a request has reached a replica, so the
+    next request starts on alpha/0 and its continuation finds alpha/1 answering."""
+    gw.replicas.set("alpha/0", behaviour)
+    gw.replicas.set("alpha/1", "down")
+
+    def up_again(received: Received) -> None:
+        gw.replicas.set("alpha/1", "ok")
+
+    gw.replicas.on_request = up_again
+
+
 def test_a_stream_that_breaks_midway_goes_on_on_another_replica(with_gateway):
     async def scenario(gw: FakeGateway) -> None:
-        gw.replicas.set("alpha/0", "break_midstream")
-        gw.replicas.set("alpha/1", "down")  # so the request starts on alpha/0
-        first = asyncio.create_task(gw.client.post("/v1/chat/completions", json=chat(
-            stream=True, stream_options={"include_usage": True})))
-
-        def up_again(received: Received) -> None:  # alpha/1 answers again once the stream is under way
-            gw.replicas.set("alpha/1", "ok")
-
-        gw.replicas.on_request = up_again
-        response = await first
+        _start_on_alpha_0(gw, "break_midstream")
+        response = await gw.client.post("/v1/chat/completions", json=chat(
+            stream=True, stream_options={"include_usage": True}))
         payloads = data_events(response)
         assert contents(payloads) == ALL_TOKENS  # each token once, in order
         chunks = [json.loads(p) for p in payloads[:-1]]
@@ -87,13 +92,7 @@ def test_a_break_after_the_last_token_only_finishes_the_stream(with_gateway):
 
 def test_a_stalled_stream_goes_on_elsewhere(with_gateway):
     async def scenario(gw: FakeGateway) -> None:
-        gw.replicas.set("alpha/0", "stall_midstream")
-        gw.replicas.set("alpha/1", "down")
-
-        def up_again(received: Received) -> None:
-            gw.replicas.set("alpha/1", "ok")
-
-        gw.replicas.on_request = up_again
+        _start_on_alpha_0(gw, "stall_midstream")
         response = await gw.client.post("/v1/chat/completions", json=chat(stream=True))
         assert contents(data_events(response)) == ALL_TOKENS
         assert [r.host for r in continuations(gw)] == ["fake-alpha-1"]
@@ -145,13 +144,7 @@ def test_a_whole_reply_whose_replica_breaks_midway_is_finished_on_another(with_g
     """Not streamed: the client gets one whole reply, from the replica that finished it, with every token; the
     continuation carried the ids the first one had generated."""
     async def scenario(gw: FakeGateway) -> None:
-        gw.replicas.set("alpha/0", "break_midstream")
-        gw.replicas.set("alpha/1", "down")
-
-        def up_again(received: Received) -> None:
-            gw.replicas.set("alpha/1", "ok")
-
-        gw.replicas.on_request = up_again
+        _start_on_alpha_0(gw, "break_midstream")
         response = await gw.client.post("/v1/chat/completions", json=chat(max_tokens=4))
         assert response.status_code == 200 and response.headers["content-type"] == "application/json"
         reply = response.json()
