@@ -98,7 +98,6 @@ class LLMEngine:
         self.num_interrupted_steps = 0  # steps stopped between layers for an arrival ...
         self.num_dropped_steps = 0  # ... and of those, the ones not finished later (their work is redone)
         self._suspended: SuspendedStep | None = None  # a stopped step, finished after the arrival's step
-        self._suspended_tables: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def from_source(cls, source: str, config: EngineConfig | None = None, **kwargs: object) -> LLMEngine:
@@ -302,7 +301,8 @@ class LLMEngine:
             head = self.scheduler.waiting.peek()
             due = head is not None and self.scheduler.waiting.urgent_step(head)
             urgent = self.scheduler.schedule_urgent()
-            if displaced := {r.request_id for r in urgent.preempted} & self._suspended_tables.keys():
+            held = {item.request.request_id for item in suspended.plan.scheduled}
+            if displaced := {r.request_id for r in urgent.preempted} & held:
                 suspended = self._without(suspended, displaced)
             if suspended is not None and urgent.is_empty and not due:
                 self.scheduler.waiting.on_step(False)  # a step like any other for the urgent steps' share
@@ -331,31 +331,25 @@ class LLMEngine:
         self._yield_wanted.clear()
         self.num_interrupted_steps += 1
         if isinstance(partial, SuspendedStep) and len(partial.plan.scheduled) == len(plan.scheduled):
-            tables = {item.request.request_id: tuple(self.kv.block_tables[item.request.request_id])
-                      for item in plan.scheduled}
-            self._suspended, self._suspended_tables = partial, tables
+            self._suspended = partial
 
     def _take_suspended(self) -> SuspendedStep | None:
-        """The stopped step to finish, if its requests are as it left them (running, at the same progress, holding
-        the same blocks); else it is dropped (an abort in between freed blocks it would write to), and its requests
-        compute those tokens again in a later step."""
+        """The stopped step to finish, if its requests are as it left them (running, at the same progress); else it
+        is dropped (an abort in between freed blocks it would write to), and its requests compute those tokens again
+        in a later step. Their blocks cannot have changed otherwise: meanwhile only urgent steps run, which schedule
+        none of them, and a request such a step displaces leaves the stopped step (`_without`)."""
         suspended, self._suspended = self._suspended, None
         if suspended is None:
             return None
-        for item in suspended.plan.scheduled:
-            request = item.request
-            if (request.status != RequestStatus.RUNNING or request.num_computed_tokens != item.start
-                    or tuple(self.kv.block_tables.get(request.request_id, ())) !=
-                    self._suspended_tables.get(request.request_id)):
-                self.num_dropped_steps += 1
-                return None
+        if any(item.request.status != RequestStatus.RUNNING or item.request.num_computed_tokens != item.start
+               for item in suspended.plan.scheduled):
+            self.num_dropped_steps += 1
+            return None
         return suspended
 
     def _without(self, suspended: SuspendedStep, request_ids: set[str]) -> SuspendedStep | None:
         """The stopped step less requests the arrival displaced (their blocks are freed: the step must not write
         them); None, counted as dropped, if nobody is left."""
-        for request_id in request_ids:
-            del self._suspended_tables[request_id]
         pruned = self.runner.without(suspended, request_ids, self.kv.block_tables)
         if pruned is None:
             self.num_dropped_steps += 1
