@@ -197,8 +197,7 @@ def _evaluate_candidates(args: argparse.Namespace, inputs: _PlanInputs, err: Tex
 
 def _static_mig(evaluated: Sequence[Evaluated]) -> Evaluated | None:
     """The memory-sized all-MIG candidate (static partitioning), when it was simulated."""
-    return next((e for e in evaluated if e.error is None and e.candidate.family == "mig"
-                 and e.candidate.name.endswith("(memory-sized)")), None)
+    return next((e for e in evaluated if e.error is None and e.candidate.static), None)
 
 
 def _evaluated_dict(e: Evaluated) -> dict[str, Any]:

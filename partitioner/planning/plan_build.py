@@ -40,20 +40,9 @@ def _gpu_plan(gpu: GpuState, inventory: Inventory, options: PlanOptions) -> tupl
     ids = tuple(sorted(rid for p in placed for rid in p.replica_ids()))
     if gpu.mode == "mig":
         return _mig_plan(gpu, placed, ids, base, inventory, options)
-    total_weight = sum(p.demand.weight for p in placed)
-    pipe, start_daemon, shares = None, False, {}
-    if gpu.mode == "mps":
-        pipe = f"{options.mps_pipe_root}/{key}"
-        start_daemon = pipe not in inventory.mps.pipe_directories
-        shares = _mps_shares(placed)
-    replicas = []
-    for p in placed:
-        env = {"CUDA_VISIBLE_DEVICES": dev.uuid}
-        if pipe is not None:
-            env |= _mps_env(pipe, shares[p.demand.replica_id], p.demand.memory_bytes)
-        replicas.append(_replica(p, key, gpu.mode, env, (p.demand.memory_bytes or 0) / dev.memory_total_bytes,
-                                 p.demand.weight / total_weight, sm_percent=shares.get(p.demand.replica_id),
-                                 gpu_index=dev.index))
+    pipe = f"{options.mps_pipe_root}/{key}" if gpu.mode == "mps" else None
+    start_daemon = pipe is not None and pipe not in inventory.mps.pipe_directories
+    replicas = _sharing_replicas(placed, key, gpu.mode, dev.uuid, dev.memory_total_bytes, pipe, dev.index)
     device = DevicePlan(mode=gpu.mode, capacity_bytes=gpu.capacity_bytes, planned_bytes=gpu.planned_bytes,
                         mps_pipe_directory=pipe, start_mps_daemon=start_daemon, replica_ids=ids,
                         **base)  # type: ignore[arg-type]
@@ -112,20 +101,28 @@ def _shared_mig_device(mig: PlannedMigDevice, p: Placed, gpu_index: int, invento
     key = f"gpu{gpu_index}-mig{mig.start}" if mig.start is not None else f"gpu{gpu_index}-{mig.uuid}"
     members = list(p.members)
     pipe = f"{options.mps_pipe_root}/{key}" if p.sharing == "mps" else None
-    shares = _mps_shares(members) if pipe is not None else {}
-    total_weight = sum(m.demand.weight for m in members)
-    replicas = []
-    for m in members:
-        env = {"CUDA_VISIBLE_DEVICES": mig.device_ref}
-        if pipe is not None:
-            env |= _mps_env(pipe, shares[m.demand.replica_id], m.demand.memory_bytes)
-        replicas.append(_replica(m, key, str(p.sharing), env, (m.demand.memory_bytes or 0) / mig.memory_bytes,
-                                 m.demand.weight / total_weight, sm_percent=shares.get(m.demand.replica_id),
-                                 gpu_index=gpu_index))
+    replicas = _sharing_replicas(members, key, str(p.sharing), mig.device_ref, mig.memory_bytes, pipe, gpu_index)
     shared = replace(mig, replica_id=shared_key(str(p.instance)), instance=p.instance, sharing=p.sharing,
                      clients=tuple(m.demand.replica_id for m in members), device_key=key, mps_pipe_directory=pipe,
                      start_mps_daemon=pipe is not None and pipe not in inventory.mps.pipe_directories)
     return shared, replicas
+
+
+def _sharing_replicas(placed: list[Placed], key: str, mode: str, visible: str, memory_total: int, pipe: str | None,
+                      gpu_index: int | None) -> list[ReplicaPlan]:
+    """The plan entries of replicas that share one device (`visible`: a GPU's or a MIG device's UUID, or its
+    placeholder) in `mode`: time shares by weight, and with an MPS `pipe`, thread percentages and the MPS env."""
+    shares = _mps_shares(placed) if pipe is not None else {}
+    total_weight = sum(p.demand.weight for p in placed)
+    replicas = []
+    for p in placed:
+        env = {"CUDA_VISIBLE_DEVICES": visible}
+        if pipe is not None:
+            env |= _mps_env(pipe, shares[p.demand.replica_id], p.demand.memory_bytes)
+        replicas.append(_replica(p, key, mode, env, (p.demand.memory_bytes or 0) / memory_total,
+                                 p.demand.weight / total_weight, sm_percent=shares.get(p.demand.replica_id),
+                                 gpu_index=gpu_index))
+    return replicas
 
 
 def _mps_shares(placed: list[Placed]) -> dict[str, int]:

@@ -38,6 +38,7 @@ class Candidate:
     family: str  # as configured | mig | mps | timeslice | nested
     plan: Plan | None
     problems: tuple[str, ...] = ()
+    static: bool = False  # the memory-sized all-MIG layout: static partitioning, the baseline
 
 
 def candidate_plans(inventory: Inventory, demands: Sequence[ReplicaDemand], options: PlanOptions,
@@ -116,21 +117,24 @@ def _mig_family(inventory: Inventory, alone: list[ReplicaDemand], options: PlanO
     """The memory-sized layout of `alone` (kept even when infeasible or beaten), then the feasible, undominated
     layouts of larger compute sizes; `shared` replicas ride along unchanged."""
     base = _planned("", family, inventory, [*alone, *shared], options)
-    found = {} if base.plan is None else {_layout(base.plan, alone): base.plan}
+    static = None if base.plan is None else _layout(base.plan, alone)
+    found = {} if static is None or base.plan is None else {static: base.plan}
     choices = [None, *(pct for _, pct in sizes)]
     if len(choices) ** len(alone) <= MAX_MIG_LAYOUTS:
         for combo in itertools.product(choices, repeat=len(alone)):
             sized = [replace(d, sm_percent=pct) for d, pct in zip(alone, combo, strict=True)]
+            if sized == alone:  # the memory-sized layout: planned above
+                continue
             try:
                 result = plan(inventory, [*sized, *shared], options)
             except InfeasiblePlan:
                 continue
             found.setdefault(_layout(result, alone), result)
-    static = None if base.plan is None else _layout(base.plan, alone)
     kept = [(layout, p) for layout, p in found.items()
             if layout == static or not any(_dominates(other, layout) for other in found)]
     named = [Candidate(template.replace("{layout}", _layout_text(layout) + (" (memory-sized)"
-                                                                           if layout == static else "")), family, p)
+                                                                           if layout == static else "")), family, p,
+                       static=family == "mig" and layout == static)
              for layout, p in sorted(kept, key=lambda item: item[0] != static)]
     if base.plan is None:
         text = "memory-sized mig " + " ".join(d.replica_id for d in alone)

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from partitioner.devices.inventory import Inventory
 from partitioner.planning.demand import ModelShape
 from partitioner.simulate.candidates import Candidate
-from partitioner.simulate.cost import GPU_SPEEDS, DeviceSpeed
 from partitioner.simulate.engine import EngineLimits
 from partitioner.simulate.pools import plan_pools
 from partitioner.simulate.simulator import DEFAULT_DRAIN_S, ModelResult, SimModel, simulate
@@ -48,7 +47,6 @@ def sim_models(registry: Registry, shapes: Mapping[str, ModelShape]) -> dict[str
 
 
 def evaluate(candidates: Sequence[Candidate], inventory: Inventory, models: Mapping[str, SimModel], traffic: Traffic,
-             speeds: Mapping[str, DeviceSpeed] = GPU_SPEEDS, cpu_speed: DeviceSpeed | None = None,
              drain_s: float = DEFAULT_DRAIN_S) -> list[Evaluated]:
     """Each candidate simulated on `traffic` (infeasible ones carried with their problems), in the given order."""
     out = []
@@ -57,7 +55,7 @@ def evaluate(candidates: Sequence[Candidate], inventory: Inventory, models: Mapp
             out.append(Evaluated(candidate, error="; ".join(candidate.problems)))
             continue
         try:
-            pools = plan_pools(candidate.plan, inventory, speeds, cpu_speed)
+            pools = plan_pools(candidate.plan, inventory)
             results = simulate(pools, models, traffic, drain_s)
         except ValueError as exc:
             out.append(Evaluated(candidate, error=str(exc)))

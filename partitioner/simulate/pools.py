@@ -27,14 +27,14 @@ def plan_pools(plan: Plan, inventory: Inventory, speeds: Mapping[str, DeviceSpee
     budget."""
     pools = []
     for device in plan.devices:
-        replicas = [r for r in plan.replicas if r.device_key == device.key or
-                    any(r.device_key == m.device_key for m in device.mig_devices if m.sharing)]
-        if not replicas:
+        if not device.replica_ids:  # (shared MIG instances' members included)
             continue
         speed = _speed(device, speeds, cpu_speed)
         if device.mode == "mig":
             pools += [_mig_pool(m, device, plan, inventory, speed) for m in device.mig_devices]
-        elif device.mode in ("mps", "timeslice"):
+            continue
+        replicas = [r for r in plan.replicas if r.device_key == device.key]
+        if device.mode in ("mps", "timeslice"):
             pools.append(Pool(device.key, device.mode, WHOLE, speed, tuple(_member(r) for r in replicas)))
         else:
             pools += [Pool(r.replica_id, "alone", WHOLE, speed, (_member(r),)) for r in replicas]
@@ -54,7 +54,8 @@ def _speed(device: DevicePlan, speeds: Mapping[str, DeviceSpeed], cpu_speed: Dev
 
 def _mig_pool(mig: PlannedMigDevice, device: DevicePlan, plan: Plan, inventory: Inventory,
               speed: DeviceSpeed) -> Pool:
-    gpu = next(d for d in inventory.devices if d.index == device.index)
+    assert device.index is not None  # a MIG device is on a GPU
+    gpu = inventory.gpu(device.index)
     profile = gpu.profile(mig.profile)
     if profile is None:
         raise ValueError(f"{device.key}: MIG profile {mig.profile!r} is not in the inventory's table "
