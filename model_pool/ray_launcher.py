@@ -30,6 +30,7 @@ import structlog
 
 from model_pool.launcher import die_with_parent, free_port
 from registry.errors import Problem
+from registry.fields import GIB
 from registry.launch import ReplicaLaunch
 from registry.schema import RayConnection, RayResources, Registry
 from runtimes.server.wire import REPLICA_TOKEN_ENV
@@ -222,11 +223,11 @@ def _asked(resources: RayResources) -> dict[str, float]:
     """The request in the names Ray reports node resources by."""
     asked = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.resources}
     if resources.memory_gib is not None:
-        asked["memory"] = resources.memory_gib * (1 << 30)
+        asked["memory"] = resources.memory_gib * GIB
     return {k: v for k, v in asked.items() if v > 0}
 
 
 def _short(resources: dict[str, float]) -> str:
     shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "object_store"))}
-    return ", ".join(f"{k} {v / (1 << 30):.1f} GiB" if k == "memory" else f"{k} {v:g}" for k, v in sorted(
+    return ", ".join(f"{k} {v / GIB:.1f} GiB" if k == "memory" else f"{k} {v:g}" for k, v in sorted(
         shown.items())) or "nothing"
