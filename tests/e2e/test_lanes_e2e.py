@@ -108,22 +108,34 @@ def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
+# One OS hiccup of ~30 ms on a 15 ms idle TTFT put the worst of ten interactive requests at 4.3x in one clean-clone
+# CI run (1.7-2.5x here), so multilevel's figure is the median of three runs, as benchmarks take medians of repeats.
+MULTILEVEL_RUNS = 3
+
+
 def test_multilevel_keeps_interactive_ttft_under_background_saturation(lanes_gateway, record_property):
-    results = {s: asyncio.run(_scenario(lanes_gateway, f"lanes-{s}")) for s in ("fcfs", "multilevel")}
-    blowup = {}
-    for scheduling, (idle, loaded, background) in results.items():
+    runs = [("fcfs", 0)] + [("multilevel", i) for i in range(MULTILEVEL_RUNS)]
+    blowups: dict[str, list[float]] = {"fcfs": [], "multilevel": []}
+    seen = {}
+    for scheduling, run in runs:
+        idle, loaded, background = asyncio.run(_scenario(lanes_gateway, f"lanes-{scheduling}"))
         idle_ttft_s = statistics.median(idle)
-        blowup[scheduling] = _p99(loaded) / idle_ttft_s
-        record_property(f"{scheduling}_ttft_idle_p50_ms", round(idle_ttft_s * 1000, 2))
-        record_property(f"{scheduling}_ttft_loaded_p99_ms", round(_p99(loaded) * 1000, 2))
+        blowups[scheduling].append(_p99(loaded) / idle_ttft_s)
+        seen[f"{scheduling}/{run}"] = ([round(t * 1000, 1) for t in sorted(idle)],
+                                       [round(t * 1000, 1) for t in sorted(loaded)])
+        record_property(f"{scheduling}_{run}_ttft_idle_p50_ms", round(idle_ttft_s * 1000, 2))
+        record_property(f"{scheduling}_{run}_ttft_loaded_p99_ms", round(_p99(loaded) * 1000, 2))
         assert background == [BACKGROUND_TOKENS] * NUM_BACKGROUND, background  # nothing accepted was lost or cut short
         gauges = _replica_gauges(lanes_gateway, f"lanes-{scheduling}")
         assert gauges == {"multiserve_kv_blocks_used": 0.0, "multiserve_num_requests_running": 0.0,
                           "multiserve_num_requests_waiting": 0.0}
-    print(f"interactive TTFT p99 / idle p50: fcfs {blowup['fcfs']:.1f}x, multilevel {blowup['multilevel']:.2f}x")
-    assert blowup["multilevel"] <= 3.0, blowup
+    fcfs, multilevel = blowups["fcfs"][0], statistics.median(blowups["multilevel"])
+    print(f"interactive TTFT p99 / idle p50: fcfs {fcfs:.1f}x, multilevel {multilevel:.2f}x "
+          f"(median of {', '.join(f'{b:.2f}' for b in blowups['multilevel'])})")
+    # the idle and loaded TTFTs (ms) of every run, so a failure shows whether one request or all of them were slow
+    assert multilevel <= 3.0, (blowups, seen)
     # fcfs queues the interactive requests behind whole waves of long background requests
-    assert blowup["fcfs"] > 3 * blowup["multilevel"] and blowup["fcfs"] > 10, blowup
+    assert fcfs > 3 * multilevel and fcfs > 10, (blowups, seen)
 
 
 def test_a_burst_over_the_queue_limit_gets_429s_and_the_accepted_ones_finish(lanes_gateway):
