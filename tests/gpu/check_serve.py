@@ -9,6 +9,9 @@ real weights are needed. Each process runs on a free loopback port until /ready,
   caps its CUDA memory at the planned fraction) and starts the worker; a chat completion through the gateway;
   then SIGTERM, exit code 0.
 
+* `memory_model` (CUDA only): a model with no memory size is planned from its GGUF header, served, asked once;
+  the worker must hold no more GPU memory than the plan reserved (weights + KV + the overhead allowance).
+
 On CUDA each also checks the device was used: GPU memory in use (nvidia-smi) rose by >= 200 MiB while the
 process ran, or its pid is among the GPU's compute processes. Logs of failed runs are kept in `$OUT/serve/`.
 `--device cpu` runs the same with `device: cpu`, to try the script without a GPU.
@@ -36,6 +39,7 @@ DEVICE = ARGS.device
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ARGS.out / "serve"
 READY_S = 60.0
+MIB = 1 << 20
 MAX_TOKENS = 8
 
 
@@ -197,7 +201,7 @@ models:
     source: {{path: {model}}}
     replicas: 1
     device: {device}
-{placement}    engine: {{block_size: 16, kv_cache_gib: 0.05, max_model_len: 512, max_num_seqs: 8}}
+{placement}    engine: {{block_size: 16, {kv}max_model_len: 512, max_num_seqs: 8}}
 """
 
 
@@ -205,7 +209,8 @@ def check_serve(rep: Reporter, model_path: Path) -> None:
     port = free_port()
     registry = LOGS / "registry.yaml"
     placement = "    placement: {isolation: timeslice, memory_gib: 4}\n" if DEVICE == "cuda" else ""
-    registry.write_text(REGISTRY.format(port=port, model=model_path, device=DEVICE, placement=placement))
+    registry.write_text(REGISTRY.format(port=port, model=model_path, device=DEVICE, placement=placement,
+                                        kv="kv_cache_gib: 0.05, "))
     log = LOGS / "gateway.log"
     env = {"MULTISERVE_ADMIN_TOKEN": "gpu-check-admin-token", "MULTISERVE_LOG_DIR": str(LOGS / "workers")}
     before = gpu_memory_used_mib()
@@ -224,12 +229,66 @@ def check_serve(rep: Reporter, model_path: Path) -> None:
                exit_code=proc.returncode, gateway_log_tail=None if ok else tail(log, 4000), worker_logs=worker_logs)
 
 
+def gpu_memory_of(pids: list[int]) -> int | None:
+    """MiB the processes `pids` hold on the GPU, as nvidia-smi lists them (None when it lists none of them: another
+    pid namespace)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.count(",") == 1]
+    used = [int(mib) for pid, mib in rows if pid.isdigit() and mib.isdigit() and int(pid) in pids]
+    return sum(used) if used else None
+
+
+def check_memory_model(rep: Reporter, model_path: Path) -> None:
+    """The planner's memory model on the device: a model with neither `memory_gib` nor `kv_cache_gib` is planned from
+    its GGUF header (weights at 2 bytes a parameter + one full-length sequence of KV + the overhead allowance); the
+    worker serving it, after a chat request, must hold no more GPU memory than the plan reserved. The overhead it
+    measures (held - weights - KV: CUDA context, allocator slack, activations) is reported against the allowance."""
+    from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES
+
+    port = free_port()
+    registry = LOGS / "registry-memory.yaml"
+    registry.write_text(REGISTRY.format(port=port, model=model_path, device=DEVICE, kv="",
+                                        placement="    placement: {isolation: timeslice}\n"))
+    planned = subprocess.run([sys.executable, "-m", "multiserve", "partition", "plan", "--config", str(registry),
+                              "--json"], capture_output=True, text=True, timeout=120, check=False)
+    if planned.returncode != 0:
+        rep.report("memory_model", False, "partition plan failed", stderr=planned.stderr[-2000:])
+        return
+    replica = next(r for r in json.loads(planned.stdout)["replicas"] if r["replica_id"] == "tiny-chat/0")
+    reserved_mib = replica["memory_bytes"] / MIB
+    weights_and_kv_mib = (replica["memory_bytes"] - DEFAULT_OVERHEAD_BYTES) / MIB
+    log = LOGS / "gateway-memory.log"
+    env = {"MULTISERVE_ADMIN_TOKEN": "gpu-check-admin-token", "MULTISERVE_LOG_DIR": str(LOGS / "workers-memory")}
+    before = gpu_memory_used_mib()
+    with process([sys.executable, "-m", "multiserve", "serve", "--config", str(registry)], log, env) as proc:
+        wait_ready(f"http://127.0.0.1:{port}", proc, log)
+        answered = chat(f"http://127.0.0.1:{port}", "tiny-chat")
+        workers = children(proc.pid)
+        held = gpu_memory_of(workers)
+        after = gpu_memory_used_mib()
+    how = "nvidia-smi per process"
+    if held is None and after is not None and before is not None:
+        held, how = after - before, "device memory in use, before and after"
+    ok = bool(answered["ok"]) and held is not None and held <= reserved_mib
+    rep.report("memory_model", ok, fmt(held_mib=held, reserved_mib=round(reserved_mib),
+                                       overhead_mib=None if held is None else round(held - weights_and_kv_mib),
+                                       allowance_mib=DEFAULT_OVERHEAD_BYTES // MIB),
+               held_mib=held, measured_by=how, reserved_mib=reserved_mib, weights_and_kv_mib=weights_and_kv_mib,
+               plan=replica, chat=answered, log_tail=None if ok else tail(log, 4000))
+
+
 def main() -> int:
     rep = Reporter("serve", ARGS.out)
     LOGS.mkdir(parents=True, exist_ok=True)
     model_path = write_model(LOGS / "tiny.gguf")
     rep.guarded("worker", lambda: check_worker(rep, model_path))
     rep.guarded("serve", lambda: check_serve(rep, model_path))
+    if DEVICE == "cuda":  # the CPU has no device memory to plan
+        rep.guarded("memory_model", lambda: check_memory_model(rep, model_path))
     return rep.exit_code()
 
 
