@@ -10,6 +10,12 @@ memory bandwidth (`cost.Share`). Its members run one of three ways:
 - `timeslice`: one member steps at a time, at the pool's full share, in the order the real arbiter
   (`timeslice.arbiter.TimeSliceArbiter`, on the simulated clock) grants leases by weight.
 
+Between two steps an engine spends its model's `host_s_per_step` off the device (scheduling, detokenizing,
+delivering outputs); its next step starts no earlier. Under time-slicing it asks for the next lease as its step
+ends, as the real client does (`release(more=True)`): granted at once, it holds the idle device through that
+host time (uncharged, as the real client measures from its `acquire`); if another member is granted, that one
+steps meanwhile.
+
 Requests arrive as the traffic says, go to the model's replica with the fewest outstanding (the gateway's
 least-outstanding routing) and are batched by `engine.ReplicaEngine`. Arrivals stop at `duration_s`; the run goes on
 for `drain_s` more so that late arrivals can finish, and stops there. Nothing is random but the traffic, which is
@@ -71,7 +77,8 @@ class ModelResult:
     good: int  # finished within both SLOs
     goodput_per_s: float  # good / duration_s
     throughput_per_s: float  # finished / duration_s
-    output_tokens_per_s: float
+    output_tokens_per_s: float  # of the finished requests, over duration_s
+    generated_tokens: int  # every output token made by the end of the run, finished requests or not
     ttft_ms: dict[str, float]  # p50, p99 (requests that got a first token)
     tpot_ms: dict[str, float]  # p50, p99 (finished requests of more than one output token)
     kv_peak_fraction: float  # the most of any replica's KV cache in use at once
@@ -106,6 +113,8 @@ class _Run:
         self.member: dict[str, Member] = {}
         self.engines: dict[str, ReplicaEngine] = {}
         self.stepping: dict[str, tuple[list[tuple[SimRequest, int]], float]] = {}  # replica -> its step, its start
+        self.ready_at: dict[str, float] = {}  # replica -> when its host work after its last step is done
+        self.starting: set[str] = set()  # replicas whose next step waits for their host work
         self.queued: set[str] = set()  # time-sliced replicas waiting for the lease
         self.arbiters: dict[str, TimeSliceArbiter] = {}
         self.arrived: dict[str, int] = dict.fromkeys(traffic.models, 0)
@@ -130,6 +139,9 @@ class _Run:
             if kind == "arrival":
                 assert request is not None
                 self._arrive(key, request)
+            elif kind == "step_start":
+                self.starting.discard(key)
+                self._start_step(key)
             else:
                 self._step_ended(key)
 
@@ -149,6 +161,7 @@ class _Run:
             rejected=sum(len(e.rejected) for e in engines), in_flight=sum(e.outstanding for e in engines),
             good=len(good), goodput_per_s=len(good) / duration, throughput_per_s=len(finished) / duration,
             output_tokens_per_s=sum(r.output_tokens for r in finished) / duration,
+            generated_tokens=sum(r.generated for e in engines for r in [*e.finished, *e.running]),
             ttft_ms=_percentiles_ms(ttft), tpot_ms=_percentiles_ms(tpot),
             kv_peak_fraction=max((e.kv_peak_tokens / e.kv_capacity_tokens for e in engines), default=0.0),
             kv_headroom_bytes=min(((e.kv_capacity_tokens - e.kv_peak_tokens) * per_token for e in engines),
@@ -166,7 +179,8 @@ class _Run:
 
     def _wake(self, replica_id: str) -> None:
         """A replica that got work steps now, or queues for its pool's lease."""
-        if replica_id in self.stepping or replica_id in self.queued or not self.engines[replica_id].has_work():
+        if (replica_id in self.stepping or replica_id in self.queued or replica_id in self.starting
+                or not self.engines[replica_id].has_work()):
             return
         arbiter = self.arbiters.get(self.pool_of[replica_id].key)
         if arbiter is None:
@@ -182,6 +196,11 @@ class _Run:
         self._start_step(replica_id)
 
     def _start_step(self, replica_id: str) -> None:
+        ready_s = self.ready_at.get(replica_id, 0.0)
+        if ready_s > self.now:  # still busy off the device since its last step: it starts (holding any lease) then
+            self.starting.add(replica_id)
+            self._push(ready_s, "step_start", replica_id)
+            return
         engine, pool = self.engines[replica_id], self.pool_of[replica_id]
         plan = engine.plan_step()
         assert plan, f"{replica_id} has work but planned an empty step"
@@ -203,6 +222,8 @@ class _Run:
     def _step_ended(self, replica_id: str) -> None:
         engine, (plan, started_s) = self.engines[replica_id], self.stepping.pop(replica_id)
         engine.finish_step(plan, self.now)
+        load = self.traffic.models.get(engine.model)
+        self.ready_at[replica_id] = self.now + (load.host_s_per_step if load is not None else 0.0)
         arbiter = self.arbiters.get(self.pool_of[replica_id].key)
         if arbiter is None:
             self._wake(replica_id)

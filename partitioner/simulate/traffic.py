@@ -16,6 +16,7 @@ A traffic file (YAML or JSON):
         output_tokens: {dist: uniform, low: 16, high: 256}         # or {dist: uniform, low: .., high: ..}
         slo: {ttft_ms: 500, tpot_ms: 50}
         calibration: 1.0     # measured / modelled step time (cost.calibration_factor); default 1
+        host_ms_per_step: 0  # measured time between two steps off the device (scheduling, output); default 0
       chat-b:
         log: .multiserve/traffic.jsonl   # replay this model's requests from a gateway traffic log
         slo: {ttft_ms: 1000, tpot_ms: 100}
@@ -94,6 +95,7 @@ class ModelTraffic:
     output_tokens: LengthDist = field(default_factory=lambda: LengthDist("fixed", value=128))
     slo: Slo = field(default_factory=Slo)
     calibration: float = 1.0
+    host_s_per_step: float = 0.0  # between a step's end and the next one's start, off the device (measured)
     trace: tuple[Arrival, ...] | None = None
 
     def offered_tokens_per_s(self, duration_s: float) -> float:
@@ -129,7 +131,7 @@ def default_traffic(models: Sequence[str], duration_s: float = 60.0, seed: int =
 
 
 _TOP_KEYS = {"duration_s", "seed", "models"}
-_MODEL_KEYS = {"rate_per_s", "prompt_tokens", "output_tokens", "slo", "calibration", "log"}
+_MODEL_KEYS = {"rate_per_s", "prompt_tokens", "output_tokens", "slo", "calibration", "host_ms_per_step", "log"}
 
 
 def load_traffic(path: str | Path, read_log: LogReader | None = None) -> Traffic:
@@ -167,7 +169,9 @@ def _model_traffic(path: Path, name: str, entry: Any, read_log: LogReader | None
     return ModelTraffic(rate_per_s=_number(path, f"{where}.rate_per_s", entry.get("rate_per_s", 1.0)),
                         prompt_tokens=prompt, output_tokens=output, slo=slo, trace=trace,
                         calibration=_number(path, f"{where}.calibration", entry.get("calibration", 1.0),
-                                            positive=True))
+                                            positive=True),
+                        host_s_per_step=_number(path, f"{where}.host_ms_per_step",
+                                                entry.get("host_ms_per_step", 0.0)) / 1e3)
 
 
 def _trace(path: Path, where: str, model: str, rows: Sequence[Mapping[str, Any]]) -> tuple[Arrival, ...]:

@@ -206,14 +206,44 @@ def test_a_traffic_file_replays_a_logged_model_and_draws_lognormal_lengths_with_
     from partitioner.simulate.traffic import Arrival, load_traffic
 
     (tmp_path / "t.yaml").write_text("duration_s: 200\nseed: 3\nmodels:\n"
-                                     "  a: {rate_per_s: 50, prompt_tokens: {dist: lognormal, mean: 300, sigma: 0.5}}\n"
+                                     "  a: {rate_per_s: 50, prompt_tokens: {dist: lognormal, mean: 300, sigma: 0.5},\n"
+                                     "      calibration: 5.5, host_ms_per_step: 2}\n"
                                      "  b: {log: traffic.jsonl, slo: {ttft_ms: 10}}\n")
     rows = [{"model": "b", "start_s": 100.5, "prompt_tokens": 7, "output_tokens": 0},
             {"model": "b", "start_s": 100.0, "prompt_tokens": 5, "output_tokens": 9}, {"model": "c", "start_s": 1}]
     read: list[str] = []
     traffic = load_traffic(tmp_path / "t.yaml", lambda path: read.append(path) or rows)
     assert read == [str(tmp_path / "traffic.jsonl")]
+    assert (traffic.models["a"].calibration, traffic.models["a"].host_s_per_step) == (5.5, 0.002)
     assert traffic.arrivals("b") == [Arrival(0.0, 5, 9), Arrival(0.5, 7, 1)] and traffic.models["b"].slo.ttft_ms == 10
     prompts = [a.prompt_tokens for a in traffic.arrivals("a")]
     assert len(prompts) == pytest.approx(50 * 200, rel=0.05)
     assert sum(prompts) / len(prompts) == pytest.approx(300, rel=0.03)
+
+
+def _flood(host_s: float = 0.0) -> ModelTraffic:
+    return ModelTraffic(rate_per_s=200, prompt_tokens=LengthDist("fixed", value=8),
+                        output_tokens=LengthDist("fixed", value=400), host_s_per_step=host_s)
+
+
+def test_host_time_between_steps_stretches_a_lone_engines_cycle():
+    """Decode steps of ~1.01 ms (1 GB of weights at 1 TB/s): 1 ms off the device after each halves the rate."""
+    models = {"m": SimModel(SHAPE, EngineLimits(max_num_seqs=4))}
+    busy = simulate([_alone(Share(1.0, 1.0))], models, Traffic(5.0, {"m": _flood()}), drain_s=0.0)["m"]
+    hosted = simulate([_alone(Share(1.0, 1.0))], models, Traffic(5.0, {"m": _flood(1e-3)}), drain_s=0.0)["m"]
+    assert hosted.generated_tokens / busy.generated_tokens == pytest.approx(1.01 / 2.01, rel=0.02)
+
+
+@pytest.mark.parametrize(("weights", "kept"), [((1.0, 1.0), (0.95, 1.0)), ((3.0, 1.0), (0.6, 0.85))])
+def test_time_sliced_engines_hide_host_time_behind_each_others_steps_unless_regranted(weights, kept):
+    """At 1:1 the lease alternates, so each engine's host work runs while the other steps and the device stays
+    busy; at 3:1 the heavier engine is often granted again at once and holds the idle device through its own host
+    work (as the real client does), uncharged: the device loses time, the 3:1 split of its busy time stays."""
+    models = dict.fromkeys("ab", SimModel(SHAPE, EngineLimits(max_num_seqs=4)))
+    pool = Pool("gpu", "timeslice", Share(1.0, 1.0), GPU, (Member("a/0", "a", KV, weight=weights[0]),
+                                                            Member("b/0", "b", KV, weight=weights[1])))
+    lone = simulate([_alone(Share(1.0, 1.0), KV, "a")], models, Traffic(5.0, {"a": _flood()}), drain_s=0.0)["a"]
+    shared = simulate([pool], models, Traffic(5.0, {"a": _flood(1e-3), "b": _flood(1e-3)}), drain_s=0.0)
+    a, b = shared["a"].generated_tokens, shared["b"].generated_tokens
+    assert kept[0] <= (a + b) / lone.generated_tokens <= kept[1]
+    assert a / b == pytest.approx(weights[0] / weights[1], rel=0.05)
