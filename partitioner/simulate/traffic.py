@@ -1,7 +1,8 @@
 """What the simulator serves: per model, a request trace (synthetic or replayed) and its SLOs.
 
-Synthetic traffic is a Poisson process (exponential gaps at `rate_per_s`) with prompt and output lengths drawn from
-`LengthDist`s; a replayed one is the requests of a gateway traffic log (the file `multiserve profile` reads), at
+Synthetic traffic is a Poisson process (exponential gaps at `rate_per_s`), or a burstier one (gamma gaps of the same
+mean with coefficient of variation `arrival_cv` > 1, as vLLM's benchmark `--burstiness` = 1/cv²), with prompt and
+output lengths drawn from `LengthDist`s; a replayed one is the requests of a gateway traffic log (the file `multiserve profile` reads), at
 their logged start times. Every model's draws come from their own generator seeded by (seed, model name), so a
 trace does not change when another model is added, and the same seed gives the same trace.
 
@@ -12,6 +13,7 @@ A traffic file (YAML or JSON):
     models:
       chat-a:
         rate_per_s: 4
+        arrival_cv: 1        # of the gaps between arrivals: 1 Poisson (default), > 1 bursty
         prompt_tokens: {dist: lognormal, mean: 512, sigma: 0.6}    # or {dist: fixed, value: 512},
         output_tokens: {dist: uniform, low: 16, high: 256}         # or {dist: uniform, low: .., high: ..}
         slo: {ttft_ms: 500, tpot_ms: 50}
@@ -91,6 +93,7 @@ class ModelTraffic:
     """One model's load: Poisson arrivals with drawn lengths, or a replayed `trace` (then the rest is unused)."""
 
     rate_per_s: float = 1.0
+    arrival_cv: float = 1.0  # coefficient of variation of the gaps: 1 is Poisson, larger is burstier
     prompt_tokens: LengthDist = field(default_factory=lambda: LengthDist("fixed", value=512))
     output_tokens: LengthDist = field(default_factory=lambda: LengthDist("fixed", value=128))
     slo: Slo = field(default_factory=Slo)
@@ -117,12 +120,22 @@ class Traffic:
         if spec.trace is not None:
             return sorted((a for a in spec.trace if a.time_s < self.duration_s), key=lambda a: a.time_s)
         rng = np.random.default_rng([self.seed, zlib.crc32(model.encode())])
-        # enough gaps to pass duration_s with overwhelming probability; any past it are dropped
-        n = int(spec.rate_per_s * self.duration_s + 10 * math.sqrt(spec.rate_per_s * self.duration_s + 1) + 10)
-        times = np.cumsum(rng.exponential(1 / spec.rate_per_s, n)) if spec.rate_per_s > 0 else np.empty(0)
+        # enough gaps to pass duration_s with overwhelming probability (ten standard deviations of the count, which
+        # grow with the gaps' cv); any past it are dropped
+        expected = spec.rate_per_s * self.duration_s
+        n = int(expected + 10 * max(1.0, spec.arrival_cv) * math.sqrt(expected + 1) + 10)
+        times = np.cumsum(_gaps(rng, spec.rate_per_s, spec.arrival_cv, n)) if spec.rate_per_s > 0 else np.empty(0)
         prompts, outputs = spec.prompt_tokens.draw(rng, n), spec.output_tokens.draw(rng, n)
         return [Arrival(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=False)
                 if t < self.duration_s]
+
+
+def _gaps(rng: np.random.Generator, rate_per_s: float, cv: float, n: int) -> np.ndarray:
+    """`n` gaps of mean 1/rate: exponential (cv 1), else gamma of shape 1/cv² (the same draws as before for cv 1)."""
+    if cv == 1.0:
+        return rng.exponential(1 / rate_per_s, n)
+    shape = 1 / cv**2
+    return rng.gamma(shape, 1 / (rate_per_s * shape), n)
 
 
 def default_traffic(models: Sequence[str], duration_s: float = 60.0, seed: int = 0) -> Traffic:
@@ -131,7 +144,8 @@ def default_traffic(models: Sequence[str], duration_s: float = 60.0, seed: int =
 
 
 _TOP_KEYS = {"duration_s", "seed", "models"}
-_MODEL_KEYS = {"rate_per_s", "prompt_tokens", "output_tokens", "slo", "calibration", "host_ms_per_step", "log"}
+_MODEL_KEYS = {"rate_per_s", "arrival_cv", "prompt_tokens", "output_tokens", "slo", "calibration", "host_ms_per_step",
+               "log"}
 
 
 def load_traffic(path: str | Path, read_log: LogReader | None = None) -> Traffic:
@@ -167,6 +181,7 @@ def _model_traffic(path: Path, name: str, entry: Any, read_log: LogReader | None
             raise ValueError(f"{path}: {where}.log: replaying a traffic log is not available here")
         trace = _trace(path, where, name, read_log(str(path.parent / entry["log"])))
     return ModelTraffic(rate_per_s=_number(path, f"{where}.rate_per_s", entry.get("rate_per_s", 1.0)),
+                        arrival_cv=_number(path, f"{where}.arrival_cv", entry.get("arrival_cv", 1.0), positive=True),
                         prompt_tokens=prompt, output_tokens=output, slo=slo, trace=trace,
                         calibration=_number(path, f"{where}.calibration", entry.get("calibration", 1.0),
                                             positive=True),

@@ -148,10 +148,12 @@ def test_more_weight_or_more_mps_threads_never_serve_a_model_worse(weight, more,
                                ("mps", Member("a/0", "a", KV, percent / 100), Member("a/0", "a", KV,
                                                                                      (percent + extra) / 100))):
         worse, better = served(sharing, low), served(sharing, high)
-        assert better.throughput_per_s >= worse.throughput_per_s, sharing
-        # a larger weight reorders the leases; at an SLO's edge that can cost one request its TPOT (hypothesis
-        # found weight 8 -> 11 at 26 req/s: 82 of 83 requests within the SLO instead of 83), never more
-        slack = 1 / traffic.duration_s if sharing == "timeslice" else 0.0
+        # A larger weight reorders the leases. At the run's end that can leave one more request in flight, and at an
+        # SLO's edge cost a few their TPOT (hypothesis found weight 8 -> 11 at 26 req/s: 82 of 83 requests within
+        # the SLO instead of 83; 9 -> 10 at 96 req/s: 159 of 315 instead of 162): never more than 1 % of the
+        # arrivals, plus one (the worst of 150 random cases: one request of 238, in throughput and goodput).
+        slack = (1 + 0.01 * worse.arrived) / traffic.duration_s if sharing == "timeslice" else 0.0
+        assert better.throughput_per_s >= worse.throughput_per_s - slack, sharing
         assert better.goodput_per_s >= worse.goodput_per_s - slack, sharing
 
 
@@ -207,14 +209,15 @@ def test_a_traffic_file_replays_a_logged_model_and_draws_lognormal_lengths_with_
 
     (tmp_path / "t.yaml").write_text("duration_s: 200\nseed: 3\nmodels:\n"
                                      "  a: {rate_per_s: 50, prompt_tokens: {dist: lognormal, mean: 300, sigma: 0.5},\n"
-                                     "      calibration: 5.5, host_ms_per_step: 2}\n"
+                                     "      calibration: 5.5, host_ms_per_step: 2, arrival_cv: 2}\n"
                                      "  b: {log: traffic.jsonl, slo: {ttft_ms: 10}}\n")
     rows = [{"model": "b", "start_s": 100.5, "prompt_tokens": 7, "output_tokens": 0},
             {"model": "b", "start_s": 100.0, "prompt_tokens": 5, "output_tokens": 9}, {"model": "c", "start_s": 1}]
     read: list[str] = []
     traffic = load_traffic(tmp_path / "t.yaml", lambda path: read.append(path) or rows)
     assert read == [str(tmp_path / "traffic.jsonl")]
-    assert (traffic.models["a"].calibration, traffic.models["a"].host_s_per_step) == (5.5, 0.002)
+    a = traffic.models["a"]
+    assert (a.calibration, a.host_s_per_step, a.arrival_cv) == (5.5, 0.002, 2.0)
     assert traffic.arrivals("b") == [Arrival(0.0, 5, 9), Arrival(0.5, 7, 1)] and traffic.models["b"].slo.ttft_ms == 10
     prompts = [a.prompt_tokens for a in traffic.arrivals("a")]
     assert len(prompts) == pytest.approx(50 * 200, rel=0.05)
@@ -247,3 +250,14 @@ def test_time_sliced_engines_hide_host_time_behind_each_others_steps_unless_regr
     a, b = shared["a"].generated_tokens, shared["b"].generated_tokens
     assert kept[0] <= (a + b) / lone.generated_tokens <= kept[1]
     assert a / b == pytest.approx(weights[0] / weights[1], rel=0.05)
+
+
+@pytest.mark.parametrize("cv", [1.0, 3.0])
+def test_bursty_arrivals_keep_their_rate_and_have_the_gaps_cv_asked_for(cv):
+    spec = ModelTraffic(rate_per_s=20.0, arrival_cv=cv)
+    times = [a.time_s for a in Traffic(2000.0, {"m": spec}, seed=1).arrivals("m")]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    mean = sum(gaps) / len(gaps)
+    std = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert len(times) == pytest.approx(20.0 * 2000, rel=0.05) and times[-1] > 1990  # the whole duration is covered
+    assert std / mean == pytest.approx(cv, rel=0.1)
