@@ -26,6 +26,7 @@ from gateway.upstream import ByScheme, HttpxUpstream
 from model_pool.launcher import LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
 from model_pool.ray_launcher import RayCluster, RayLauncher, ray_problems
+from model_pool.ray_plan import RayPlacer
 from partitioner.planning.placer import ReplicaPlacer, arbiter_dir
 from registry.errors import Problem
 from registry.schema import GatewayConfig, ModelSpec, Registry, TrafficLogConfig
@@ -39,7 +40,7 @@ log = structlog.get_logger(__name__)
 def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
                proxy_settings: ProxySettings | None = None, log_dir: Path | None = None,
                env: dict[str, str] | None = None, placer: ReplicaPlacer | None = None,
-               ray_cluster: RayCluster | None = None) -> GatewayState:
+               ray_cluster: RayCluster | None = None, ray_placer: RayPlacer | None = None) -> GatewayState:
     """Everything the gateway needs, wired together (no I/O yet: `lifespan` starts it).
 
     `placer` gives each replica its plan entry (the pool's `placement_for`); by default it plans the registry onto
@@ -53,8 +54,9 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     placer = placer or default_placer(lambda: store.registry, env)
     launcher = LocalLauncher(log_dir=log_dir, env_drop=lambda: secret_env_names(store.registry.gateway))
     ray_cluster = ray_cluster or RayCluster(gateway_cfg.ray)
-    pool = ModelPool({"local": launcher, "url": UrlLauncher(), "ray": RayLauncher(ray_cluster)}, http, pool_settings,
-                     placement_for=placer)
+    ray_placer = ray_placer or RayPlacer(lambda: store.registry, ray_cluster)
+    pool = ModelPool({"local": launcher, "url": UrlLauncher(), "ray": RayLauncher(ray_cluster, ray_placer)}, http,
+                     pool_settings, placement_for=placer)
     metrics = GatewayMetrics(pool)
     metrics.add_time_shares(placer.shares)
 
@@ -131,12 +133,15 @@ def run_serve(config: str | Path, host: str | None = None, port: int | None = No
     placer = default_placer(lambda: store.registry, env)
     running: list[GatewayConfig] = []  # the gateway section it started with, once the first registry is read
     clusters: list[RayCluster] = []  # made from the first registry's gateway.ray (it cannot change while running)
+    ray_placers: list[RayPlacer] = []  # the plan per node of the Ray models, on that cluster
 
     def check(registry: Registry) -> list[Problem]:
         problems = list(placer.problems(registry))
         if not clusters:
             clusters.append(RayCluster(registry.gateway.ray, ray_address))
-        problems += ray_problems(registry, clusters[0])
+            ray_placers.append(RayPlacer(lambda: store.registry, clusters[0]))
+        # a cluster that cannot be reached, or resources no node has, first; then whether the nodes can be planned
+        problems += ray_problems(registry, clusters[0]) or ray_placers[0].problems(registry)
         if running:  # an edit: some gateway fields cannot change while it runs
             problems += gateway_config_problems(running[0], registry.gateway, env)
         return problems
@@ -150,7 +155,7 @@ def run_serve(config: str | Path, host: str | None = None, port: int | None = No
     running.append(cfg)
     try:
         state = make_state(store, log_dir=Path(env.get("MULTISERVE_LOG_DIR", ".multiserve/logs")), env=env,
-                           placer=placer, ray_cluster=clusters[0])
+                           placer=placer, ray_cluster=clusters[0], ray_placer=ray_placers[0])
     except ValueError as err:  # API keys that do not parse
         print(f"error: gateway.api_keys_env: {err}")
         return 2

@@ -4,6 +4,11 @@ any replica (probes, leases, migration), and the pool supervises it the same way
 is killed, or a node that dies ends the handle (`exit_code()`), and the pool starts a new actor with its usual
 backoff and crash-loop rules, which Ray places on a node that still has the resources.
 
+A replica the partitioner plans on the cluster (`model_pool.ray_plan.RayPlacer`: a model that writes `placement:` or
+targets a GPU) is not left to Ray's choice: its actor is pinned to the node of its plan entry (node affinity, not
+soft) and its worker gets that node's isolation environment (the GPU or MIG device, the MPS variables, the KV budget
+and memory fraction). Each node's inventory is read on that node, by a task pinned there (`read_node_inventory`).
+
 Ray is an optional dependency (`pip install 'multiserve[ray]'`): nothing here imports it until a `launcher: ray`
 model is started or checked. What an actor asks of its node is the model's `ray:` section (`RayResources`: CPUs,
 fractional GPUs, memory, custom resources such as a node label); Ray itself isolates GPUs (it sets the actor's
@@ -24,14 +29,15 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from model_pool.launcher import die_with_parent, free_port
+from partitioner.devices.inventory import Inventory, inventory_from_dict, inventory_to_dict
 from registry.errors import Problem
 from registry.fields import GIB
-from registry.launch import ReplicaLaunch
+from registry.launch import ReplicaLaunch, ReplicaPlacement
 from registry.schema import RayConnection, RayResources, Registry
 from runtimes.server.wire import REPLICA_TOKEN_ENV
 
@@ -53,6 +59,7 @@ class RayCluster:
         self.address = address_override or connection.address or "auto"
         self._lock = threading.Lock()
         self._actor_class: Any = None
+        self._inventory_task: Any = None
 
     def ray(self) -> Any:
         """The `ray` module, connected; RayUnavailable says why not."""
@@ -81,6 +88,62 @@ class RayCluster:
         """The cluster's alive nodes, each with its total resources (`Resources`) and address."""
         return [n for n in self.ray().nodes() if n.get("Alive")]
 
+    @staticmethod
+    def node_affinity(node_id: str) -> Any:
+        """The scheduling strategy that runs an actor or task on `node_id` only (not soft: never elsewhere). Needs
+        Ray installed (`ray()` has said so by then), not connected."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+    def read_inventory(self, node_id: str) -> Inventory:
+        """The devices of `node_id`, read there by a task pinned to it (NVML on that node; a CPU inventory without
+        it). It asks for no CPU, so it runs even on a node whose CPUs the replicas hold."""
+        ray = self.ray()
+        with self._lock:
+            if self._inventory_task is None:
+                self._inventory_task = ray.remote(num_cpus=0, max_retries=0)(read_node_inventory)
+            task = self._inventory_task
+        timeout_s = self.connection.start_timeout_s
+        ref = task.options(scheduling_strategy=self.node_affinity(node_id)).remote()
+        try:
+            ran_on, inventory = ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            ray.cancel(ref, force=True)
+            raise RayUnavailable(f"the inventory task did not run on node {node_id} within {timeout_s:g} s") from err
+        if ran_on != node_id:  # node affinity is not soft: Ray broke its contract if this happens
+            raise RayUnavailable(f"the inventory task for node {node_id} ran on node {ran_on}")
+        log.info("ray_node_inventory", node_id=node_id, ran_on=ran_on, source=inventory["source"],
+                 gpus=len(inventory["devices"]))
+        return inventory_from_dict(inventory)
+
+
+def read_node_inventory() -> tuple[str, dict[str, Any]]:
+    """Runs on a Ray node (a task pinned there): the node's id as Ray knows it, and its inventory as JSON data."""
+    import json
+
+    import ray
+
+    from partitioner.devices.read import load_host_inventory
+
+    inventory = load_host_inventory(None, os.environ)
+    return ray.get_runtime_context().get_node_id(), json.loads(json.dumps(inventory_to_dict(inventory)))
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where the partitioner's plan puts one Ray replica: its node, and its plan entry on that node's devices."""
+
+    node_id: str
+    address: str
+    placement: ReplicaPlacement
+
+
+class NodePlanner(Protocol):
+    """The plan per node (`model_pool.ray_plan.RayPlacer`): None for a replica it does not place (Ray does)."""
+
+    def node_placement(self, launch: ReplicaLaunch) -> NodePlacement | None: ...
+
 
 class ReplicaActor:
     """Runs on a Ray node: starts one `multiserve worker` there and watches it. A plain class, made a Ray actor by
@@ -98,7 +161,7 @@ class ReplicaActor:
         port = free_port(host)
         command = [sys.executable, "-m", "multiserve", "worker", "--launch", launch_json, "--host", host,
                    "--port", str(port)]
-        # the actor's environment carries Ray's own CUDA_VISIBLE_DEVICES for its GPUs
+        # the actor's environment carries Ray's own CUDA_VISIBLE_DEVICES for its GPUs; a plan entry's `env` wins
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
         self.process = subprocess.Popen(command, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                         preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
@@ -132,6 +195,7 @@ class RayHandle:
     worker_pid: int
     node: str
     token: str | None = field(default=None, repr=False)
+    node_id: str | None = None  # the node the plan pinned it to; None: Ray chose
     _exit: int | None = None
     _watch: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -169,15 +233,24 @@ class RayHandle:
 
 
 class RayLauncher:
-    """Starts each replica as a Ray actor with the model's `ray` resources (see the module)."""
+    """Starts each replica as a Ray actor with the model's `ray` resources (see the module); a replica that
+    `planner` places goes to its planned node with its plan entry."""
 
-    def __init__(self, cluster: RayCluster) -> None:
+    def __init__(self, cluster: RayCluster, planner: NodePlanner | None = None) -> None:
         self.cluster = cluster
+        self.planner = planner
 
     async def start(self, launch: ReplicaLaunch) -> RayHandle:
         resources = launch.ray or RayResources()
+        options = resources.ray_options()
         actor_class = await asyncio.to_thread(self.cluster.actor_class)
-        actor = actor_class.options(**resources.ray_options()).remote()
+        planned = None if self.planner is None else await asyncio.to_thread(self.planner.node_placement, launch)
+        if planned is not None:
+            options["scheduling_strategy"] = self.cluster.node_affinity(planned.node_id)
+            launch = launch.model_copy(update={"placement": planned.placement})
+            log.info("ray_replica_planned", replica=launch.replica_id, node_id=planned.node_id,
+                     node=planned.address, env=dict(planned.placement.env))
+        actor = actor_class.options(**options).remote()
         token = secrets.token_urlsafe(32)
         # the worker inherits its actor's environment (Ray's, on that node: none of the gateway's secrets)
         env = dict(launch.placement.env)
@@ -188,11 +261,12 @@ class RayLauncher:
                 timeout_s)
         except TimeoutError as err:
             self.cluster.ray().kill(actor)
-            raise RayUnavailable(f"{launch.replica_id}: Ray did not place and start its actor within "
+            where = "" if planned is None else f" on its planned node {planned.address} ({planned.node_id})"
+            raise RayUnavailable(f"{launch.replica_id}: Ray did not place and start its actor{where} within "
                                  f"{timeout_s:g} s (asking {resources.ray_options()}); is a node with those "
                                  f"resources free?") from err
         node = str(url.split("//", 1)[1].rsplit(":", 1)[0])
-        handle = RayHandle(url, actor, int(pid), node, token)
+        handle = RayHandle(url, actor, int(pid), node, token, node_id=None if planned is None else planned.node_id)
         handle.watch(self.cluster)
         return handle
 
@@ -211,15 +285,21 @@ def ray_problems(registry: Registry, cluster: RayCluster | None) -> list[Problem
         return [Problem("gateway.ray.address", str(err))]
     problems = []
     for i, model in models:
-        asked = _asked(model.ray or RayResources())
-        if not any(all(node.get("Resources", {}).get(k, 0.0) >= v for k, v in asked.items()) for node in nodes):
-            have = "; ".join(f"{n.get('NodeManagerAddress', '?')}: {_short(n.get('Resources', {}))}" for n in nodes)
-            problems.append(Problem(f"models[{i}].ray", f"no node of the Ray cluster has {_short(asked)} for one "
-                                                        f"replica of {model.name!r}; nodes: {have or 'none'}"))
+        asked = asked_resources(model.ray or RayResources())
+        if not any(node_holds(node, asked) for node in nodes):
+            have = "; ".join(f"{n.get('NodeManagerAddress', '?')}: {resources_text(n.get('Resources', {}))}"
+                             for n in nodes)
+            problems.append(Problem(f"models[{i}].ray", f"no node of the Ray cluster has {resources_text(asked)} "
+                                                        f"for one replica of {model.name!r}; nodes: {have or 'none'}"))
     return problems
 
 
-def _asked(resources: RayResources) -> dict[str, float]:
+def node_holds(node: dict[str, Any], asked: dict[str, float]) -> bool:
+    """Whether the node's total resources (as `ray.nodes()` reports them) hold one actor asking `asked`."""
+    return all(node.get("Resources", {}).get(k, 0.0) >= v for k, v in asked.items())
+
+
+def asked_resources(resources: RayResources) -> dict[str, float]:
     """The request in the names Ray reports node resources by."""
     asked = {"CPU": resources.num_cpus, "GPU": resources.num_gpus, **resources.resources}
     if resources.memory_gib is not None:
@@ -227,7 +307,8 @@ def _asked(resources: RayResources) -> dict[str, float]:
     return {k: v for k, v in asked.items() if v > 0}
 
 
-def _short(resources: dict[str, float]) -> str:
+def resources_text(resources: dict[str, float]) -> str:
+    """Resources as messages show them: memory in GiB, Ray's own per-node and object-store entries left out."""
     shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "object_store"))}
     return ", ".join(f"{k} {v / GIB:.1f} GiB" if k == "memory" else f"{k} {v:g}" for k, v in sorted(
         shown.items())) or "nothing"

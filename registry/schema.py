@@ -321,9 +321,6 @@ class ModelSpec(Frozen):
         if importlib.util.find_spec("ray") is None:
             problems.append(Problem("launcher", "'ray' needs Ray installed where the gateway runs: "
                                                 "pip install 'multiserve[ray]'"))
-        if self.placement != Placement():
-            problems.append(Problem("placement", "the partitioner plans this host's devices only; a Ray replica's "
-                                                 "share of its node is its `ray` resources (num_gpus, resources)"))
         return problems
 
     def model_references(self) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -58,15 +58,23 @@ class ReplicaDemand:
         return f"{self.model}/{self.replica}"
 
 
+def planned_locally(model: ModelSpec) -> bool:
+    """Whether this host's plan places `model`: enabled, with replicas, launched here (a `url` replica runs
+    elsewhere already; `ray` replicas are planned per node, `planning/cluster.py`)."""
+    return model.enabled and model.replicas > 0 and model.launcher not in ("url", "ray")
+
+
 def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None = None,
-                    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> list[ReplicaDemand]:
-    """One demand per replica of every enabled, locally launched model. Raises `InfeasiblePlan` when a model's own
-    numbers contradict each other (its `memory_gib` cannot hold its weights and KV budget)."""
+                    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                    planned: Callable[[ModelSpec], bool] = planned_locally) -> list[ReplicaDemand]:
+    """One demand per replica of every model `planned` selects (default: those launched on this host). Raises
+    `InfeasiblePlan` when a model's own numbers contradict each other (its `memory_gib` cannot hold its weights and
+    KV budget)."""
     shapes = shapes or {}
     demands, problems = [], []
     for i, model in enumerate(registry.models):
-        if not model.enabled or model.replicas == 0 or model.launcher in ("url", "ray"):
-            continue  # nothing of ours runs on a device for it
+        if not planned(model):
+            continue
         try:
             memory, kv = replica_memory(model, shapes.get(model.name), overhead_bytes)
         except ValueError as exc:

@@ -2,11 +2,14 @@
 dashboard, a small object store; two "nodes" as custom resources `node_a` and `node_b`), a real gateway and real
 workers started by Ray actors, the official openai client. Killing an actor, or its worker, mid-load loses no
 stream (they go on on the other replica) and the replica comes back; scaling works; a resource no node has is
-refused and the last registry keeps serving."""
+refused and the last registry keeps serving. A model that writes `placement:` is planned per node: the node's
+inventory is read on it (a CPU inventory here), its replica is pinned there with the plan entry, and a plan that
+needs an arbiter on the node is refused by name."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -43,6 +46,14 @@ models:
     launcher: ray
     ray: {{num_cpus: 0.5, resources: {{node_a: 1}}}}
     device: cpu
+    engine: {{block_size: 16, kv_cache_gib: 0.02, max_model_len: 512, max_num_seqs: 16}}
+  - name: tiny-planned
+    type: chat
+    source: {{path: {model}}}
+    launcher: ray
+    ray: {{num_cpus: 0.5, resources: {{node_b: 1}}}}
+    device: cpu
+    placement: {{isolation: timeslice}}
     engine: {{block_size: 16, kv_cache_gib: 0.02, max_model_len: 512, max_num_seqs: 16}}
 """
 
@@ -81,14 +92,14 @@ def gateway(ray_head: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield gw
 
 
-def _replicas(gateway: Gateway) -> list[dict]:
-    return httpx.get(f"{gateway.url}/health/models", timeout=10).json()["models"]["tiny-ray"]["replicas"]
+def _replicas(gateway: Gateway, model: str = "tiny-ray") -> list[dict]:
+    return httpx.get(f"{gateway.url}/health/models", timeout=10).json()["models"][model]["replicas"]
 
 
-def _wait_ready(gateway: Gateway, count: int, timeout_s: float = 120.0) -> list[dict]:
+def _wait_ready(gateway: Gateway, count: int, timeout_s: float = 120.0, model: str = "tiny-ray") -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
-        replicas = [r for r in _replicas(gateway) if r["state"] != "stopped"]
+        replicas = [r for r in _replicas(gateway, model) if r["state"] != "stopped"]
         if len(replicas) == count and all(r["state"] == "ready" for r in replicas):
             return replicas
         assert time.monotonic() < deadline, replicas
@@ -192,3 +203,41 @@ def test_a_resource_no_node_has_is_refused_by_name_and_the_last_registry_keeps_s
     assert [r["state"] for r in _replicas(gateway)] == ["ready", "ready"]
     with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
         assert client.completions.create(model="tiny-ray", prompt="hi", max_tokens=4).usage is not None
+
+
+def _log_events(gateway: Gateway, event: str) -> list[dict]:
+    """The gateway's log lines (JSON) of one event."""
+    lines = [line for line in gateway.log_path.read_text().splitlines() if line.startswith("{")]
+    return [e for e in map(json.loads, lines) if e.get("event") == event]
+
+
+def test_a_planned_replica_runs_on_the_node_whose_inventory_was_read_there_with_its_plan_entry(gateway):
+    [replica] = _wait_ready(gateway, 1, model="tiny-planned")
+    [inventory] = _log_events(gateway, "ray_node_inventory")  # read once, on the one node
+    assert inventory["ran_on"] == inventory["node_id"] and inventory["source"] == "cpu" and inventory["gpus"] == 0
+    placed = [e for e in _log_events(gateway, "ray_replica_planned") if e["replica"] == "tiny-planned/0"]
+    assert placed and all((e["node_id"], e["env"]) == (inventory["node_id"], {"CUDA_VISIBLE_DEVICES": ""})
+                          for e in placed)
+    assert not [e for e in _log_events(gateway, "ray_replica_planned") if e["replica"].startswith("tiny-ray/")]
+    # its worker was launched with the CPU plan's entry (Ray chose for tiny-ray: no plan entry there)
+    args = Path(f"/proc/{replica['pid']}/cmdline").read_bytes().split(b"\0")
+    launch = json.loads(args[args.index(b"--launch") + 1])
+    assert launch["placement"]["env"] == {"CUDA_VISIBLE_DEVICES": ""}
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        assert client.completions.create(model="tiny-planned", prompt="hi", max_tokens=4).usage is not None
+
+
+def test_a_plan_that_needs_an_arbiter_on_the_node_is_refused_by_name_and_the_last_registry_keeps_serving(gateway):
+    _wait_ready(gateway, 1, model="tiny-planned")
+    [node] = {(e["node"], e["node_id"]) for e in _log_events(gateway, "ray_replica_planned")}
+    reply = httpx.post(f"{gateway.url}/admin/models/tiny-planned/scale", json={"replicas": 2}, headers=ADMIN,
+                       timeout=60)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert f"tiny-planned/1 (timeslice, device cpu) fits no node of the cluster: node {node[0]} ({node[1][:12]}): " \
+           f"it would time-slice cpu" in message
+    assert "time-slice cpu between tiny-planned/0, tiny-planned/1 (models[1].placement.isolation: 'timeslice')" \
+        in message
+    status = httpx.get(f"{gateway.url}/admin/registry/status", headers=ADMIN, timeout=10).json()
+    assert "models[1].placement.isolation" in str(status)
+    assert [r["state"] for r in _replicas(gateway, "tiny-planned")] == ["ready"]

@@ -1,12 +1,24 @@
 """The registry check for `launcher: ray` models, against a stand-in cluster (the real one: tests/e2e/test_ray_e2e.py):
-an unreachable cluster, or resources no node has, are refused naming the field; what fits passes."""
+an unreachable cluster, or resources no node has, are refused naming the field; what fits passes. And what the
+launcher asks of Ray: a planned replica's actor pinned to its node, its worker given that node's plan entry."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from model_pool.ray_launcher import RayUnavailable, ray_problems
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from model_pool.ray_launcher import RayCluster, RayHandle, RayLauncher, RayUnavailable, ray_problems
+from model_pool.ray_plan import RayPlacer
+from partitioner.devices.inventory import Inventory
+from registry.launch import ReplicaLaunch, replica_launch
+from registry.schema import RayConnection, Registry
 from registry.store import parse_registry
+from tests.model_pool.test_ray_plan import NODE_B as PLAN_NODE_B
+from tests.model_pool.test_ray_plan import SHAPE
+from tests.model_pool.test_ray_plan import Cluster as PlanCluster
+from tests.model_pool.test_ray_plan import registry as plan_registry
 
 NODES = [{"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8.0, "memory": 32.0 * (1 << 30),
                                                                           "node:10.0.0.1": 1.0}},
@@ -52,3 +64,100 @@ def test_an_unreachable_cluster_is_a_problem_of_the_address_and_no_ray_model_nee
     assert (problem.field, problem.message) == ("gateway.ray.address",
                                               "cannot connect to the Ray cluster at 'h:6379': refused")
     assert ray_problems(registry("", launcher="local"), Cluster(error="unused")) == []  # type: ignore[arg-type]
+
+
+class _Method:
+    """An actor method as Ray's handle offers it: `.remote(...)` gives an awaitable of its result."""
+
+    def __init__(self, result: Any) -> None:
+        self.result, self.calls = result, []  # type: ignore[var-annotated]
+
+    def remote(self, *args: Any) -> asyncio.Future[Any]:
+        self.calls.append(args)
+        future = asyncio.get_running_loop().create_future()
+        if self.result is not None:  # None: never resolves (a worker that keeps running)
+            future.set_result(self.result)
+        return future
+
+
+class _Actor:
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.start, self.wait = _Method(("http://127.0.0.1:9999", 4321)), _Method(None)
+
+
+class LaunchCluster(RayCluster):
+    """The launcher's side of Ray: actors are recorded with the options they were created with, and never run;
+    nodes and their inventories are the stand-in cluster's of test_ray_plan."""
+
+    def __init__(self) -> None:
+        super().__init__(RayConnection(worker_host="127.0.0.1"))
+        self.stand_in = PlanCluster()
+        self.actors: list[_Actor] = []
+
+    def ray(self) -> Any:
+        import ray
+
+        return ray  # installed, never connected: the handle only needs its exception types
+
+    def actor_class(self) -> Any:
+        cluster = self
+
+        class Options:
+            def __init__(self, options: dict[str, Any]) -> None:
+                self.options = options
+
+            def remote(self) -> _Actor:
+                cluster.actors.append(_Actor(self.options))
+                return cluster.actors[-1]
+
+        class ActorClass:
+            @staticmethod
+            def options(**options: Any) -> Options:
+                return Options(options)
+
+        return ActorClass
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self.stand_in.nodes()
+
+    def read_inventory(self, node_id: str) -> Inventory:
+        return self.stand_in.read_inventory(node_id)
+
+
+def _start(reg: Registry, index: int) -> tuple[LaunchCluster, RayHandle]:
+    cluster = LaunchCluster()
+    launcher = RayLauncher(cluster, RayPlacer(lambda: reg, cluster, shapes={"big": SHAPE}))
+
+    async def start() -> RayHandle:
+        handle = await launcher.start(replica_launch(reg.models[0], index))
+        assert handle._watch is not None
+        handle._watch.cancel()
+        return handle
+
+    return cluster, asyncio.run(start())
+
+
+def test_a_planned_replica_is_pinned_to_its_node_and_its_worker_gets_that_nodes_plan_entry():
+    reg = plan_registry(big={"device": "cuda", "replicas": 2, "engine": {"kv_cache_gib": 1},
+                             "ray": {"num_cpus": 2, "num_gpus": 1}})
+    cluster, handle = _start(reg, 1)
+    [actor] = cluster.actors
+    strategy = actor.options.pop("scheduling_strategy")
+    assert isinstance(strategy, NodeAffinitySchedulingStrategy)
+    assert (strategy.node_id, strategy.soft) == (PLAN_NODE_B, False)  # its node, never another
+    assert actor.options == {"num_cpus": 2, "num_gpus": 1}  # and the model's ray: ask as before
+    [(launch_json, _token, host, env)] = actor.start.calls
+    assert env == {"CUDA_VISIBLE_DEVICES": "GPU-b-h200"}  # the worker's environment: node b's GPU
+    placement = ReplicaLaunch.model_validate_json(launch_json).placement
+    assert placement.env == env and placement.kv_cache_bytes == 1 << 30 and placement.memory_fraction is not None
+    assert (handle.node_id, handle.base_url, host) == (PLAN_NODE_B, "http://127.0.0.1:9999", "127.0.0.1")
+
+
+def test_a_replica_the_plan_does_not_place_is_left_to_ray():
+    cluster, handle = _start(plan_registry(free={"device": "cpu", "ray": {"num_cpus": 0.5}}), 0)
+    [actor] = cluster.actors
+    assert actor.options == {"num_cpus": 0.5, "num_gpus": 0.0}
+    [(_launch, _token, _host, env)] = actor.start.calls
+    assert env == {} and handle.node_id is None
+    assert (cluster.stand_in.node_calls, cluster.stand_in.reads) == (0, [])

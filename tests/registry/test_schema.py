@@ -130,9 +130,6 @@ INVALID = {
                                   "models[0].urls: only used with launcher 'url' (launcher is 'local')"),
     "ray resources without ray launcher": (registry_text(chat("a", ", ray: {num_gpus: 1}")),
                                            "models[0].ray: only used with launcher 'ray' (launcher is 'local')"),
-    "ray with a placement": (registry_text(chat("a", ", launcher: ray, placement: {isolation: mps}")),
-                             "models[0].placement: the partitioner plans this host's devices only; a Ray replica's "
-                             "share of its node is its `ray` resources"),
     "ray negative gpus": (registry_text(chat("a", ", launcher: ray, ray: {num_gpus: -1}")),
                           "models[0].ray.num_gpus: Input should be greater than or equal to 0"),
     "ray custom resource": (registry_text(chat("a", ", launcher: ray, ray: {resources: {node_b: 0}}")),
