@@ -2,9 +2,10 @@
 
 Synthetic traffic is a Poisson process (exponential gaps at `rate_per_s`), or a burstier one (gamma gaps of the same
 mean with coefficient of variation `arrival_cv` > 1, as vLLM's benchmark `--burstiness` = 1/cv²), with prompt and
-output lengths drawn from `LengthDist`s; a replayed one is the requests of a gateway traffic log (the file `multiserve profile` reads), at
-their logged start times. Every model's draws come from their own generator seeded by (seed, model name), so a
-trace does not change when another model is added, and the same seed gives the same trace.
+output lengths drawn from `LengthDist`s; a replayed one is the requests of a gateway traffic log (the file
+`multiserve profile` reads), at their logged start times. Every model's draws come from their own generator seeded
+by (seed, model name), so a trace does not change when another model is added, and the same seed gives the same
+trace.
 
 A traffic file (YAML or JSON):
 
