@@ -14,7 +14,7 @@ A request's lane is its `priority` (0 interactive, 1 normal, 2 background; the c
   cannot be admitted may preempt a running normal or background request (`urgent_victim`).
 - Urgent steps: an interactive arrival (first admission) starts in a step of its own: the running requests'
   decodes skip that step, so its first token waits for one short prefill instead of a prefill inside a full
-  decode batch. At most `urgent_step_max_share` of recent steps (`share_window_steps`) are such steps, so a
+  decode batch; also when a normal request goes first in ordinary admission (`urgent_head`, not `peek`). At most `urgent_step_max_share` of recent steps (`share_window_steps`) are such steps, so a
   stream of interactive arrivals slows the others' decoding by at most that much.
 - Short steps while interactive traffic is about (off by default): with `busy_chunk_tokens` set, for `busy_window_s`
   after an interactive arrival, normal and background prompt chunks take at most that many tokens per step, so the
@@ -118,11 +118,14 @@ class MultiLevelPolicy:
         chosen = self._next()
         return None if chosen is None else chosen[1]
 
-    def pop(self) -> Queued:
-        chosen = self._next()
-        if chosen is None:
-            raise IndexError("pop from an empty multi-level queue")
-        lane, request = chosen
+    def pop(self, request: Queued | None = None) -> Queued:
+        if request is None:
+            chosen = self._next()
+            if chosen is None:
+                raise IndexError("pop from an empty multi-level queue")
+            lane, request = chosen
+        else:
+            lane = lane_of(request)
         self._lanes[lane].remove(request)
         if self._is_long(request):
             self._long_started.append(request)
@@ -172,11 +175,14 @@ class MultiLevelPolicy:
         """Requests in lanes at least as urgent: a flood of background work does not fill an interactive queue."""
         return sum(len(lane) for lane in self._lanes[:_lane(priority) + 1])
 
-    def urgent_step(self, waiting: Queued) -> bool:
-        """An interactive first arrival gets a step of its own while urgent steps stay within their share."""
-        if lane_of(waiting) != INTERACTIVE or getattr(waiting.status, "value", None) != "waiting":
-            return False
-        return self._urgent_step_allowed()
+    def urgent_head(self) -> Queued | None:
+        """An interactive first arrival gets a step of its own while urgent steps stay within their share, even when
+        ordinary admission would take a normal request first (promoted by aging or its minimum share): that one
+        goes in the next ordinary step, one short step later."""
+        head = self._head(INTERACTIVE)
+        if head is None or getattr(head.status, "value", None) != "waiting" or not self._urgent_step_allowed():
+            return None
+        return head
 
     def yields_to(self, priority: int) -> bool:
         """An interactive arrival stops the step in flight (at its next layer boundary, the step redone later) when

@@ -298,8 +298,7 @@ class LLMEngine:
         one is dropped then (its requests run those tokens again). None: nothing to run."""
         suspended = self._take_suspended()
         if suspended is not None:
-            head = self.scheduler.waiting.peek()
-            due = head is not None and self.scheduler.waiting.urgent_step(head)
+            due = self.scheduler.waiting.urgent_head() is not None
             urgent = self.scheduler.schedule_urgent()
             held = {item.request.request_id for item in suspended.plan.scheduled}
             if displaced := {r.request_id for r in urgent.preempted} & held:
@@ -478,4 +477,3 @@ def _default_kv_bytes(device: torch.device, fraction: float) -> int:
     if device.type == "cuda":
         return default_kv_bytes(device, fraction)
     return _CPU_DEFAULT_KV_BYTES
-

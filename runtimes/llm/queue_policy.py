@@ -20,7 +20,8 @@ class QueuePolicy(Protocol):
 
     def peek(self) -> Request | None: ...
 
-    def pop(self) -> Request: ...
+    def pop(self, request: Request | None = None) -> Request:
+        """Take the next request for admission (`peek`'s), or `request` (`urgent_head`'s) when given."""
 
     def remove(self, request: Request) -> bool:
         """Drop a waiting request (abort); False if it was not waiting."""
@@ -30,7 +31,7 @@ class QueuePolicy(Protocol):
 
     def urgent_victim(self, waiting: Request, running: Sequence[Request], own_step: bool = False) -> Request | None:
         """A running request that `waiting` (which cannot be admitted) may preempt, or None; `own_step`: for an
-        urgent step (`urgent_step`)."""
+        urgent step (`urgent_head`)."""
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
         """The scheduler gave `request` this many tokens this step (for share accounting)."""
@@ -41,11 +42,12 @@ class QueuePolicy(Protocol):
     def num_ahead(self, priority: int) -> int:
         """Waiting requests a new arrival of `priority` would queue behind (admission limits count these)."""
 
-    def urgent_step(self, waiting: Request) -> bool:
-        """Whether `waiting` (the head) should start in a step of its own, the running decodes skipping it."""
+    def urgent_head(self) -> Request | None:
+        """The waiting request due a step of its own now (the running decodes skipping it), if any: it need not be
+        the head that ordinary admission takes next (`peek`). The scheduler admits it with `pop(it)`."""
 
     def yields_to(self, priority: int) -> bool:
-        """Whether a step in flight should stop for an arrival of `priority` that `urgent_step` would give a step of
+        """Whether a step in flight should stop for an arrival of `priority` that `urgent_head` would give a step of
         its own (asked from another thread than the scheduler's, before the arrival is queued)."""
 
     def step_yields(self, prefilling: Sequence[Request]) -> bool:
@@ -83,8 +85,11 @@ class FCFSPolicy:
     def peek(self) -> Request | None:
         return self._queue[0] if self._queue else None
 
-    def pop(self) -> Request:
-        return self._queue.popleft()
+    def pop(self, request: Request | None = None) -> Request:
+        if request is None:
+            return self._queue.popleft()
+        self._queue.remove(request)
+        return request
 
     def remove(self, request: Request) -> bool:
         try:
@@ -108,8 +113,8 @@ class FCFSPolicy:
     def num_ahead(self, priority: int) -> int:
         return len(self._queue)
 
-    def urgent_step(self, waiting: Request) -> bool:
-        return False  # nobody is more urgent than anyone else
+    def urgent_head(self) -> Request | None:
+        return None  # nobody is more urgent than anyone else
 
     def yields_to(self, priority: int) -> bool:
         return False

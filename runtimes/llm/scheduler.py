@@ -111,9 +111,8 @@ class Scheduler:
     # -------------------------------------------------------------------------------------- planning
 
     def schedule(self) -> SchedulerOutput:
-        head = self.waiting.peek()
         preempted: list[Request] = []
-        if head is not None and self.running and self.waiting.urgent_step(head):
+        if self.running and self.waiting.urgent_head() is not None:
             out = SchedulerOutput()
             self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
             if out.scheduled:
@@ -127,9 +126,8 @@ class Scheduler:
         """An urgent step alone (no ordinary one instead): empty when the waiting head is not due one or does not
         fit. It may displace background work as `schedule` does (`preempted`): a stopped step that holds such a
         request finishes without it."""
-        head = self.waiting.peek()
         out = SchedulerOutput()
-        if head is None or not self.waiting.urgent_step(head):
+        if self.waiting.urgent_head() is None:
             return out
         self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
         return self._planned(out, urgent=True) if out.scheduled else out
@@ -185,8 +183,8 @@ class Scheduler:
                        urgent_only: bool = False) -> int:
         admitted: list[Request] = []  # never displaced again in the same step (no preempt/admit ping-pong)
         while budget > 0:
-            request = self.waiting.peek()
-            if request is None or (urgent_only and not self.waiting.urgent_step(request)):
+            request = self.waiting.urgent_head() if urgent_only else self.waiting.peek()
+            if request is None:
                 break
             hits = self.kv.get_computed_blocks(request)
             num_computed = len(hits) * self.kv.block_size
@@ -200,7 +198,7 @@ class Scheduler:
                     break
                 budget += self._preempt_in_plan(victim, out, by_id)
                 continue
-            self.waiting.pop()
+            self.waiting.pop(request if urgent_only else None)
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
                 request.num_cached_tokens = num_computed
                 self.kv.stats.queried_tokens += request.num_tokens

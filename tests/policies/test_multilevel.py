@@ -269,14 +269,33 @@ def test_normal_keeps_its_minimum_share_under_an_interactive_flood(tiny_loaded):
 def test_urgent_steps_are_for_interactive_first_arrivals_within_their_share(make_policy):
     policy, _ = make_policy(urgent_step_max_share=0.25, share_window_steps=8)
     chat, batch = Item("chat", INTERACTIVE, 0.0), Item("batch", NORMAL, 0.0)
-    assert policy.urgent_step(chat) and not policy.urgent_step(batch)
+    policy.add(batch)
+    assert policy.urgent_head() is None  # a normal request is never due a step of its own
+    policy.add(chat)
+    assert policy.urgent_head() is chat
     urgent = []
     for _ in range(400):  # an interactive arrival at every step: at most a quarter of the steps are its own
-        allowed = policy.urgent_step(chat)
+        allowed = policy.urgent_head() is chat
         urgent.append(allowed)
         policy.on_step(allowed)
     assert 0.2 <= sum(urgent[-100:]) / 100 <= 0.25
-    assert not make_policy(urgent_step_max_share=0.0)[0].urgent_step(chat)
+    unshared, _ = make_policy(urgent_step_max_share=0.0)
+    unshared.add(chat)
+    assert unshared.urgent_head() is None
+
+
+def test_an_interactive_arrival_is_due_its_own_step_while_a_promoted_normal_request_goes_first(make_policy):
+    """A normal request that aged past interactive ones (or is owed its minimum share) is admitted first by ordinary
+    steps, but an interactive arrival still gets its short step of its own at once, taken out of the queue by itself:
+    without that it waited for a whole ordinary step (~300 ms on SmolLM2 under load) behind the normal one."""
+    policy, clock = make_policy(aging_s=1.0)
+    waited = Item("waited", NORMAL, 0.0)
+    policy.add(waited)
+    clock.now = 2.5  # two lanes' worth of aging: it now ranks ahead of a fresh interactive arrival
+    chat = Item("chat", INTERACTIVE, 2.5)
+    policy.add(chat)
+    assert policy.peek() is waited and policy.urgent_head() is chat
+    assert policy.pop(chat) is chat and policy.peek() is waited and policy.urgent_head() is None
 
 
 def test_an_urgent_arrival_gets_a_step_of_its_own(tiny_loaded):
@@ -322,6 +341,40 @@ def test_an_urgent_arrival_gets_a_step_of_its_own(tiny_loaded):
     baseline, plans_without, first_without = run(0.0)
     assert first_without == 4 and plans_without[4] == sorted([*background, "chat"])  # inside the decode batch
     assert tokens == baseline  # the same outputs: only the order of steps changed
+
+
+def test_an_interactive_arrival_gets_its_own_step_while_a_normal_request_owed_its_share_waits_first(tiny_loaded):
+    """Normal work owed its minimum share is at the head of the queue (`peek`) when an interactive request arrives:
+    the arrival still gets a step of its own at once, and the normal request the next ordinary step. (Before, the
+    urgent step was asked of the head only, so the arrival waited behind the normal request's long prompt chunk.)"""
+    config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                          scheduling="multilevel", multilevel={"normal_min_share": 0.9})
+    engine = LLMEngine(tiny_loaded(), config)
+    plans: list[list[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():  # type: ignore[no-untyped-def]
+        plan = schedule()
+        plans.append(sorted(item.request.request_id for item in plan.scheduled))
+        return plan
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"bg{i}", [5 + i, 6, 7, 8], long, priority=BACKGROUND)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("doc", [3 + i % 50 for i in range(60)], long, priority=NORMAL)  # one chunk takes the budget
+    engine.add_request("chat", [9, 10, 11, 12, 13], SamplingParams(temperature=0.0, max_tokens=3),
+                       priority=INTERACTIVE)
+    assert engine.scheduler.waiting.peek().request_id == "doc"  # normal is owed its share: ordinary admission's
+    first = next(i for i in range(10) if any(out.request_id == "chat" for out in engine.step()))
+    assert first == 0 and plans[3] == ["chat"]  # the arrival's own step came first
+    engine.step()
+    assert "doc" in plans[4]  # and the normal request went in the next ordinary one
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_an_urgent_step_that_cannot_fit_admits_nothing_in_the_step_that_displaced():
@@ -397,7 +450,8 @@ def test_only_interactive_arrivals_within_the_urgent_share_stop_a_step(make_poli
     assert policy.yields_to(-5)  # more urgent than interactive is clamped to it
     for _ in range(8):  # the share is used up: no more urgent steps, so no step is stopped for one either
         policy.on_step(True)
-    assert not policy.yields_to(INTERACTIVE) and not policy.urgent_step(Item("chat", INTERACTIVE, 0.0))
+    policy.add(Item("chat", INTERACTIVE, 0.0))
+    assert not policy.yields_to(INTERACTIVE) and policy.urgent_head() is None
     assert not make_policy(urgent_step_max_share=0.0)[0].yields_to(INTERACTIVE)
 
 
