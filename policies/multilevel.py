@@ -14,8 +14,9 @@ A request's lane is its `priority` (0 interactive, 1 normal, 2 background; the c
   cannot be admitted may preempt a running normal or background request (`urgent_victim`).
 - Urgent steps: an interactive arrival (first admission) starts in a step of its own: the running requests'
   decodes skip that step, so its first token waits for one short prefill instead of a prefill inside a full
-  decode batch; also when a normal request goes first in ordinary admission (`urgent_head`, not `peek`). At most `urgent_step_max_share` of recent steps (`share_window_steps`) are such steps, so a
-  stream of interactive arrivals slows the others' decoding by at most that much.
+  decode batch; also when a normal request goes first in ordinary admission (`urgent_head`, not `peek`). At most
+  `urgent_step_max_share` of recent steps (`share_window_steps`) are such steps, so a stream of interactive
+  arrivals slows the others' decoding by at most that much.
 - Short steps while interactive traffic is about (off by default): with `busy_chunk_tokens` set, for `busy_window_s`
   after an interactive arrival, normal and background prompt chunks take at most that many tokens per step, so the
   step an arrival must wait for (it cannot be interrupted) stays short. Prefill of other lanes goes on in smaller
