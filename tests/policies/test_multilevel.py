@@ -298,6 +298,20 @@ def test_an_interactive_arrival_is_due_its_own_step_while_a_promoted_normal_requ
     assert policy.pop(chat) is chat and policy.peek() is waited and policy.urgent_head() is None
 
 
+def recorded_plans(engine: LLMEngine) -> list[list[str]]:
+    """From now on, the request ids of each step the engine's scheduler plans, in order (sorted within a step)."""
+    plans: list[list[str]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():  # type: ignore[no-untyped-def]
+        plan = schedule()
+        plans.append(sorted(item.request.request_id for item in plan.scheduled))
+        return plan
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    return plans
+
+
 def test_an_urgent_arrival_gets_a_step_of_its_own(tiny_loaded):
     """Counted in engine steps: under a batch of decodes, an interactive arrival's prefill runs alone (the decodes
     skip that step) and its first token comes out of it; the decodes go on at the next step, and every request's
@@ -307,15 +321,7 @@ def test_an_urgent_arrival_gets_a_step_of_its_own(tiny_loaded):
         config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                               scheduling="multilevel", multilevel={"urgent_step_max_share": urgent_share})
         engine = LLMEngine(tiny_loaded(), config)
-        plans: list[list[str]] = []
-        schedule = engine.scheduler.schedule
-
-        def recording():  # type: ignore[no-untyped-def]
-            plan = schedule()
-            plans.append(sorted(item.request.request_id for item in plan.scheduled))
-            return plan
-
-        engine.scheduler.schedule = recording  # type: ignore[method-assign]
+        plans = recorded_plans(engine)
         long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
         for i in range(6):
             engine.add_request(f"bg{i}", [5 + i, 6, 7, 8], long, priority=NORMAL)
@@ -350,15 +356,7 @@ def test_an_interactive_arrival_gets_its_own_step_while_a_normal_request_owed_it
     config = EngineConfig(kv_cache_bytes=1 << 22, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                           scheduling="multilevel", multilevel={"normal_min_share": 0.9})
     engine = LLMEngine(tiny_loaded(), config)
-    plans: list[list[str]] = []
-    schedule = engine.scheduler.schedule
-
-    def recording():  # type: ignore[no-untyped-def]
-        plan = schedule()
-        plans.append(sorted(item.request.request_id for item in plan.scheduled))
-        return plan
-
-    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    plans = recorded_plans(engine)
     long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"bg{i}", [5 + i, 6, 7, 8], long, priority=BACKGROUND)
