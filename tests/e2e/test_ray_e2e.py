@@ -4,11 +4,13 @@ workers started by Ray actors, the official openai client. Killing an actor, or 
 stream (they go on on the other replica) and the replica comes back; scaling works; a resource no node has is
 refused and the last registry keeps serving. A model that writes `placement:` is planned per node: the node's
 inventory is read on it (a CPU inventory here), its replica is pinned there with the plan entry, and a plan that
-needs an arbiter on the node is refused by name."""
+needs an arbiter on the node is refused by name. A second raylet that dies takes its replica with it, and the
+replica starts again on a third node that has its resource."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -241,3 +243,71 @@ def test_a_plan_that_needs_an_arbiter_on_the_node_is_refused_by_name_and_the_las
     status = httpx.get(f"{gateway.url}/admin/registry/status", headers=ADMIN, timeout=10).json()
     assert "models[1].placement.isolation" in str(status)
     assert [r["state"] for r in _replicas(gateway, "tiny-planned")] == ["ready"]
+
+
+def _raylet(ray_port: int, temp: Path, name: str, resources: str) -> subprocess.Popen:
+    """A second Ray node on this machine (its own raylet joining the head), in a process group of its own."""
+    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+    with (temp / f"{name}.log").open("wb") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [ray_cli, "start", "--block", f"--address=127.0.0.1:{ray_port}", "--node-ip-address=127.0.0.1",
+             "--num-cpus=1", f"--resources={resources}", "--disable-usage-stats"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **NO_AUTH})
+
+
+def _ancestors(pid: int) -> list[int]:
+    """`pid`'s parent, its parent, and so on up to init."""
+    chain = []
+    while pid > 1:
+        pid = _parent_of(pid)
+        chain.append(pid)
+    return chain
+
+
+def _stop(node: subprocess.Popen, sig: signal.Signals = signal.SIGTERM) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(node.pid, sig)
+    try:
+        node.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+
+
+def test_a_dead_nodes_replica_is_started_again_on_a_node_that_has_its_resources(gateway, ray_head, tmp_path):
+    """A second raylet joins with a resource only it has (`roam`); a model asking for it gets its replica there.
+    That node is killed (SIGKILL of its whole process group: raylet, actor, worker): the pool sees the actor die and
+    starts it again, and Ray places it on a third node that joined with `roam` meanwhile; it serves again."""
+    entry = {"type": "chat", "source": {"path": str(gateway.model_path)}, "launcher": "ray", "device": "cpu",
+             "ray": {"num_cpus": 0.5, "resources": {"roam": 1}},
+             "engine": {"block_size": 16, "kv_cache_gib": 0.02, "max_model_len": 512, "max_num_seqs": 16}}
+    second = _raylet(ray_head, tmp_path, "second", '{"roam": 1}')
+    third = None
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # refused ("no node of the Ray cluster has roam 1") until the second node has joined
+            reply = httpx.put(f"{gateway.url}/admin/models/tiny-roam", json=entry, headers=ADMIN, timeout=60)
+            if reply.status_code == 200:
+                break
+            assert reply.status_code == 400 and "roam 1" in reply.text, reply.text
+            assert time.monotonic() < deadline, reply.text
+            time.sleep(1)
+        [before] = _wait_ready(gateway, 1, model="tiny-roam")
+        assert second.pid in _ancestors(before["pid"])  # its worker runs under the second node's raylet
+        _stop(second, signal.SIGKILL)  # the node dies at once, its actor and worker with it
+        third = _raylet(ray_head, tmp_path, "third", '{"roam": 1}')
+        deadline = time.monotonic() + 180
+        while True:
+            [after] = _replicas(gateway, "tiny-roam")
+            if after["restarts"] > before["restarts"] and after["state"] == "ready":
+                break
+            assert time.monotonic() < deadline, after
+            time.sleep(0.5)
+        assert after["pid"] != before["pid"] and third.pid in _ancestors(after["pid"])  # now under the third's
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            assert client.completions.create(model="tiny-roam", prompt="hi", max_tokens=4).usage is not None
+    finally:
+        httpx.delete(f"{gateway.url}/admin/models/tiny-roam", headers=ADMIN, timeout=60)
+        for node in (second, third):
+            if node is not None:
+                _stop(node)
