@@ -88,12 +88,26 @@ async def _scenario(gateway: Gateway, model: str) -> tuple[list[float], list[flo
         await _ttft_s(client, model, 999)  # warm-up: the first request through a fresh worker is slower
         idle = [await _ttft_s(client, model, seed) for seed in range(NUM_INTERACTIVE)]
         background = [asyncio.create_task(_background(client, model, 100 + i)) for i in range(NUM_BACKGROUND)]
-        await asyncio.sleep(0.5)  # the batch is full and the rest of the background queue waits
+        await _saturated(gateway, model)
         loaded = []
         for seed in range(NUM_INTERACTIVE):
             loaded.append(asyncio.create_task(_ttft_s(client, model, 50 + seed)))
             await asyncio.sleep(0.05)
         return idle, list(await asyncio.gather(*loaded)), list(await asyncio.gather(*background))
+
+
+async def _saturated(gateway: Gateway, model: str) -> None:
+    """Until the replica's batch is full and the rest of the background waits behind it. (A fixed head start
+    was too long on a quick machine: the background was half done when the interactive requests came, and fcfs
+    blew up by only 8x in one clean-clone CI run.)"""
+    deadline = time.monotonic() + 60
+    while True:
+        gauges = await asyncio.to_thread(_replica_gauges, gateway, model)
+        if (gauges["multiserve_num_requests_running"] >= 4
+                and gauges["multiserve_num_requests_waiting"] >= NUM_BACKGROUND - 4):
+            return
+        assert time.monotonic() < deadline, gauges
+        await asyncio.sleep(0.005)
 
 
 def _replica_gauges(gateway: Gateway, model: str) -> dict[str, float]:

@@ -125,15 +125,16 @@ async def _stream(client: openai.AsyncOpenAI, i: int, chunks: list[int]) -> str:
     return text
 
 
-async def _load(gateway: Gateway, count: int, disturb=None) -> list[str]:  # type: ignore[no-untyped-def]
-    """`count` streams at once; `disturb(chunks)` runs alongside once every stream has sent a few chunks."""
+async def _load(gateway: Gateway, count: int, disturb=None,  # type: ignore[no-untyped-def]
+                after_chunks: int = 3) -> list[str]:
+    """`count` streams at once; `disturb()` runs alongside once every stream has sent `after_chunks` chunks."""
     chunks = [0] * count
     async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
                                   timeout=120) as client:
         tasks = [asyncio.create_task(_stream(client, i, chunks)) for i in range(count)]
         if disturb is not None:
             deadline = time.monotonic() + 60
-            while min(chunks) < 3:
+            while min(chunks) < after_chunks:
                 assert time.monotonic() < deadline, chunks
                 await asyncio.sleep(0.005)
             assert max(chunks) < MAX_TOKENS, "a stream ended before the disturbance: make them longer"
@@ -164,35 +165,34 @@ def test_a_killed_actor_or_worker_loses_no_stream_and_comes_back(gateway, target
     while 8 streams run: every stream completes with its undisturbed text, and the pool starts a new actor, which
     Ray places, and whose worker becomes ready.
 
-    The kill must find the victim's engine still generating: on a quick machine the tiny model can finish a stream
-    before its client has read it (the rest waits in socket buffers), and a kill then breaks nothing. Such a round
-    is run again, up to three times."""
+    The kill comes as soon as a replica's engine is running streams, by its own gauge (the one running the most):
+    on a quick machine the tiny model finishes its streams long before their clients have read them (the rest
+    waits in buffers on the way), so a kill timed by what the clients had received broke nothing there."""
     _wait_ready(gateway, 2)
     reference = asyncio.run(_load(gateway, 8))
-    killed: list[tuple[dict, float]] = []  # each round's victim and its running requests when killed
+    killed: list[tuple[dict, float]] = []
 
     async def kill_busiest() -> None:
-        replicas = _replicas(gateway)
-        running = [_running(r) for r in replicas]
-        victim, busy = max(zip(replicas, running, strict=True), key=lambda pair: pair[1])
+        replicas, deadline = _replicas(gateway), time.monotonic() + 30
+        while True:
+            running = [(r, await asyncio.to_thread(_running, r)) for r in replicas]
+            victim, busy = max(running, key=lambda pair: pair[1])
+            if busy > 0:
+                break
+            assert time.monotonic() < deadline, "no replica's engine was seen running the streams"
         killed.append((victim, busy))
         os.kill(_parent_of(victim["pid"]) if target == "actor" else victim["pid"], signal.SIGKILL)
 
-    for _ in range(3):
-        assert asyncio.run(_load(gateway, 8, kill_busiest)) == reference
-        victim, busy = killed[-1]
-        deadline = time.monotonic() + 120
-        while True:  # the pool noticed (the actor's exit, or its worker's) and started a new one
-            back = next(r for r in _replicas(gateway) if r["id"] == victim["id"])
-            if back["restarts"] > victim["restarts"] and back["state"] == "ready":
-                break
-            assert time.monotonic() < deadline, back
-            time.sleep(0.2)
-        assert back["pid"] != victim["pid"]
-        if busy > 0:
+    assert asyncio.run(_load(gateway, 8, kill_busiest, after_chunks=0)) == reference
+    [(victim, _)] = killed
+    deadline = time.monotonic() + 120
+    while True:  # the pool noticed (the actor's exit, or its worker's) and started a new one
+        back = next(r for r in _replicas(gateway) if r["id"] == victim["id"])
+        if back["restarts"] > victim["restarts"] and back["state"] == "ready":
             break
-    else:
-        pytest.fail("each kill came after the victim's engine had finished its streams: make them longer")
+        assert time.monotonic() < deadline, back
+        time.sleep(0.2)
+    assert back["pid"] != victim["pid"]
     if target == "worker":  # its running streams broke, and went on elsewhere
         text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
         assert 'multiserve_gateway_stream_migrations_total{cause="replica_failed",model="tiny-ray"}' in text
