@@ -121,7 +121,7 @@ def _print_infeasible(args: argparse.Namespace, inventory: Inventory, exc: Infea
 
 def _plan_for_goodput(args: argparse.Namespace, inputs: _PlanInputs, out: TextIO, err: TextIO) -> int:
     """`partition plan --objective goodput`: the simulated best candidate, printed as a plan."""
-    from partitioner.simulate.evaluate import best
+    from partitioner.simulate.evaluate import best, static_mig
 
     evaluated = _evaluate_candidates(args, inputs, err)
     if isinstance(evaluated, int):
@@ -132,7 +132,7 @@ def _plan_for_goodput(args: argparse.Namespace, inputs: _PlanInputs, out: TextIO
         for e in evaluated:
             print(f"  - {e.candidate.name}: {e.error}", file=err)
         return 1
-    static = _static_mig(evaluated)
+    static = static_mig(evaluated)
     if args.json:
         data = {**chosen.candidate.plan.to_dict(), "objective": {
             "name": "goodput", "candidate": chosen.candidate.name, "goodput_per_s": chosen.goodput_per_s,
@@ -166,8 +166,7 @@ def _evaluate_candidates(args: argparse.Namespace, inputs: _PlanInputs, err: Tex
     """The candidate plans of the registry, each simulated on the traffic; or the exit code after saying why not."""
     from bench.profile import load_traffic as read_traffic_log
     from partitioner.planning.demand import replica_demands
-    from partitioner.simulate.candidates import candidate_plans
-    from partitioner.simulate.evaluate import evaluate, sim_models
+    from partitioner.simulate.evaluate import evaluate_candidates, sim_models
     from partitioner.simulate.traffic import default_traffic, load_traffic
 
     registry, shapes, inventory, options = inputs
@@ -189,15 +188,7 @@ def _evaluate_candidates(args: argparse.Namespace, inputs: _PlanInputs, err: Tex
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return 2
-    load = {m: t.offered_tokens_per_s(traffic.duration_s) * models[m].shape.weights_bytes
-            for m, t in traffic.models.items() if m in models}
-    return evaluate(candidate_plans(inventory, demands, options, load), inventory, models, traffic,
-                    drain_s=args.drain_s)
-
-
-def _static_mig(evaluated: Sequence[Evaluated]) -> Evaluated | None:
-    """The memory-sized all-MIG candidate (static partitioning), when it was simulated."""
-    return next((e for e in evaluated if e.error is None and e.candidate.static), None)
+    return evaluate_candidates(inventory, demands, models, traffic, options, drain_s=args.drain_s)
 
 
 def _evaluated_dict(e: Evaluated) -> dict[str, Any]:
@@ -209,14 +200,14 @@ def _evaluated_dict(e: Evaluated) -> dict[str, Any]:
 
 def render_simulation(evaluated: Sequence[Evaluated]) -> str:
     """Simulated candidates by goodput (best first), the best and the static MIG one per model, then the rest."""
-    from partitioner.simulate.evaluate import best
+    from partitioner.simulate.evaluate import best, static_mig
 
     ran = sorted((e for e in evaluated if e.error is None), key=lambda e: -e.goodput_per_s)
     rows = [[str(i), f"{e.goodput_per_s:.2f}", f"{e.throughput_per_s:.2f}", _gib(e.unplanned_bytes),
              " ".join(f"{m}={r.goodput_per_s:.2f}" for m, r in e.models.items()), e.candidate.name]
             for i, e in enumerate(ran, 1)]
     lines = table(["#", "GOODPUT/S", "DONE/S", "UNPLANNED", "GOODPUT/S BY MODEL", "CANDIDATE"], rows)
-    top, static = best(evaluated), _static_mig(evaluated)
+    top, static = best(evaluated), static_mig(evaluated)
     for label, e in (("best", top), ("static MIG", static)):
         if e is not None:
             lines += ["", f"{label}: {e.candidate.name}", *_model_table(e)]

@@ -18,11 +18,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from partitioner.devices.inventory import Inventory
 from partitioner.devices.read import load_host_inventory
-from partitioner.planning.demand import load_shapes, replica_demands
+from partitioner.planning.demand import ReplicaDemand, load_shapes, replica_demands
 from partitioner.planning.placement import PlanOptions
-from partitioner.simulate.candidates import candidate_plans
-from partitioner.simulate.evaluate import best, evaluate, sim_models
+from partitioner.simulate.evaluate import best, evaluate_candidates, sim_models, static_mig
+from partitioner.simulate.simulator import SimModel
 from partitioner.simulate.traffic import Traffic, load_traffic
 from registry.store import load_registry
 
@@ -51,18 +52,27 @@ def scaled(traffic: Traffic, scale: float, cv: float) -> Traffic:
                                     for m, t in traffic.models.items()})
 
 
-def run_point(traffic: Traffic, scale: float, cv: float) -> Point:
-    registry = load_registry(EXAMPLE / "registry.yaml")
-    shapes = load_shapes(EXAMPLE / "shapes.json")
-    inventory = load_host_inventory(str(INVENTORY), {})
-    demands = replica_demands(registry, shapes)
-    models = sim_models(registry, shapes)
-    load = scaled(traffic, scale, cv)
-    weighted = {m: t.offered_tokens_per_s(load.duration_s) * models[m].shape.weights_bytes
-                for m, t in load.models.items()}
-    evaluated = evaluate(candidate_plans(inventory, demands, PlanOptions(), weighted), inventory, models, load)
-    top = best(evaluated)
-    static = next((e for e in evaluated if e.error is None and e.candidate.static), None)
+@dataclass(frozen=True)
+class Example:
+    """The example's planning inputs, read once: what every point shares."""
+
+    inventory: Inventory
+    demands: list[ReplicaDemand]
+    models: dict[str, SimModel]
+    traffic: Traffic
+
+    @classmethod
+    def load(cls) -> Example:
+        registry = load_registry(EXAMPLE / "registry.yaml")
+        shapes = load_shapes(EXAMPLE / "shapes.json")
+        return cls(load_host_inventory(str(INVENTORY), {}), replica_demands(registry, shapes),
+                   sim_models(registry, shapes), load_traffic(EXAMPLE / "traffic.yaml"))
+
+
+def run_point(example: Example, scale: float, cv: float) -> Point:
+    load = scaled(example.traffic, scale, cv)
+    evaluated = evaluate_candidates(example.inventory, example.demands, example.models, load, PlanOptions())
+    top, static = best(evaluated), static_mig(evaluated)
     assert top is not None and static is not None, "the example always has a feasible best and static MIG plan"
     return Point(scale, cv, sum(t.rate_per_s for t in load.models.values()), top.candidate.name,
                  top.goodput_per_s, static.goodput_per_s)
@@ -99,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cvs", default="1,2,4", help="arrival gaps' coefficients of variation, comma-separated")
     parser.add_argument("--plot", type=Path, help="write the two curves as a PNG here")
     args = parser.parse_args(argv)
-    traffic = load_traffic(EXAMPLE / "traffic.yaml")
+    example = Example.load()
     grid = [(float(s), float(c)) for c in args.cvs.split(",") for s in args.scales.split(",")]
-    points = [run_point(traffic, s, c) for s, c in tqdm(grid, desc="simulating", unit="point")]
+    points = [run_point(example, s, c) for s, c in tqdm(grid, desc="simulating", unit="point")]
     print("| load × | arrival cv | offered req/s | best plan | best goodput/s | static MIG goodput/s | best / static |")
     print("|---|---|---|---|---|---|---|")
     for p in points:

@@ -7,8 +7,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from partitioner.devices.inventory import Inventory
-from partitioner.planning.demand import ModelShape
-from partitioner.simulate.candidates import Candidate
+from partitioner.planning.demand import ModelShape, ReplicaDemand
+from partitioner.planning.placement import PlanOptions
+from partitioner.simulate.candidates import Candidate, candidate_plans
 from partitioner.simulate.engine import EngineLimits
 from partitioner.simulate.pools import plan_pools
 from partitioner.simulate.simulator import DEFAULT_DRAIN_S, ModelResult, SimModel, simulate
@@ -64,6 +65,20 @@ def evaluate(candidates: Sequence[Candidate], inventory: Inventory, models: Mapp
                         if d.managed and d.replica_ids)
         out.append(Evaluated(candidate, results, unplanned_bytes=unplanned))
     return out
+
+
+def evaluate_candidates(inventory: Inventory, demands: Sequence[ReplicaDemand], models: Mapping[str, SimModel],
+                        traffic: Traffic, options: PlanOptions, drain_s: float = DEFAULT_DRAIN_S) -> list[Evaluated]:
+    """Every candidate plan of `demands` (`candidate_plans`; its shares by load weigh each model's offered tokens by
+    its weight bytes), simulated on `traffic`."""
+    load = {m: t.offered_tokens_per_s(traffic.duration_s) * models[m].shape.weights_bytes
+            for m, t in traffic.models.items() if m in models}
+    return evaluate(candidate_plans(inventory, demands, options, load), inventory, models, traffic, drain_s)
+
+
+def static_mig(evaluated: Sequence[Evaluated]) -> Evaluated | None:
+    """The memory-sized all-MIG candidate (static partitioning), when it was simulated."""
+    return next((e for e in evaluated if e.error is None and e.candidate.static), None)
 
 
 def best(evaluated: Sequence[Evaluated]) -> Evaluated | None:

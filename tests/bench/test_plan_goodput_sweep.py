@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.measure.plan_goodput_sweep import EXAMPLE, run_point, scaled
+from bench.measure.plan_goodput_sweep import EXAMPLE, Example, run_point, scaled
 from partitioner.simulate.traffic import load_traffic
 
 
@@ -18,6 +18,6 @@ def test_scaling_multiplies_every_rate_and_sets_the_gaps_cv():
 
 
 def test_a_point_compares_the_best_plan_with_static_mig_on_the_same_traffic():
-    point = run_point(load_traffic(EXAMPLE / "traffic.yaml"), 0.5, 1.0)
+    point = run_point(Example.load(), 0.5, 1.0)
     assert point.offered_per_s == pytest.approx(0.5 * (20 + 6 + 1.5))
     assert point.static_goodput > 0 and point.best_goodput >= point.static_goodput and point.ratio >= 1.0
