@@ -131,14 +131,12 @@ class RayPlacer:
         self._inventories.update({n.node_id: n.inventory for n in nodes})
         for label, why in unread.items():
             log.warning("ray_node_inventory_unread", node=label, reason=why)
-        gated = {m.name: f"models[{i}].placement.isolation" for i, m in enumerate(registry.models)
-                 if planned_on_cluster(m) and "placement" in m.model_fields_set}
         try:
             demands = cluster_demands(registry, self._shapes_for(registry, nodes))
         except InfeasiblePlan as exc:  # a model's own numbers contradict each other
             return exc
         return place_replicas(nodes, demands, self._options, eligible=_eligibility(registry, alive),
-                              refusals=(unapplied_changes, refuse_time_slicing(gated, NO_ARBITER)),
+                              refusals=(unapplied_changes, refuse_time_slicing(registry, NO_ARBITER)),
                               previous=dict(self._running_on), unread=unread)
 
     def _shapes_for(self, registry: Registry, nodes: list[ClusterNode]) -> Mapping[str, ModelShape]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from partitioner.devices.inventory import Inventory
 from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, ModelShape, ReplicaDemand, replica_demands
 from partitioner.planning.placement import PlanOptions
+from partitioner.planning.placer import needs_arbiter
 from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
 from registry.fields import GIB
@@ -170,20 +171,20 @@ def unapplied_changes(node: ClusterNode, node_plan: Plan) -> str | None:
             f"(make them on that node first)")
 
 
-def refuse_time_slicing(gated: Mapping[str, str], why: str) -> NodeRefusal:
-    """A refusal: the node's plan time-slices a device between two or more replicas of the `gated` models (model
-    name -> the registry field that asks for it: those whose replicas would take an arbiter's lease, as
-    `placer.needs_arbiter` decides locally), and the node has no arbiter; `why` says what to do instead."""
+def refuse_time_slicing(registry: Registry, why: str) -> NodeRefusal:
+    """A refusal: the node's plan time-slices a device between replicas that would take an arbiter's lease there
+    (`placer.needs_arbiter`, as a local plan decides it), and the node has no arbiter; `why` says what to do
+    instead. The message names each such model's `placement.isolation` field."""
+    fields = {m.name: f"models[{i}].placement.isolation" for i, m in enumerate(registry.models)}
+
     def refuse(node: ClusterNode, node_plan: Plan) -> str | None:
-        shared: dict[str, list[ReplicaPlan]] = {}
-        for r in node_plan.replicas:
-            if r.isolation == "timeslice" and r.model in gated:
-                shared.setdefault(r.device_key, []).append(r)
-        device, replicas = next(((k, v) for k, v in sorted(shared.items()) if len(v) >= 2), ("", []))
-        if not replicas:
+        gated = [r for r in node_plan.replicas if needs_arbiter(node_plan, r, registry)]
+        if not gated:
             return None
-        fields = ", ".join(sorted({gated[r.model] for r in replicas}))
-        return (f"it would time-slice {device} between {', '.join(r.replica_id for r in replicas)} ({fields}: "
+        device = min(r.device_key for r in gated)
+        replicas = [r for r in gated if r.device_key == device]
+        names = ", ".join(sorted({fields[r.model] for r in replicas}))
+        return (f"it would time-slice {device} between {', '.join(r.replica_id for r in replicas)} ({names}: "
                 f"'timeslice'), which needs an arbiter on that node: {why}")
 
     return refuse

@@ -165,8 +165,10 @@ def test_a_node_the_replica_may_not_use_is_skipped_and_named_with_its_reason():
 
 
 def test_time_slicing_that_needs_an_arbiter_spreads_over_nodes_and_is_refused_naming_the_field_when_it_cannot():
-    gated = {"chat": "models[0].placement.isolation"}
-    refusal = refuse_time_slicing(gated, "no arbiter here")
+    registry = Registry.model_validate({"models": [
+        {"name": "chat", "type": "chat", "source": {"path": "/m"}, "placement": {"isolation": "timeslice"}},
+        {"name": "plain", "type": "chat", "source": {"path": "/m"}}]})  # no `placement:`: no arbiter asked
+    refusal = refuse_time_slicing(registry, "no arbiter here")
     cpu_nodes = [NODE_C, ClusterNode("dddd0000111122223333", "10.0.0.4", CPU)]
     demands = [demand("chat", r, gib=None, device="cpu") for r in range(2)]
     plan = plan_cluster(cpu_nodes, demands, refusals=(refusal,))
