@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,33 +114,22 @@ def _parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-async def _stream(client: openai.AsyncOpenAI, i: int, chunks: list[int]) -> str:
-    """One greedy stream; `chunks[i]` counts what has arrived."""
+async def _stream(client: openai.AsyncOpenAI, i: int) -> str:
+    """One greedy stream's text."""
     stream = await client.completions.create(model="tiny-ray", prompt=f"ray {i}: the story goes", max_tokens=MAX_TOKENS,
                                              temperature=0.0, stream=True, extra_body={"ignore_eos": True})
     text = ""
     async for chunk in stream:
         for choice in chunk.choices:
             text += choice.text
-            chunks[i] += 1
     return text
 
 
-async def _load(gateway: Gateway, count: int, disturb=None,  # type: ignore[no-untyped-def]
-                after_chunks: int = 3) -> list[str]:
-    """`count` streams at once; `disturb()` runs alongside once every stream has sent `after_chunks` chunks."""
-    chunks = [0] * count
+async def _load(gateway: Gateway, count: int) -> list[str]:
+    """`count` streams at once; their texts."""
     async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
                                   timeout=120) as client:
-        tasks = [asyncio.create_task(_stream(client, i, chunks)) for i in range(count)]
-        if disturb is not None:
-            deadline = time.monotonic() + 60
-            while min(chunks) < after_chunks:
-                assert time.monotonic() < deadline, chunks
-                await asyncio.sleep(0.005)
-            assert max(chunks) < MAX_TOKENS, "a stream ended before the disturbance: make them longer"
-            await disturb()
-        return list(await asyncio.gather(*tasks))
+        return list(await asyncio.gather(*(_stream(client, i) for i in range(count))))
 
 
 def test_ray_replicas_serve_the_openai_client(gateway):
@@ -165,25 +155,30 @@ def test_a_killed_actor_or_worker_loses_no_stream_and_comes_back(gateway, target
     while 8 streams run: every stream completes with its undisturbed text, and the pool starts a new actor, which
     Ray places, and whose worker becomes ready.
 
-    The kill comes as soon as a replica's engine is running streams, by its own gauge (the one running the most):
-    on a quick machine the tiny model finishes its streams long before their clients have read them (the rest
-    waits in buffers on the way), so a kill timed by what the clients had received broke nothing there."""
+    The kill comes as soon as a replica's engine is seen running streams, by its own gauge, polled from a thread
+    of its own from before the streams start: on a quick machine the tiny model finishes its streams long before
+    their clients have read them (the rest waits in buffers on the way), so a kill timed by what the clients had
+    received, or polled from their busy event loop, came too late to break anything."""
     _wait_ready(gateway, 2)
     reference = asyncio.run(_load(gateway, 8))
+    replicas = _replicas(gateway)
     killed: list[tuple[dict, float]] = []
 
-    async def kill_busiest() -> None:
-        replicas, deadline = _replicas(gateway), time.monotonic() + 30
-        while True:
-            running = [(r, await asyncio.to_thread(_running, r)) for r in replicas]
-            victim, busy = max(running, key=lambda pair: pair[1])
-            if busy > 0:
-                break
-            assert time.monotonic() < deadline, "no replica's engine was seen running the streams"
-        killed.append((victim, busy))
-        os.kill(_parent_of(victim["pid"]) if target == "actor" else victim["pid"], signal.SIGKILL)
+    def kill_when_busy() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            for replica in replicas:
+                busy = _running(replica)
+                if busy > 0:
+                    killed.append((replica, busy))
+                    os.kill(_parent_of(replica["pid"]) if target == "actor" else replica["pid"], signal.SIGKILL)
+                    return
 
-    assert asyncio.run(_load(gateway, 8, kill_busiest, after_chunks=0)) == reference
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    assert asyncio.run(_load(gateway, 8)) == reference
+    killer.join()
+    assert killed, "no replica's engine was seen running the streams"
     [(victim, _)] = killed
     deadline = time.monotonic() + 120
     while True:  # the pool noticed (the actor's exit, or its worker's) and started a new one
