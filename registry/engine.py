@@ -31,6 +31,9 @@ class EngineSpec(Frozen):
     # the KV cache's dtype: auto is the model's; fp16 on the CPU halves the cache's memory and the bytes its
     # attention reads (on CUDA the cache stays in the model's dtype)
     kv_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # CUDA: decode steps replay graphs captured per batch-size bucket at start-up; false runs every step eagerly
+    # (vLLM's enforce_eager). Nothing on the CPU
+    cuda_graphs: bool = True
 
     @field_validator("block_size")
     @classmethod
@@ -68,8 +71,8 @@ def engine_for_type(model_type: str, value: Any) -> EngineSpec | EmbeddingEngine
     if kind is EmbeddingEngineSpec:
         unused = sorted(set(value) & _KV_ONLY)
         if unused:
-            raise FieldProblems([Problem(name, "not used by embedding models (an encoder keeps no KV cache)")
-                                 for name in unused])
+            why = "not used by embedding models (an encoder keeps no KV cache and runs no decode steps)"
+            raise FieldProblems([Problem(name, why) for name in unused])
     try:
         return kind.model_validate(value)
     except ValidationError as exc:

@@ -123,6 +123,9 @@ class EngineConfig:
     # the decode attention reads (its kernel widens them to fp32); on CUDA the cache stays in the model's dtype
     kv_dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
+    # CUDA: decode steps replay graphs captured per batch-size bucket at start-up (runtimes/llm/cuda_graphs.py);
+    # False runs every step eagerly (vLLM's enforce_eager). Nothing on the CPU.
+    cuda_graphs: bool = True
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
     multilevel: Mapping[str, Any] = field(default_factory=dict)

@@ -24,6 +24,7 @@ from runtimes.cuda_memory import default_kv_bytes
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
 from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig, resolve_kv_dtype
+from runtimes.llm.cuda_graphs import DecodeGraphs, Graph, capture_sizes, cuda_graph_factory, graphs_apply
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.loader import LoadedModel, load_model
@@ -62,7 +63,10 @@ class LLMEngine:
         config: EngineConfig | None = None,
         policy: QueuePolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        new_graph: Callable[[], Graph] | None = None,
     ) -> None:
+        """`new_graph` makes the decode graphs (default: CUDA graphs on a CUDA device when `config.cuda_graphs`;
+        tests pass a CPU stand-in)."""
         self.config = config = config or EngineConfig()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -75,9 +79,17 @@ class LLMEngine:
         budget = config.kv_cache_bytes or _default_kv_bytes(device, config.kv_cache_memory_fraction)
         kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, device)
         num_blocks = num_blocks_for_budget(loaded.config, budget, config.block_size, kv_dtype)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_bytes={budget} is too small for one block of {config.block_size} tokens")
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        if new_graph is None and config.cuda_graphs and device.type == "cuda":
+            new_graph = cuda_graph_factory()
+        if new_graph is not None and not graphs_apply(loaded.model):
+            log.warning("decode_graphs_off", reason="the attention backend reads host metadata",
+                        attention_backend=config.attention_backend)
+            new_graph = None
+        reserved = 0 if new_graph is None else 1  # the decode graphs' pad block, out of the block pool
+        if num_blocks < 1 + reserved:
+            raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + reserved} blocks of "
+                             f"{config.block_size} tokens")
+        self.kv = KVCacheManager(num_blocks - reserved, config.block_size)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             policy if policy is not None else _queue_policy(config, clock),
@@ -85,6 +97,13 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, kv_dtype, device)
         sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.runner = ModelRunner(loaded.model, kv_caches, config.block_size, device, sampler)
+        if new_graph is not None:
+            started = time.perf_counter()
+            self.runner.graphs = DecodeGraphs(loaded.model, kv_caches, config.block_size,
+                                              -(-self.max_model_len // config.block_size), num_blocks - 1,
+                                              capture_sizes(config.max_num_seqs), new_graph)
+            log.info("decode_graphs_captured", sizes=self.runner.graphs.sizes,
+                     seconds=round(time.perf_counter() - started, 2))
         self._sequences: dict[str, _Sequence] = {}  # internal (child) request id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self._staged: dict[str, list[Request]] = {}  # request id -> samples waiting for sample 0's prompt

@@ -9,6 +9,7 @@ import torch
 
 from runtimes.llm.attention import AttentionMetadata
 from runtimes.llm.config import ModelConfig
+from runtimes.llm.cuda_graphs import DecodeGraphs
 from runtimes.llm.model import LlamaForCausalLM, PartialForward, StepInterrupted
 from runtimes.llm.sampler import Sampler, SamplingRow
 from runtimes.llm.scheduler import ScheduledRequest, SchedulerOutput
@@ -51,12 +52,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.graphs: DecodeGraphs | None = None  # decode steps by graph replay, where the engine captured them
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
                 interrupt: Callable[[], bool] | None = None) -> StepResult:
         """Run the plan; `interrupt` (asked between layers) may stop it with StepInterrupted, whose `partial` is a
-        `SuspendedStep` that `resume` finishes."""
+        `SuspendedStep` that `resume` finishes. A step of one new token per request replays a captured decode graph
+        when there are graphs (`self.graphs`) and its batch fits them; it cannot be interrupted."""
         self._flush_denormals()
         input_ids: list[int] = []
         positions: list[int] = []
@@ -83,6 +86,10 @@ class ModelRunner:
                     )
                 )
                 sampling.request_ids.append(request.request_id)
+        if self.graphs is not None and len(input_ids) == len(tables):  # one new token per request
+            hidden = self.graphs.run(input_ids, positions, tables)
+            if hidden is not None:
+                return self._sample(hidden, sampling)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)

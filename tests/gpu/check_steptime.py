@@ -2,7 +2,9 @@
 
 For the SmolLM2-135M shape and the full Llama-3-8B shape (all 32 layers, ~16 GB of bf16 weights) with random
 weights: `batch` requests of a 64-token prompt are prefilled, then `LLMEngine.step()` is timed over decode steps
-(wall clock, so the scheduler, the Python launch overhead and sampling count) at batch 1, 8 and 64.
+(wall clock, so the scheduler, the Python launch overhead and sampling count) at batch 1, 8 and 64, once with
+the decode steps replayed from CUDA graphs (the engine's default; every timed step must be a replay) and once
+eagerly (`eager_step_ms`), side by side.
 
 The floor is the weight bytes one decode step must read (every layer, the final norm and the LM head; not the
 embedding table, of which a step reads only its tokens' rows) divided by the device-to-device copy bandwidth
@@ -93,15 +95,16 @@ def step_bytes(model: LlamaForCausalLM) -> int:
     return total
 
 
-def decode_steps(loaded: LoadedModel, batch: int) -> tuple[list[float], int]:
-    """Wall times (ms) of TIMED_STEPS pure decode steps at `batch`, and the context length they ran at."""
+def decode_steps(loaded: LoadedModel, batch: int, cuda_graphs: bool) -> tuple[list[float], int, int]:
+    """Wall times (ms) of TIMED_STEPS pure decode steps at `batch`, the context length they ran at, and how many of
+    them were graph replays."""
     config = loaded.config
     steps = WARMUP_STEPS + TIMED_STEPS
     tokens = batch * (PROMPT_LEN + steps + 16)
     engine = LLMEngine(loaded, EngineConfig(block_size=16, max_num_seqs=max(BATCHES),
                                             max_num_batched_tokens=max(PROMPT_LEN * max(BATCHES), 2048),
                                             kv_cache_bytes=tokens * config.kv_bytes_per_token(DTYPE),
-                                            enable_prefix_caching=False))
+                                            enable_prefix_caching=False, cuda_graphs=cuda_graphs))
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
@@ -110,6 +113,8 @@ def decode_steps(loaded: LoadedModel, batch: int) -> tuple[list[float], int]:
         engine.step()  # prefill (all prompts fit one step's token budget)
     for _ in range(WARMUP_STEPS):
         engine.step()
+    graphs = engine.runner.graphs
+    replays_before = graphs.replays if graphs is not None else 0
     times = []
     for _ in range(TIMED_STEPS):
         synchronize(DEVICE)
@@ -121,7 +126,7 @@ def decode_steps(loaded: LoadedModel, batch: int) -> tuple[list[float], int]:
     context = PROMPT_LEN + WARMUP_STEPS + TIMED_STEPS
     for i in range(batch):
         engine.abort_request(f"r{i}")
-    return times, context
+    return times, context, (graphs.replays if graphs is not None else 0) - replays_before
 
 
 def main() -> int:
@@ -137,19 +142,23 @@ def main() -> int:
             weight_bytes = step_bytes(loaded.model)
             floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
             for batch in BATCHES:
-                times, context = decode_steps(loaded, batch)
-                step_ms = statistics.median(times)
+                eager_times, _, _ = decode_steps(loaded, batch, cuda_graphs=False)
+                times, context, replays = decode_steps(loaded, batch, cuda_graphs=True)
+                step_ms, eager_ms = statistics.median(times), statistics.median(eager_times)
                 kv_bytes = batch * context * loaded.config.kv_bytes_per_token(DTYPE)
                 floor_kv_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
-                ok = math.isfinite(step_ms) and (DEVICE == "cpu" or step_ms >= 0.8 * floor_ms)
+                # on a GPU every timed step must be one graph replay (the engine's launches per decode step)
+                ok = math.isfinite(step_ms) and (DEVICE == "cpu" or (step_ms >= 0.8 * floor_ms
+                                                                     and replays == TIMED_STEPS))
                 rep.report(f"{name}.b{batch}", ok,
-                           fmt(step_ms=step_ms, floor_ms=floor_ms, ratio=step_ms / floor_ms,
-                               tokens_per_s=batch / step_ms * 1e3),
+                           fmt(step_ms=step_ms, floor_ms=floor_ms, ratio=step_ms / floor_ms, eager_ms=eager_ms,
+                               graph_replays=f"{replays}/{TIMED_STEPS}", tokens_per_s=batch / step_ms * 1e3),
                            table="decode_step", model=name, dtype=str(DTYPE).removeprefix("torch."), batch=batch,
                            layers=shape.layers, context=context, step_ms=step_ms, step_ms_min=min(times),
                            step_ms_max=max(times), weight_bytes=weight_bytes, copy_gbs=bandwidth, floor_ms=floor_ms,
                            floor_with_kv_ms=floor_kv_ms, ratio_to_floor=step_ms / floor_ms,
-                           tokens_per_s=batch / step_ms * 1e3)
+                           tokens_per_s=batch / step_ms * 1e3, eager_step_ms=eager_ms,
+                           graph_speedup=eager_ms / step_ms, graph_replays=replays, timed_steps=TIMED_STEPS)
             del loaded
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()

@@ -134,9 +134,9 @@ run_check() {  # group, cap in seconds, script: run it under min(cap, time left)
 run_check attention 80 tests/gpu/check_attention.py
 run_check model 110 tests/gpu/check_model.py
 run_check serve 80 tests/gpu/check_serve.py
-run_check steptime 60 tests/gpu/check_steptime.py
+run_check steptime 90 tests/gpu/check_steptime.py
 run_check quant 40 tests/gpu/check_quant.py
 if [[ $device == cuda ]]; then
-    run_check partitioner 100 tests/gpu/check_partitioner.py  # read-only: no MIG, clock or setting changes
+    run_check partitioner 70 tests/gpu/check_partitioner.py  # read-only: no MIG, clock or setting changes
 fi
 finish

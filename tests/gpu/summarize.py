@@ -65,7 +65,8 @@ def main() -> int:
         "groups": groups,
         "decode_step_table": [{k: r[k] for k in ("model", "dtype", "batch", "layers", "context", "step_ms",
                                                  "floor_ms", "floor_with_kv_ms", "ratio_to_floor", "tokens_per_s",
-                                                 "weight_bytes", "copy_gbs") if k in r}
+                                                 "eager_step_ms", "graph_speedup", "graph_replays", "weight_bytes",
+                                                 "copy_gbs") if k in r}
                               for r in results if r.get("table") == "decode_step"],
         "results": results,
     }

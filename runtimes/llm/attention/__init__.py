@@ -10,7 +10,7 @@ import torch
 from runtimes.llm.attention.metadata import AttentionMetadata
 from runtimes.llm.attention.reference import paged_attention_ref, write_kv
 
-__all__ = ["AttentionMetadata", "paged_attention_ref", "select_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "paged_attention_ref", "reads_only_device_metadata", "select_attention", "write_kv"]
 
 log = structlog.get_logger(__name__)
 
@@ -37,3 +37,17 @@ def select_attention(name: str, device: torch.device) -> Callable:
             return paged_attention_ref
         return paged_attention_cpu
     return paged_attention_ref
+
+
+# The backends whose decode path reads sequence lengths, block tables and query offsets only from the metadata's
+# device tensors (never its host tuples, and no grid sized from them), so a decode step through them can be captured
+# once and replayed over new values (runtimes/llm/cuda_graphs.py). The reference reads `seq_lens_host`.
+_DEVICE_METADATA_ONLY = frozenset({
+    "runtimes.llm.attention.triton_paged.paged_attention_triton",
+    "runtimes.llm.attention.cpu_paged.paged_attention_cpu",
+})
+
+
+def reads_only_device_metadata(fn: Callable) -> bool:
+    """Whether the attention function `fn` may be captured in a decode graph (see `_DEVICE_METADATA_ONLY`)."""
+    return f"{fn.__module__}.{fn.__qualname__}" in _DEVICE_METADATA_ONLY

@@ -1,0 +1,202 @@
+"""Decode graphs (runtimes/llm/cuda_graphs.py) through a CPU stand-in for a CUDA graph.
+
+`ReplayingGraph` keeps what a real graph keeps: the function it captured, closed over the static buffers and over the
+host values the capture saw (the metadata's host tuples, the bucket's size); a replay reruns exactly that and refills
+the captured output tensor. So anything the decode path took from the step's host values instead of the static
+device buffers would replay the capture's values, and the tokens would differ from the eager engine's; the last test
+shows that it does catch such a path. What this cannot check is CUDA itself (stream capture, the memory pool, the
+pinned copies' asynchrony): `tests/gpu/check_model.py` does, on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from runtimes.llm import engine as engine_module
+from runtimes.llm.attention import paged_attention_ref, reads_only_device_metadata, select_attention
+from runtimes.llm.config import EngineConfig
+from runtimes.llm.cuda_graphs import capture_sizes
+from runtimes.llm.engine import LLMEngine
+from runtimes.llm.sampling_params import SamplingParams
+from tests.runtimes.llm.engine_utils import run_to_completion
+
+KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 bytes (TinySpec defaults)
+
+
+class ReplayingGraph:
+    """A CUDA graph's contract on the CPU: `replay` reruns the captured function and refills its output in place."""
+
+    captures = 0
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        ReplayingGraph.captures += 1
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(length)]
+
+
+def _requests(count: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Greedy and seeded requests of different prompt and output lengths, so batches grow and shrink."""
+    requests = {}
+    for i in range(count):
+        params = (SamplingParams(temperature=0.0, max_tokens=6 + (i * 5) % 23, ignore_eos=True) if i % 3 else
+                  SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, max_tokens=4 + i % 11, ignore_eos=True))
+        requests[f"r{i}"] = (_prompt(i, 2 + (i * 7) % 40), params)
+    return requests
+
+
+@pytest.fixture
+def engines(tiny_loaded):
+    """(eager engine, graph engine) factory over one tiny model with the C++ CPU attention."""
+    loaded = tiny_loaded(seed=3)
+    attention = select_attention("auto", torch.device("cpu"))
+    for layer in loaded.model.layers:
+        layer.self_attn.attention_fn = attention
+
+    def make(**overrides: object) -> tuple[LLMEngine, LLMEngine]:
+        config = EngineConfig(**{"kv_cache_bytes": 1024 * KV_PER_TOKEN, "block_size": 4,
+                                 "max_num_batched_tokens": 64, "max_num_seqs": 12, **overrides})  # type: ignore[arg-type]
+        return LLMEngine(loaded, config), LLMEngine(loaded, config, new_graph=ReplayingGraph)
+
+    return make
+
+
+def _count_decode_steps(engine: LLMEngine) -> list[int]:
+    """A counter of the engine's steps in which every scheduled request has one new token."""
+    count = [0]
+    execute = engine.runner.execute
+
+    def counting(plan, *args, **kwargs):
+        count[0] += all(item.num_new_tokens == 1 for item in plan.scheduled)
+        return execute(plan, *args, **kwargs)
+
+    engine.runner.execute = counting  # type: ignore[method-assign]
+    return count
+
+
+def test_capture_sizes_are_vllm_like_buckets():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(1000)[-1] == 256
+
+
+def test_graph_decode_is_token_identical_to_eager_and_replays_every_decode_step(engines):
+    eager, graphed = engines()
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.sizes == [1, 2, 4, 8, 12]
+    assert eager.runner.graphs is None  # the CPU: no graphs unless asked for
+    decode_steps = _count_decode_steps(graphed)
+    requests = _requests(20)
+    expected = run_to_completion(eager, requests)
+    got = run_to_completion(graphed, requests)
+    for key in requests:
+        assert got[key].token_ids == expected[key].token_ids, key
+    graphs = graphed.runner.graphs
+    assert decode_steps[0] > 10 and graphs.replays == decode_steps[0]  # every step of one token per row
+    # nothing leaked, and the pad block was never handed out
+    assert graphed.kv.num_free_blocks == graphed.kv.num_blocks == eager.kv.num_blocks - 1
+    assert graphs.pad_block == eager.kv.num_blocks - 1
+
+
+def test_graph_decode_under_preemption_rewrites_the_rows_of_re_allocated_tables(engines):
+    """A tight cache preempts requests; one that comes back gets new blocks in a new table list, which the graphs'
+    kept block-table rows must not mistake for the old one."""
+    eager, graphed = engines(kv_cache_bytes=30 * 4 * KV_PER_TOKEN, max_num_seqs=8)  # 30 blocks of 4 tokens
+    requests = {f"p{i}": (_prompt(100 + i, 10 + i), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+                for i in range(8)}
+    expected = run_to_completion(eager, requests)
+    got = run_to_completion(graphed, requests)
+    assert graphed.scheduler.num_preemptions > 0
+    for key in requests:
+        assert got[key].token_ids == expected[key].token_ids, key
+    assert graphed.kv.num_free_blocks == graphed.kv.num_blocks
+
+
+def test_batches_beyond_the_largest_bucket_run_eagerly(engines, monkeypatch):
+    monkeypatch.setattr(engine_module, "capture_sizes", lambda max_num_seqs: [1, 2, 4])
+    eager, graphed = engines(max_num_seqs=12)  # batches of 5..12 must take the eager path
+    graphs = graphed.runner.graphs
+    assert graphs is not None and graphs.max_size == 4
+    decode_steps = _count_decode_steps(graphed)
+    requests = _requests(12)
+    expected = run_to_completion(eager, requests)
+    got = run_to_completion(graphed, requests)
+    for key in requests:
+        assert got[key].token_ids == expected[key].token_ids, key
+    assert 0 < graphs.replays < decode_steps[0]
+
+
+def test_padding_rows_write_only_the_pad_block(tiny_loaded):
+    loaded = tiny_loaded(seed=3)
+    config = EngineConfig(kv_cache_bytes=64 * 4 * KV_PER_TOKEN, block_size=4, max_num_seqs=8)
+    attention = select_attention("auto", torch.device("cpu"))
+    for layer in loaded.model.layers:
+        layer.self_attn.attention_fn = attention
+    engine = LLMEngine(loaded, config, new_graph=ReplayingGraph)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    before = [k.clone() for k, _ in engine.runner.kv_caches]
+    # 3 rows in the bucket of 4: one padding row; real rows write block 5 (positions 20..22 of tables [5])
+    hidden = graphs.run([7, 8, 9], [20, 21, 22], [[0, 1, 2, 3, 4, 5]] * 3)
+    assert hidden is not None and hidden.shape[0] == 3
+    for layer, (k, _) in enumerate(engine.runner.kv_caches):
+        changed = {int(b) for b in (k != before[layer]).flatten(1).any(1).nonzero().flatten()}
+        assert changed == {5, graphs.pad_block}, (layer, changed)
+
+
+def test_only_backends_that_read_device_metadata_are_captured(tiny_loaded):
+    assert reads_only_device_metadata(select_attention("cpu", torch.device("cpu")))
+    assert not reads_only_device_metadata(paged_attention_ref)
+    loaded = tiny_loaded(seed=3)  # the reference attention
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4),
+                       new_graph=ReplayingGraph)
+    assert engine.runner.graphs is None
+    assert engine.kv.num_blocks == 64  # no pad block taken
+
+
+def test_the_stand_in_bakes_host_values_as_a_graph_does(tiny_loaded, monkeypatch):
+    """Forced over the reference attention, which reads `seq_lens_host`, replays attend over the captured length
+    (one token) and the tokens change: the stand-in would catch a decode path that reads the step's host values."""
+    loaded = tiny_loaded(seed=3)
+    config = EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4)
+    eager = LLMEngine(loaded, config)
+    monkeypatch.setattr(engine_module, "graphs_apply", lambda model: True)
+    forced = LLMEngine(loaded, config, new_graph=ReplayingGraph)
+    assert forced.runner.graphs is not None
+    requests = {"g": (_prompt(5, 9), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))}
+    expected = run_to_completion(eager, requests)
+    got = run_to_completion(forced, requests)
+    assert forced.runner.graphs.replays > 0
+    assert got["g"].token_ids != expected["g"].token_ids
+
+
+def test_triton_decode_attention_replays_token_identical(tiny_loaded):
+    """The backend the graphs capture on CUDA, run by Triton's interpreter: it too reads only device metadata."""
+    from runtimes.llm.attention.triton_paged import paged_attention_triton
+
+    loaded = tiny_loaded(seed=4)
+    for layer in loaded.model.layers:
+        layer.self_attn.attention_fn = paged_attention_triton
+    config = EngineConfig(kv_cache_bytes=128 * 4 * KV_PER_TOKEN, block_size=4, max_num_seqs=3)
+    eager, graphed = LLMEngine(loaded, config), LLMEngine(loaded, config, new_graph=ReplayingGraph)
+    decode_steps = _count_decode_steps(graphed)
+    requests = {f"t{i}": (_prompt(60 + i, 3 + 4 * i), SamplingParams(temperature=0.0, max_tokens=3 + 3 * i,
+                                                                     ignore_eos=True)) for i in range(3)}
+    expected = run_to_completion(eager, requests)
+    got = run_to_completion(graphed, requests)
+    for key in requests:
+        assert got[key].token_ids == expected[key].token_ids, key
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.replays == decode_steps[0] > 0
