@@ -95,7 +95,7 @@ class LLMEngine:
             policy if policy is not None else _queue_policy(config, clock),
         )
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, kv_dtype, device)
-        sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))  # noise drawn where the logits are
         self.runner = ModelRunner(loaded.model, kv_caches, config.block_size, device, sampler)
         if new_graph is not None:
             started = time.perf_counter()

@@ -18,7 +18,10 @@ draws its `[V]` vector from a generator seeded with a hash of (seed, output posi
 is a pure function of the seed, the position and the logits, so it depends neither on the rest of the batch, nor on
 its place in it, nor on what ran before on this replica. A request resumed elsewhere with its first k tokens given
 (runtimes/llm/engine.py) samples token k + 1 exactly as the undisturbed run did, and a step rerun after a fault
-draws the same noise again. Noise is drawn on the CPU and moved to `logits.device`; greedy rows draw none.
+draws the same noise again. Noise is drawn on the logits' device, by the engine's generator there and a keyed
+generator per device, so a GPU step copies no `[R, V]` noise from the host; greedy rows draw none. Draws are
+reproducible on one kind of device (a CUDA generator's stream differs from the CPU's, and may differ between GPU
+models), so a seeded request resumed on another replica continues exactly where both run the same hardware.
 Exp(1) is drawn as -log(1 - U), U uniform in [0, 1): on the CPU torch's `exponential_` took 1.09 ms for SmolLM2's
 49,152 values and this 0.24 ms, a tenth of a batch-1 decode step.
 """
@@ -91,7 +94,7 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
-        self._keyed = torch.Generator()  # reseeded per seeded row and position
+        self._keyed: dict[torch.device, torch.Generator] = {}  # per device; reseeded per seeded row and position
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` `[B, V]` (any float dtype, any device), one `SamplingRow` per batch row."""
@@ -181,10 +184,12 @@ class Sampler:
         if unseeded:
             gen = self.generator
             q[unseeded] = _exp1((len(unseeded), shape[1]), gen, gen.device if gen is not None else device).to(device)
+        keyed = None
         for i, r in enumerate(rows):
             if r.seed is not None:
-                self._keyed.manual_seed(position_seed(r.seed, len(r.output_token_ids)))
-                q[i] = _exp1((shape[1],), self._keyed, self._keyed.device).to(device)
+                keyed = keyed or self._keyed.setdefault(device, torch.Generator(device=device))
+                keyed.manual_seed(position_seed(r.seed, len(r.output_token_ids)))
+                q[i] = _exp1((shape[1],), keyed, device)
         return q.clamp_min_(_TINY)
 
 

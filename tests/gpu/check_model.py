@@ -10,7 +10,8 @@ each shape, transformers' LlamaForCausalLM in fp32 is the truth, and in fp32 and
   truth on the same tokens. fp32: max error <= 2e-3 x the logits' std. bf16: no more than twice the error of
   transformers' own bf16 model (max and mean) plus 2e-3 (2e-4) x std.
 * `graphs`: the same engine with its decode steps replayed from CUDA graphs (the default) and run eagerly
-  (`cuda_graphs=False`): token-identical, and at least NEW_TOKENS - 1 steps replayed.
+  (`cuda_graphs=False`): token-identical, greedy and seeded at temperature 1 (noise drawn on the device), and at
+  least NEW_TOKENS - 1 steps replayed.
 * `greedy`: our LLMEngine (scheduler, chunked prefill, sampler) decoding the prompts together, greedy, against
   transformers' `generate` in the same dtype. Token-exact, except that where the two first differ the truth must
   call it a near-tie: the two tokens' fp32 logits closer than the sum of the two models' 99.9th-percentile logit
@@ -159,13 +160,16 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:
 
 
 def engine_greedy(model: torch.nn.Module, config: ModelConfig, name: str, prompts: list[list[int]],
-                  dtype: torch.dtype, cuda_graphs: bool = True) -> tuple[list[list[int]], int]:
-    """The engine's greedy tokens for each prompt, and how many decode steps it ran as graph replays."""
+                  dtype: torch.dtype, cuda_graphs: bool = True, seed: int | None = None
+                  ) -> tuple[list[list[int]], int]:
+    """The engine's greedy tokens for each prompt (with `seed`: sampled at temperature 1, seeded), and how many decode
+    steps it ran as graph replays."""
     loaded = LoadedModel(model=model, config=config, tokenizer=tokenizer_for(config.vocab_size), name=name)
     kv_bytes = 4096 * config.kv_bytes_per_token(dtype)
     engine = LLMEngine(loaded, EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=16, kv_cache_bytes=kv_bytes,
                                             max_num_batched_tokens=BATCHED_TOKENS, cuda_graphs=cuda_graphs))
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=NEW_TOKENS,
+                            ignore_eos=True)
     done = run_to_completion(engine, {f"p{i}": (p, params) for i, p in enumerate(prompts)})
     assert engine.kv.num_free_blocks == engine.kv.num_blocks, "KV blocks leaked"
     replays = engine.runner.graphs.replays if engine.runner.graphs is not None else 0
@@ -235,11 +239,18 @@ def check_shape(rep: Reporter, name: str, shape: Shape) -> None:
         want = want32 if dtype == torch.float32 else [hf_greedy(hf, p) for p in prompts]
         got_tokens, replays = engine_greedy(model, config, name, prompts, dtype)
         # the decode graphs against the same engine run eagerly: token-identical, and every decode step replayed
+        # (and seeded sampling, its noise drawn on the device, reproduced by both)
         eager_tokens, _ = engine_greedy(model, config, name, prompts, dtype, cuda_graphs=False)
+        seeded, seeded_replays = engine_greedy(model, config, name, prompts, dtype, seed=7)
+        seeded_eager, _ = engine_greedy(model, config, name, prompts, dtype, cuda_graphs=False, seed=7)
         same = sum(1 for a, b in zip(got_tokens, eager_tokens, strict=True) if a == b)
-        rep.report(f"{name}.{label}.graphs", same == len(prompts) and (DEVICE == "cpu" or replays >= NEW_TOKENS - 1),
-                   fmt(identical_prompts=f"{same}/{len(prompts)}", graph_replays=replays),
-                   dtype=label, identical=same, prompts=len(prompts), graph_replays=replays)
+        same_seeded = sum(1 for a, b in zip(seeded, seeded_eager, strict=True) if a == b)
+        replayed = DEVICE == "cpu" or min(replays, seeded_replays) >= NEW_TOKENS - 1
+        rep.report(f"{name}.{label}.graphs", same == same_seeded == len(prompts) and replayed,
+                   fmt(identical_greedy=f"{same}/{len(prompts)}", identical_seeded=f"{same_seeded}/{len(prompts)}",
+                       graph_replays=replays),
+                   dtype=label, identical=same, identical_seeded=same_seeded, prompts=len(prompts),
+                   graph_replays=replays)
         # A flip needs the two models' errors on the two tokens to bridge the truth's gap between them; ours counts
         # only up to what the logits criterion allows, so a broken model cannot widen its own tolerance.
         allowed = 2e-3 * scale if dtype == torch.float32 else 2 * hf_err["p999"] + 2e-3 * scale

@@ -131,8 +131,8 @@ run_check() {  # group, cap in seconds, script: run it under min(cap, time left)
         >> "$out/groups.jsonl"
 }
 
-run_check attention 80 tests/gpu/check_attention.py
-run_check model 110 tests/gpu/check_model.py
+run_check attention 70 tests/gpu/check_attention.py
+run_check model 120 tests/gpu/check_model.py
 run_check serve 80 tests/gpu/check_serve.py
 run_check steptime 90 tests/gpu/check_steptime.py
 run_check quant 40 tests/gpu/check_quant.py
