@@ -29,8 +29,8 @@ class EngineSpec(Frozen):
     # to 8 or 4 bits (CPU or CUDA); fp32, bf16, fp16 dequantize (runtimes/llm/quant/weights.py)
     weights: Literal["auto", "fp32", "bf16", "fp16", "q8", "q4"] = "auto"
     # the KV cache's dtype: auto is the model's; fp16 on the CPU halves the cache's memory and the bytes its
-    # attention reads (on CUDA the cache stays in the model's dtype)
-    kv_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # attention reads; on CUDA the cache is the model's dtype or fp8 (e4m3: half of bf16's bytes, CUDA only)
+    kv_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
     # CUDA: decode steps replay graphs captured per batch-size bucket at start-up; false runs every step eagerly
     # (vLLM's enforce_eager). Nothing on the CPU
     cuda_graphs: bool = True

@@ -16,6 +16,8 @@ from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
 from runtimes.llm.quant.weights import FLOAT_WEIGHTS, WEIGHT_CHOICES
 
+KV_DTYPES = {**FLOAT_WEIGHTS, "fp8": torch.float8_e4m3fn}  # `kv_dtype` names besides auto
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -119,8 +121,9 @@ class EngineConfig:
     # auto | fp32 | bf16 | fp16 | q8 | q4: how the weights are held (runtimes/llm/quant/weights.py); auto keeps a
     # GGUF's own quantization on the CPU and is `dtype` on CUDA; fp32/bf16/fp16 set `dtype` when it is auto
     weights: str = "auto"
-    # auto | fp32 | bf16 | fp16: the KV cache's dtype; auto is the model's. On the CPU an fp16 cache halves the bytes
-    # the decode attention reads (its kernel widens them to fp32); on CUDA the cache stays in the model's dtype
+    # auto | fp32 | bf16 | fp16 | fp8: the KV cache's dtype; auto is the model's. On the CPU an fp16 cache halves the
+    # bytes the decode attention reads (its kernel widens them to fp32); on CUDA the cache is the model's dtype or fp8
+    # (e4m3, no scale: half of bf16's bytes and twice the tokens)
     kv_dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     # CUDA: decode steps replay graphs captured per batch-size bucket at start-up (runtimes/llm/cuda_graphs.py);
@@ -151,8 +154,8 @@ class EngineConfig:
             (self.dtype in ("auto", "float32", "float16", "bfloat16"), f"unknown dtype {self.dtype!r}"),
             (self.weights in WEIGHT_CHOICES,
              f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got {self.weights!r}"),
-            (self.kv_dtype == "auto" or self.kv_dtype in FLOAT_WEIGHTS,
-             f"kv_dtype must be one of auto, {', '.join(FLOAT_WEIGHTS)}, got {self.kv_dtype!r}"),
+            (self.kv_dtype == "auto" or self.kv_dtype in KV_DTYPES,
+             f"kv_dtype must be one of auto, {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}"),
             (self.attention_backend in ("auto", "torch", "cpu", "triton"),
              f"unknown attention_backend {self.attention_backend!r}"),
             (self.scheduling in ("fcfs", "multilevel"),
@@ -196,12 +199,16 @@ class EngineConfig:
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype for `EngineConfig.kv_dtype` (auto: the model's). On CUDA the Triton attention reads the
-    cache in the model's dtype, so another one is refused there by name."""
-    chosen = model_dtype if kv_dtype == "auto" else FLOAT_WEIGHTS[kv_dtype]
-    if device.type == "cuda" and chosen != model_dtype:
-        raise ValueError(f"kv_dtype {kv_dtype!r} on CUDA: the cache must be in the model's dtype ({model_dtype}); "
-                         f"use auto")
+    """The KV cache's dtype for `EngineConfig.kv_dtype` (auto: the model's). On CUDA the cache is the model's dtype
+    or fp8 (e4m3, which the Triton attention widens as it loads it: half the bytes of bf16); on the CPU any float
+    type but fp8, which no CPU kernel reads. Another is refused by name."""
+    chosen = model_dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
+    if device.type == "cuda" and chosen not in (model_dtype, torch.float8_e4m3fn):
+        raise ValueError(f"kv_dtype {kv_dtype!r} on CUDA: the cache must be in the model's dtype ({model_dtype}) or "
+                         f"fp8; use auto or fp8")
+    if device.type != "cuda" and chosen == torch.float8_e4m3fn:
+        raise ValueError(f"kv_dtype 'fp8' on {device.type}: only the CUDA attention reads an fp8 cache; use fp16 "
+                         f"(half of fp32's bytes) or auto")
     return chosen
 
 

@@ -9,6 +9,9 @@ each shape, transformers' LlamaForCausalLM in fp32 is the truth, and in fp32 and
   fed as a chunked prefill of the prompts together and then one batched decode step per token, against the fp32
   truth on the same tokens. fp32: max error <= 2e-3 x the logits' std. bf16: no more than twice the error of
   transformers' own bf16 model (max and mean) plus 2e-3 (2e-4) x std.
+* `fp8_kv.logits` (bf16 only): the same logits with an fp8 (e4m3) KV cache, `kv_dtype: fp8`: mean error at most
+  6x the bf16 cache's plus 2e-3 x std (a sanity bound: e4m3 keeps 3 mantissa bits; 4.3x on the CPU's tiny
+  shapes); the max error and argmax agreement are reported.
 * `graphs`: the same engine with its decode steps replayed from CUDA graphs (the default) and run eagerly
   (`cuda_graphs=False`): token-identical, greedy and seeded at temperature 1 (noise drawn on the device), and at
   least NEW_TOKENS - 1 steps replayed.
@@ -120,12 +123,12 @@ def ours(ref: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, Mod
 
 @torch.inference_mode()
 def paged_logits(model: torch.nn.Module, config: ModelConfig, seqs: list[list[int]], prompt_lens: list[int],
-                 dtype: torch.dtype) -> list[torch.Tensor]:
+                 dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Logits [len, V] (fp32) of each sequence at every position: the prompts' first halves in one packed step,
     their second halves (chunked prefill over a cached prefix) in the next, then one batched decode step per
     continuation token. Block tables are shuffled."""
     total = sum(-(-len(s) // BLOCK_SIZE) for s in seqs)
-    caches = allocate_kv_caches(config, total + 4, BLOCK_SIZE, dtype, torch.device(DEVICE))
+    caches = allocate_kv_caches(config, total + 4, BLOCK_SIZE, kv_dtype or dtype, torch.device(DEVICE))
     perm = torch.randperm(total + 4, generator=torch.Generator().manual_seed(1)).tolist()
     tables, start = [], 0
     for s in seqs:
@@ -236,6 +239,12 @@ def check_shape(rep: Reporter, name: str, shape: Shape) -> None:
                        hf_argmax_agree=hf_err["argmax_agree"]),
                    shape=shape.__dict__, dtype=label, ours_vs_fp32_truth=err, hf_vs_fp32_truth=hf_err,
                    logit_std=scale, positions=sum(len(s) for s in seqs))
+        if dtype == torch.bfloat16:  # `kv_dtype: fp8` (e4m3, unscaled) under the bf16 model
+            fp8 = errors(paged_logits(model, config, seqs, PROMPT_LENS, dtype, torch.float8_e4m3fn), truth_logits)
+            rep.report(f"{name}.bf16.fp8_kv.logits", fp8["mean"] <= 6 * err["mean"] + 2e-3 * scale,
+                       fmt(max_err=fp8["max"], mean_err=fp8["mean"], bf16_kv_mean_err=err["mean"],
+                           argmax_agree=fp8["argmax_agree"], bf16_kv_argmax_agree=err["argmax_agree"]),
+                       dtype="bf16", kv_dtype="fp8_e4m3", ours_vs_fp32_truth=fp8, bf16_kv_vs_fp32_truth=err)
         want = want32 if dtype == torch.float32 else [hf_greedy(hf, p) for p in prompts]
         got_tokens, replays = engine_greedy(model, config, name, prompts, dtype)
         # the decode graphs against the same engine run eagerly: token-identical, and every decode step replayed

@@ -14,6 +14,9 @@ import torch.nn.functional as F
 
 from runtimes.llm.attention.metadata import AttentionMetadata
 
+FP8_KV = torch.float8_e4m3fn  # `kv_dtype: fp8`: no per-tensor scale (1.0), as vLLM's fp8 cache without calibration
+FP8_MAX = torch.finfo(FP8_KV).max  # 448
+
 
 def write_kv(
     key: torch.Tensor,  # [T, KVH, D]
@@ -22,10 +25,13 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
-    """Scatter the new tokens' keys and values into their cache slots."""
+    """Scatter the new tokens' keys and values into their cache slots. An fp8 (e4m3) cache gets them clamped to its
+    range (+-448) and rounded, and is written as bytes (index_copy_ has no fp8 kernel on every device)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for new, cache in ((key, k_cache), (value, v_cache)):
+        if cache.dtype == FP8_KV:
+            cache, new = cache.view(torch.uint8), new.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV).view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ block table, so no gathered copy of the context is ever materialized:
   query rounded up to a power of two, clamped to [16, 64] with `tl.dot` and to at most 16 without.
 
 Constraints (asserted in `paged_attention_triton`): head_dim and block_size are powers of two
-(`tl.arange` sizes); num_heads is a multiple of num_kv_heads; dtypes fp32, fp16 or bf16; the last dim of the
+(`tl.arange` sizes); num_heads is a multiple of num_kv_heads; dtypes fp32, fp16 or bf16 (the caches may also be
+fp8 e4m3, widened to the query's dtype, or fp32, as they are loaded); the last dim of the
 query and caches is contiguous. fp32 dots use `input_precision="ieee"`, so a GPU does not silently drop to
 TF32 and the result stays comparable to the fp32 reference. Triton's interpreter cannot run a bf16 `tl.dot`
 (triton-lang/triton#11584), so bf16 prefill with block_size and head_dim >= 16 runs only on a GPU.
@@ -31,6 +32,7 @@ from runtimes.llm.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634  # softmax uses exp2 (cheaper on GPU), so scores are pre-scaled by log2(e)
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CACHE_DTYPES = (*_SUPPORTED_DTYPES, torch.float8_e4m3fn)  # fp8 keys and values are widened as they are loaded
 _MAX_BLOCK_M = 64
 
 
@@ -176,8 +178,9 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert query.shape[1] % k_cache.shape[2] == 0, (
         f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {k_cache.shape[2]}"
     )
+    assert query.dtype in _SUPPORTED_DTYPES, f"query dtype {query.dtype} unsupported; use fp32, fp16 or bf16"
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        assert t.dtype in _SUPPORTED_DTYPES, f"{name} dtype {t.dtype} unsupported; use fp32, fp16 or bf16"
+        assert name == "query" or t.dtype in _CACHE_DTYPES, f"{name} dtype {t.dtype} unsupported"
         assert t.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension"
 
 

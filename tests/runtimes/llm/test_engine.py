@@ -215,13 +215,16 @@ def test_an_fp16_cache_holds_twice_the_tokens_and_decodes_alike(engine_for):
 
 
 def test_kv_dtype_is_checked_where_it_is_chosen():
-    with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp32, bf16, fp16, got 'fp8'"):
-        EngineConfig(kv_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, fp32, bf16, fp16, fp8, got 'fp4'"):
+        EngineConfig(kv_dtype="fp4")
     cuda = torch.device("cuda", 0)
     assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
     with pytest.raises(ValueError, match=r"kv_dtype 'fp16' on CUDA: the cache must be in the model's dtype"):
         resolve_kv_dtype("fp16", torch.bfloat16, cuda)
     assert resolve_kv_dtype("fp16", torch.float32, torch.device("cpu")) == torch.float16
+    assert resolve_kv_dtype("fp8", torch.bfloat16, cuda) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"kv_dtype 'fp8' on cpu: only the CUDA attention reads an fp8 cache"):
+        resolve_kv_dtype("fp8", torch.float32, torch.device("cpu"))
 
 
 # --- resuming a request another replica started ------------------------------------------------------------

@@ -111,6 +111,35 @@ def test_write_kv_matches_reference(dtype: torch.dtype) -> None:
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_fp8_cache_reads_as_its_values_widened(scenario: str) -> None:
+    """`kv_dtype: fp8`: the kernels load e4m3 keys and values and widen them; the result is the reference's over the
+    same (rounded) values. fp16 queries: the dtype the prefill kernel's tl.dot takes in the interpreter."""
+    query_lens, seq_lens = SCENARIOS[scenario]
+    query, k_cache, v_cache, meta, valid = paged_case(query_lens, seq_lens, 16, 4, 2, 16, torch.float32, seed=3,
+                                                      device=DEVICE)
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    scale = 16**-0.5
+    out = paged_attention_triton(query.half(), k8, v8, meta, scale)
+    k_ref, v_ref = (torch.where(valid[:, :, None, None], c.float(), 0) for c in (k8, v8))
+    expected = paged_attention_ref(query.half().float(), k_ref, v_ref, meta, scale)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+def test_write_kv_into_fp8_clamps_to_its_range_and_rounds() -> None:
+    query_lens, seq_lens = SCENARIOS["mixed"]
+    _, k_cache, v_cache, meta, _ = paged_case(query_lens, seq_lens, 4, 4, 2, 8, torch.float32, seed=2, device=DEVICE)
+    k8, v8 = torch.zeros_like(k_cache, dtype=torch.float8_e4m3fn), torch.zeros_like(v_cache, dtype=torch.float8_e4m3fn)
+    key, value = (torch.randn(sum(query_lens), 2, 8, device=DEVICE) * 300 for _ in range(2))  # some beyond +-448
+    write_kv(key, value, k8, v8, meta.slot_mapping)
+    for new, cache in ((key, k8), (value, v8)):
+        got = cache.float().view(-1, 2, 8)[meta.slot_mapping]
+        assert got.abs().max() <= 448 and not got.isnan().any()
+        want = new.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert (new.abs() > 448).any()
+
+
 def test_empty_batch() -> None:
     meta = AttentionMetadata.build([], [], [], 16, device=DEVICE)
     cache = torch.zeros(2, 16, 2, 16, device=DEVICE)
