@@ -34,6 +34,9 @@ class EngineSpec(Frozen):
     # CUDA: decode steps replay graphs captured per batch-size bucket at start-up; false runs every step eagerly
     # (vLLM's enforce_eager). Nothing on the CPU
     cuda_graphs: bool = True
+    # CUDA, with cuda_graphs: greedy decode steps launched before the previous step's tokens are read back, so the
+    # host's scheduling and detokenizing overlap the device's step (never under a time-slice share)
+    overlap_steps: bool = True
 
     @field_validator("block_size")
     @classmethod

@@ -43,6 +43,8 @@ class _Abort:
 class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
     def __init__(self, engine: LLMEngine, start_thread: bool = True, step_gate: StepGate | None = None) -> None:
         self.engine = engine
+        if step_gate is not None:  # a step's device work must end within its lease: none may run ahead of it
+            engine.overlap_steps = False
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         super().__init__("llm-engine", start_thread, step_gate)
 

@@ -129,6 +129,9 @@ class EngineConfig:
     # CUDA: decode steps replay graphs captured per batch-size bucket at start-up (runtimes/llm/cuda_graphs.py);
     # False runs every step eagerly (vLLM's enforce_eager). Nothing on the CPU.
     cuda_graphs: bool = True
+    # With the graphs: a decode step whose plan is certain (every running request takes its argmax, nothing waits)
+    # is launched before the previous step's tokens are read back, so the host's work overlaps the device's
+    overlap_steps: bool = True
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
     multilevel: Mapping[str, Any] = field(default_factory=dict)

@@ -17,9 +17,12 @@ it was captured with, so everything that changes between steps must be read from
   lengths and block-table rows into one int32 buffer, both page-locked on CUDA, then copies each to the device
   asynchronously: two copies a step, with no synchronisation. Block-table rows are kept from step to step: a row that
   holds the same block-table list as last step is only extended by its new blocks (the KV manager's lists only
-  grow; a request that loses its blocks gets a new list). The host buffers are rewritten only after
-  the previous step's sampling has synchronised with the device (the sampler reads its tokens back), so a copy in
-  flight never reads a half-written buffer.
+  grow; a request that loses its blocks gets a new list). There are two sets of host buffers, used in turn: a step
+  launched ahead (`LLMEngine._launch_ahead`) writes one while the copies of the step before it may still be reading
+  the other, and by the time a set comes round again the step that used it has been waited for.
+* **Token ids from the device.** A step launched before the previous one's tokens are back takes its input ids
+  from that step's sampled tokens on the device (`run(..., device_ids)`), copied into the static buffer in stream
+  order after the host copies.
 
 The graphs run only for steps where every scheduled request has exactly one new token and the batch fits the largest
 bucket; other steps (prefills, chunked prefills, bigger batches) run eagerly, with the same kernels. A graph replay
@@ -87,6 +90,52 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURED_BATCH) -> list[in
     return sorted({s for s in (1, 2, 4) if s < top} | set(range(8, top, 8)) | {top})
 
 
+class _Staging:
+    """One set of host buffers a step's metadata is written into (page-locked on CUDA), and what its block-table rows
+    hold. int64: ids | positions | slots, each `rows` long; int32: seq_lens (`rows`) | block table (`rows` x width)."""
+
+    def __init__(self, rows: int, width: int, pad_block: int, block_size: int, pinned: bool) -> None:
+        self.rows, self.pad_block, self.block_size = rows, pad_block, block_size
+        self.host64 = torch.zeros(3 * rows, dtype=torch.int64, pin_memory=pinned)
+        self.host32 = torch.zeros(rows * (1 + width), dtype=torch.int32, pin_memory=pinned)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.tables = self.np32[rows:].reshape(rows, width)
+        self.tables[:] = pad_block
+        # per table row: the block-table list it holds (kept alive, so its identity stays unique) and how many of its
+        # blocks are written
+        self.row_owner: list[tuple[list[int], int] | None] = [None] * rows
+        self.reset_rows(0, rows)
+
+    def fill(self, input_ids: Sequence[int], positions: Sequence[int], tables: Sequence[list[int]], size: int) -> None:
+        """Rows [0, B) for the step, [B, size) padding."""
+        rows, bs, np64, tables_np = self.rows, self.block_size, self.np64, self.tables
+        for i, (position, table) in enumerate(zip(positions, tables, strict=True)):
+            np64[rows + i] = position
+            np64[2 * rows + i] = table[position // bs] * bs + position % bs
+            owner = self.row_owner[i]
+            have = owner[1] if owner is not None and owner[0] is table else 0
+            if len(table) > have:
+                tables_np[i, have:len(table)] = table[have:]
+                self.row_owner[i] = (table, len(table))
+        batch = len(positions)
+        np64[:batch] = input_ids
+        self.np32[:batch] = [p + 1 for p in positions]
+        self.reset_rows(batch, size)
+
+    def reset_rows(self, start: int, stop: int) -> None:
+        """Rows [start, stop) become padding: token 0 at position 0, one token, all in the pad block (a table row is
+        rewritten only if a request held it)."""
+        rows = self.rows
+        self.np64[start:stop] = 0
+        self.np64[rows + start:rows + stop] = 0
+        self.np64[2 * rows + start:2 * rows + stop] = self.pad_block * self.block_size
+        self.np32[start:stop] = 1
+        for i in range(start, stop):
+            if self.row_owner[i] is not None:
+                self.tables[i] = self.pad_block
+                self.row_owner[i] = None
+
+
 class DecodeGraphs:
     """The captured decode graphs of one model runner, their static buffers and their pinned host buffers."""
 
@@ -106,24 +155,18 @@ class DecodeGraphs:
         self.width = max_blocks_per_seq
         device = kv_caches[0][0].device
         rows = self.max_size
-        pinned = device.type == "cuda"
-        # int64: ids | positions | slots, each `rows` long; int32: seq_lens (`rows`) | block table (`rows` x width)
-        self._host64 = torch.zeros(3 * rows, dtype=torch.int64, pin_memory=pinned)
-        self._host32 = torch.zeros(rows * (1 + self.width), dtype=torch.int32, pin_memory=pinned)
-        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
-        self._tables = self._np32[rows:].reshape(rows, self.width)
+        # Two sets, used in turn: while one step's copies may still be reading one set (an overlapped step, see
+        # LLMEngine), the next step writes the other.
+        self._staging = [_Staging(rows, self.width, pad_block, block_size, pinned=device.type == "cuda")
+                         for _ in range(2)]
+        self._turn = 0
         self._dev64 = torch.zeros(3 * rows, dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(rows * (1 + self.width), dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, rows)
         self.seq_lens = self._dev32[:rows]
         self.block_tables = self._dev32[rows:].view(rows, self.width)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one query per row
-        # per table row: the block-table list it holds (kept alive, so its identity stays unique) and how many of its
-        # blocks are written
-        self._row_owner: list[tuple[list[int], int] | None] = [None] * rows
-        self._tables[:] = pad_block
-        self._reset_rows(0, rows)
-        self._copy(rows)
+        self._copy(self._staging[0], rows)
         self._graphs: dict[int, Graph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -140,51 +183,31 @@ class DecodeGraphs:
         """The smallest captured size that holds `batch` rows, None when none does."""
         return next((s for s in self.sizes if s >= batch), None)
 
-    def run(self, input_ids: Sequence[int], positions: Sequence[int], tables: Sequence[list[int]]
-            ) -> torch.Tensor | None:
+    def run(self, input_ids: Sequence[int], positions: Sequence[int], tables: Sequence[list[int]],
+            device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The final hidden states `[B, H]` of a step whose B rows each have one new token (`input_ids[i]` at
-        `positions[i]`, KV in `tables[i]`), by graph replay; None when no bucket holds B rows."""
-        batch = len(input_ids)
+        `positions[i]`, KV in `tables[i]`), by graph replay; None when no bucket holds B rows. `device_ids` `[B]`, when
+        given, are the token ids instead of `input_ids`: a step in flight samples them, on the device."""
+        batch = len(positions)
         size = self.bucket(batch)
         if size is None or batch == 0:
             return None
-        rows, bs = self.max_size, self.block_size
-        np64, tables_np = self._np64, self._tables
-        for i, (position, table) in enumerate(zip(positions, tables, strict=True)):
-            np64[rows + i] = position
-            np64[2 * rows + i] = table[position // bs] * bs + position % bs
-            owner = self._row_owner[i]
-            have = owner[1] if owner is not None and owner[0] is table else 0
-            if len(table) > have:
-                tables_np[i, have:len(table)] = table[have:]
-                self._row_owner[i] = (table, len(table))
-        np64[:batch] = input_ids
-        self._np32[:batch] = [p + 1 for p in positions]
-        self._reset_rows(batch, size)
-        self._copy(size)
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        staging.fill(input_ids, positions, tables, size)
+        self._copy(staging, size)
+        if device_ids is not None:
+            self.input_ids[:batch].copy_(device_ids)  # after the host copy, in stream order
         self._graphs[size].replay()
         self.replays += 1
         return self._outputs[size][:batch]
 
-    def _reset_rows(self, start: int, stop: int) -> None:
-        """Rows [start, stop) of the host buffers become padding: token 0 at position 0, one token, all in the pad
-        block (a table row is rewritten only if a request held it)."""
-        rows = self.max_size
-        self._np64[start:stop] = 0
-        self._np64[rows + start:rows + stop] = 0
-        self._np64[2 * rows + start:2 * rows + stop] = self.pad_block * self.block_size
-        self._np32[start:stop] = 1
-        for i in range(start, stop):
-            if self._row_owner[i] is not None:
-                self._tables[i] = self.pad_block
-                self._row_owner[i] = None
-
-    def _copy(self, size: int) -> None:
+    def _copy(self, staging: _Staging, size: int) -> None:
         """Host buffers to the static device buffers: the int64 one whole (a few KB), the int32 one up to the
         bucket's last table row. Asynchronous from pinned memory on CUDA."""
-        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev64.copy_(staging.host64, non_blocking=True)
         upto = self.max_size + size * self.width
-        self._dev32[:upto].copy_(self._host32[:upto], non_blocking=True)
+        self._dev32[:upto].copy_(staging.host32[:upto], non_blocking=True)
 
     def _forward(self, size: int) -> Callable[[], torch.Tensor]:
         meta = AttentionMetadata(

@@ -29,11 +29,18 @@ from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.loader import LoadedModel, load_model
 from runtimes.llm.model import StepInterrupted
-from runtimes.llm.model_runner import ModelRunner, StepResult, SuspendedStep, allocate_kv_caches, num_blocks_for_budget
+from runtimes.llm.model_runner import (
+    ModelRunner,
+    PendingStep,
+    StepResult,
+    SuspendedStep,
+    allocate_kv_caches,
+    num_blocks_for_budget,
+)
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
-from runtimes.llm.sampler import Sampler
+from runtimes.llm.sampler import Sampler, plain_greedy
 from runtimes.llm.sampling_params import SamplingParams, check_token_ids
 from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, record_failure
@@ -54,6 +61,14 @@ class _Sequence:
     index: int
     detokenizer: IncrementalDetokenizer
     first_token_time: float | None = None
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched ahead (`LLMEngine._launch_ahead`): its plan and its tokens on their way."""
+
+    plan: SchedulerOutput
+    pending: PendingStep
 
 
 class LLMEngine:
@@ -117,6 +132,11 @@ class LLMEngine:
         self.num_interrupted_steps = 0  # steps stopped between layers for an arrival ...
         self.num_dropped_steps = 0  # ... and of those, the ones not finished later (their work is redone)
         self._suspended: SuspendedStep | None = None  # a stopped step, finished after the arrival's step
+        # Decode steps launched before the previous one's tokens are read (`_launch_ahead`): with graphs only, and
+        # off under a time-slice gate (the device's work would outlast the step's lease).
+        self.overlap_steps = config.overlap_steps and self.runner.graphs is not None
+        self._inflight: _InFlight | None = None  # a launched step, its results not yet applied
+        self.num_launched_steps = 0
 
     @classmethod
     def from_source(cls, source: str, config: EngineConfig | None = None, **kwargs: object) -> LLMEngine:
@@ -268,6 +288,11 @@ class LLMEngine:
                 outputs.append(self._output(seq, [], "", None))
         return outputs
 
+    @property
+    def num_graph_steps(self) -> int:
+        """Decode steps replayed from a captured graph."""
+        return 0 if self.runner.graphs is None else self.runner.graphs.replays
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._children)
 
@@ -278,7 +303,13 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
+        """One step: its plan run and its results applied. With a step in flight (`overlap_steps`), the step after it
+        is launched first, then the one in flight is waited for and its results applied."""
         outputs = self._expire_waiting()
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._inflight = self._launch_ahead(inflight)
+            return outputs + self._apply(inflight.plan, inflight.pending.collect(), [])
         chosen = self._choose_step()
         if chosen is None:
             return outputs
@@ -290,7 +321,48 @@ class LLMEngine:
             return outputs
         if ran is None:  # a stopped step that failed when finished: dropped, its plan runs again
             return outputs
-        result, faults = ran
+        outputs += self._apply(plan, *ran)
+        self._inflight = self._launch_ahead(None)
+        return outputs
+
+    def _launch_ahead(self, inflight: _InFlight | None) -> _InFlight | None:
+        """Start the next decode step without waiting for it, when its plan is certain: every running request takes
+        one more token by argmax, nothing waits to be admitted, a graph holds the batch, and each has its slot
+        (allocated here). After a step in flight (`inflight`), the same requests go on from its tokens, read on the
+        device; those it finishes (a stop token) waste the token computed for them here. None: no step launched."""
+        graphs = self.runner.graphs
+        running = self.scheduler.running
+        if (not self.overlap_steps or graphs is None or not running or len(running) > graphs.max_size
+                or len(self.scheduler.waiting) or self._staged or self._suspended is not None
+                or self._self_check_id is not None or self._yield_wanted.is_set()):
+            return None
+        ahead = 0 if inflight is None else 1
+        if inflight is None:
+            requests = list(running)
+        else:
+            requests = [item.request for item in inflight.plan.scheduled]
+            if len(requests) != len(running) or any(r.status != RequestStatus.RUNNING for r in requests):
+                return None
+        for r in requests:
+            # the step's input must exist and its output be wanted: not past max_tokens or the context
+            if (r.num_tokens - r.num_computed_tokens != 1 or r.num_output_tokens + ahead >= r.max_tokens
+                    or r.num_tokens + ahead >= self.max_model_len
+                    or not plain_greedy(r.params, r.num_output_tokens)):
+                return None
+        plan = self.scheduler.plan_ahead(requests, ahead)
+        if plan is None:
+            return None
+        pending = self.runner.launch(plan, self.kv.block_tables,
+                                     None if inflight is None else inflight.pending.tokens)
+        if pending is None:
+            return None
+        self.num_launched_steps += 1
+        return _InFlight(plan, pending)
+
+    def _apply(self, plan: SchedulerOutput, result: StepResult,
+               faults: list[tuple[ScheduledRequest, Exception]]) -> list[RequestOutput]:
+        """A step's results applied: failed requests ended, progress and tokens recorded, outputs made."""
+        outputs: list[RequestOutput] = []
         for item, error in faults:
             outputs += self._fail(item.request.request_id, error)
         advanced = self.scheduler.update(plan, result.sampled)
@@ -309,6 +381,7 @@ class LLMEngine:
         if self._self_check_id is not None and self.is_finished(self._self_check_id):
             self._self_check_id = None  # it passed: the faults were the requests' own
         return outputs
+
 
     def _choose_step(self) -> tuple[SchedulerOutput, Callable[[], _Ran | None]] | None:
         """The step to run, and how: a stopped step is finished, unless an arrival due a step of its own fits first

@@ -53,6 +53,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.graphs: DecodeGraphs | None = None  # decode steps by graph replay, where the engine captured them
+        self._readback = _Readback(device)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
@@ -99,6 +100,25 @@ class ModelRunner:
             assert isinstance(stop.partial, PartialForward)
             raise StepInterrupted(SuspendedStep(plan, meta, stop.partial, sampling)) from None
         return self._sample(hidden, sampling)
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
+               device_ids: torch.Tensor | None = None) -> PendingStep | None:
+        """Start a decode step whose every request takes the argmax (`sampler.plain_greedy`) of one new token, by
+        graph replay, without waiting for it: its tokens come back through `PendingStep.collect`. `device_ids`: the
+        rows' input tokens on the device (a step still in flight samples them), instead of `token_ids[start]`. None
+        when no graph holds the batch."""
+        if self.graphs is None:
+            return None
+        scheduled = plan.scheduled
+        input_ids = [0] * len(scheduled) if device_ids is not None else [
+            item.request.token_ids[item.start] for item in scheduled]
+        hidden = self.graphs.run(input_ids, [item.start for item in scheduled],
+                                 [block_tables[item.request.request_id] for item in scheduled], device_ids)
+        if hidden is None:
+            return None
+        tokens = self.model.compute_logits(hidden).argmax(dim=-1)  # [B], on the device
+        return self._readback.start(tokens, [item.request.request_id for item in scheduled])
 
     @torch.inference_mode()
     def resume(self, step: SuspendedStep, interrupt: Callable[[], bool] | None = None) -> StepResult:
@@ -182,3 +202,44 @@ class SuspendedStep:
     meta: AttentionMetadata
     partial: PartialForward
     sampling: _Sampling
+
+
+class _Readback:
+    """Launched steps' tokens copied to the host without a sync: into one of two host buffers in turn (page-locked on
+    CUDA), so that the next step's copy never overwrites tokens not yet collected; an event marks each copy's end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: list[torch.Tensor] = []
+        self._turn = 0
+
+    def start(self, tokens: torch.Tensor, request_ids: list[str]) -> PendingStep:
+        if not self._buffers or self._buffers[0].numel() < tokens.numel():
+            pinned = self.device.type == "cuda"
+            self._buffers = [torch.empty(max(tokens.numel(), 64), dtype=torch.int64, pin_memory=pinned)
+                             for _ in range(2)]
+        host = self._buffers[self._turn][:tokens.numel()]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(request_ids, tokens, host, event)
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its rows' request ids, their sampled tokens on the device (a next step's input) and on
+    their way to the host."""
+
+    request_ids: list[str]
+    tokens: torch.Tensor  # [B] on the device
+    host: torch.Tensor  # [B] filled by an asynchronous copy
+    event: torch.cuda.Event | None  # recorded after that copy (CUDA)
+
+    def collect(self) -> StepResult:
+        """Wait for this step (not for anything launched after it) and return its tokens."""
+        if self.event is not None:
+            self.event.synchronize()
+        return StepResult(sampled=dict(zip(self.request_ids, self.host.tolist(), strict=True)))

@@ -69,6 +69,13 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def plain_greedy(params: SamplingParams, num_output: int) -> bool:
+    """Whether a row's next token is just the argmax of its logits: greedy, no penalties, bias or logprobs, and
+    nothing suppressed (its `min_tokens`, if any, reached at `num_output` tokens, and so at any later one)."""
+    return (params.greedy and not _has_penalties(params) and not params.logit_bias and params.logprobs is None
+            and num_output >= params.min_tokens)
+
+
 def _suppressed_ids(row: SamplingRow) -> tuple[int, ...]:
     p = row.params
     if len(row.output_token_ids) >= p.min_tokens:
@@ -104,8 +111,7 @@ class Sampler:
         suppress = [_suppressed_ids(r) for r in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
         biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
-        fast = not want_logprobs and not any(suppress) and not biased
-        if fast and all(p.greedy and not _has_penalties(p) for p in params):  # no [B, V] work at all
+        if all(plain_greedy(r.params, len(r.output_token_ids)) for r in rows):  # no [B, V] work at all
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
 
         x = logits.to(torch.float32, copy=True)  # [B, V]; a copy, as it is edited in place below

@@ -132,6 +132,17 @@ class Scheduler:
         self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
         return self._planned(out, urgent=True) if out.scheduled else out
 
+    def plan_ahead(self, requests: list[Request], ahead: int) -> SchedulerOutput | None:
+        """A decode step of one token for each of `requests` (running; the engine checks that nothing else waits),
+        planned `ahead` steps beyond the results applied so far: with 1, a step still in flight will produce the
+        token it reads. Allocates their slots; None when one cannot have its slot (nobody is preempted for it; slots
+        already allocated stay, and the next ordinary step uses them)."""
+        for request in requests:
+            if not self.kv.allocate_slots(request, 1 + ahead):
+                return None
+        out = SchedulerOutput([ScheduledRequest(r, 1, r.num_computed_tokens + ahead) for r in requests])
+        return self._planned(out, urgent=False)
+
     def _planned(self, out: SchedulerOutput, urgent: bool) -> SchedulerOutput:
         out.urgent = urgent
         for item in out.scheduled:

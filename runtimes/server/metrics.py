@@ -76,7 +76,10 @@ class _EngineCollector(Collector):
                 ("num_interrupted_steps", "Steps stopped between layers for an interactive arrival's step of its own "
                                           "(finished after it).", engine.num_interrupted_steps),
                 ("num_dropped_steps", "Stopped steps not finished (a request of theirs changed meanwhile, or finishing "
-                                      "failed): their work is redone.", engine.num_dropped_steps)):
+                                      "failed): their work is redone.", engine.num_dropped_steps),
+                ("num_graph_steps", "Decode steps replayed from a CUDA graph.", engine.num_graph_steps),
+                ("num_launched_steps", "Decode steps launched before the previous step's tokens were read back.",
+                 engine.num_launched_steps)):
             counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=LABELS)
             counter.add_metric(labels, float(count))
             yield counter

@@ -3,7 +3,8 @@
 For the SmolLM2-135M shape and the full Llama-3-8B shape (all 32 layers, ~16 GB of bf16 weights) with random
 weights: `batch` requests of a 64-token prompt are prefilled, then `LLMEngine.step()` is timed over decode steps
 (wall clock, so the scheduler, the Python launch overhead and sampling count) at batch 1, 8 and 64, once with
-the decode steps replayed from CUDA graphs (the engine's default; every timed step must be a replay) and once
+the decode steps replayed from CUDA graphs and launched ahead of the previous step's readback (the engine's
+defaults; every timed step must be a replay), once with graphs but no overlap (`no_overlap_step_ms`) and once
 eagerly (`eager_step_ms`), side by side.
 
 The floor is the weight bytes one decode step must read (every layer, the final norm and the LM head; not the
@@ -95,7 +96,8 @@ def step_bytes(model: LlamaForCausalLM) -> int:
     return total
 
 
-def decode_steps(loaded: LoadedModel, batch: int, cuda_graphs: bool) -> tuple[list[float], int, int]:
+def decode_steps(loaded: LoadedModel, batch: int, cuda_graphs: bool, overlap: bool = True
+                 ) -> tuple[list[float], int, int]:
     """Wall times (ms) of TIMED_STEPS pure decode steps at `batch`, the context length they ran at, and how many of
     them were graph replays."""
     config = loaded.config
@@ -104,7 +106,8 @@ def decode_steps(loaded: LoadedModel, batch: int, cuda_graphs: bool) -> tuple[li
     engine = LLMEngine(loaded, EngineConfig(block_size=16, max_num_seqs=max(BATCHES),
                                             max_num_batched_tokens=max(PROMPT_LEN * max(BATCHES), 2048),
                                             kv_cache_bytes=tokens * config.kv_bytes_per_token(DTYPE),
-                                            enable_prefix_caching=False, cuda_graphs=cuda_graphs))
+                                            enable_prefix_caching=False, cuda_graphs=cuda_graphs,
+                                            overlap_steps=overlap))
     rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
@@ -143,8 +146,10 @@ def main() -> int:
             floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
             for batch in BATCHES:
                 eager_times, _, _ = decode_steps(loaded, batch, cuda_graphs=False)
+                serial_times, _, _ = decode_steps(loaded, batch, cuda_graphs=True, overlap=False)
                 times, context, replays = decode_steps(loaded, batch, cuda_graphs=True)
                 step_ms, eager_ms = statistics.median(times), statistics.median(eager_times)
+                serial_ms = statistics.median(serial_times)
                 kv_bytes = batch * context * loaded.config.kv_bytes_per_token(DTYPE)
                 floor_kv_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
                 # on a GPU every timed step must be one graph replay (the engine's launches per decode step)
@@ -152,12 +157,13 @@ def main() -> int:
                                                                      and replays == TIMED_STEPS))
                 rep.report(f"{name}.b{batch}", ok,
                            fmt(step_ms=step_ms, floor_ms=floor_ms, ratio=step_ms / floor_ms, eager_ms=eager_ms,
+                               no_overlap_ms=serial_ms,
                                graph_replays=f"{replays}/{TIMED_STEPS}", tokens_per_s=batch / step_ms * 1e3),
                            table="decode_step", model=name, dtype=str(DTYPE).removeprefix("torch."), batch=batch,
                            layers=shape.layers, context=context, step_ms=step_ms, step_ms_min=min(times),
                            step_ms_max=max(times), weight_bytes=weight_bytes, copy_gbs=bandwidth, floor_ms=floor_ms,
                            floor_with_kv_ms=floor_kv_ms, ratio_to_floor=step_ms / floor_ms,
-                           tokens_per_s=batch / step_ms * 1e3, eager_step_ms=eager_ms,
+                           tokens_per_s=batch / step_ms * 1e3, eager_step_ms=eager_ms, no_overlap_step_ms=serial_ms,
                            graph_speedup=eager_ms / step_ms, graph_replays=replays, timed_steps=TIMED_STEPS)
             del loaded
             if DEVICE == "cuda":

@@ -13,6 +13,10 @@ import json
 import sys
 from pathlib import Path
 
+_STEP_COLUMNS = ("model", "dtype", "batch", "layers", "context", "step_ms", "floor_ms", "floor_with_kv_ms",
+                 "ratio_to_floor", "tokens_per_s", "eager_step_ms", "no_overlap_step_ms", "graph_speedup",
+                 "graph_replays", "weight_bytes", "copy_gbs")
+
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
@@ -63,10 +67,7 @@ def main() -> int:
         "nvidia_smi": device_csv,
         "environment": environment,
         "groups": groups,
-        "decode_step_table": [{k: r[k] for k in ("model", "dtype", "batch", "layers", "context", "step_ms",
-                                                 "floor_ms", "floor_with_kv_ms", "ratio_to_floor", "tokens_per_s",
-                                                 "eager_step_ms", "graph_speedup", "graph_replays", "weight_bytes",
-                                                 "copy_gbs") if k in r}
+        "decode_step_table": [{k: r[k] for k in _STEP_COLUMNS if k in r}
                               for r in results if r.get("table") == "decode_step"],
         "results": results,
     }

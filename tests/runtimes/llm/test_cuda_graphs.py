@@ -76,13 +76,18 @@ def engines(tiny_loaded):
 def _count_decode_steps(engine: LLMEngine) -> list[int]:
     """A counter of the engine's steps in which every scheduled request has one new token."""
     count = [0]
-    execute = engine.runner.execute
+    execute, launch = engine.runner.execute, engine.runner.launch
 
     def counting(plan, *args, **kwargs):
         count[0] += all(item.num_new_tokens == 1 for item in plan.scheduled)
         return execute(plan, *args, **kwargs)
 
+    def counting_launch(plan, *args, **kwargs):
+        count[0] += 1  # always a decode step
+        return launch(plan, *args, **kwargs)
+
     engine.runner.execute = counting  # type: ignore[method-assign]
+    engine.runner.launch = counting_launch  # type: ignore[method-assign]
     return count
 
 

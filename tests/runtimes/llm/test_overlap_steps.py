@@ -1,0 +1,193 @@
+"""Decode steps launched ahead (`LLMEngine._launch_ahead`), through the CPU stand-in for CUDA graphs.
+
+On the CPU every launch completes before it returns, so what is checked here is the bookkeeping, not the overlap in
+time: a step planned before the previous one's tokens are applied, its input tokens read from that step's device
+tensor, its slots allocated ahead, the tokens computed for requests that the step in flight finishes thrown away,
+and the chain broken whenever the next plan is not certain. Every run is compared with the same engine stepping
+eagerly, token for token, and must leave no KV block held.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtimes.llm.async_engine import AsyncLLMEngine
+from runtimes.llm.attention import select_attention
+from runtimes.llm.config import EngineConfig
+from runtimes.llm.engine import LLMEngine
+from runtimes.llm.sampling_params import SamplingParams
+from tests.runtimes.llm.engine_utils import run_to_completion
+from tests.runtimes.llm.test_cuda_graphs import KV_PER_TOKEN, ReplayingGraph
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(length)]
+
+
+@pytest.fixture
+def engines(tiny_loaded):
+    """(eager engine, overlapping engine) factory over one tiny model with the C++ CPU attention."""
+    loaded = tiny_loaded(seed=5)
+    attention = select_attention("auto", torch.device("cpu"))
+    for layer in loaded.model.layers:
+        layer.self_attn.attention_fn = attention
+
+    def make(**overrides: object) -> tuple[LLMEngine, LLMEngine]:
+        config = EngineConfig(**{"kv_cache_bytes": 1024 * KV_PER_TOKEN, "block_size": 4,
+                                 "max_num_batched_tokens": 64, "max_num_seqs": 8, **overrides})  # type: ignore[arg-type]
+        eager = LLMEngine(loaded, config)
+        overlapping = LLMEngine(loaded, config, new_graph=ReplayingGraph)
+        assert overlapping.overlap_steps == config.overlap_steps and not eager.overlap_steps
+        return eager, overlapping
+
+    return make
+
+
+def _greedy(max_tokens: int, **extra: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)  # type: ignore[arg-type]
+
+
+def _assert_same(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert got[key].token_ids == expected[key].token_ids, key
+        assert got[key].finish_reason == expected[key].finish_reason, key
+        assert got[key].text == expected[key].text, key
+
+
+def _assert_no_leak(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert not engine.kv.block_tables
+
+
+def test_greedy_decoding_runs_ahead_and_gives_the_eager_tokens(engines):
+    eager, overlapping = engines()
+    requests = {f"g{i}": (_prompt(i, 3 + 5 * i), _greedy(5 + 7 * i)) for i in range(6)}
+    expected = run_to_completion(eager, requests)
+    got = run_to_completion(overlapping, requests)
+    _assert_same(got, expected)
+    # all six start together and finish at 5, 12, ..., 40 tokens: most decode steps are launched ahead
+    assert overlapping.num_launched_steps > 25
+    assert overlapping.num_steps == eager.num_steps
+    _assert_no_leak(overlapping)
+
+
+def test_a_stop_token_ends_a_request_whose_next_token_was_already_launched(engines):
+    """Stop tokens are found only when a step's tokens are read: by then the step after it is running for that
+    request too. Its token there is thrown away, and its blocks (one allocated ahead) are freed."""
+    eager, overlapping = engines()
+    probe = run_to_completion(eager, {f"p{i}": (_prompt(20 + i, 6), _greedy(30)) for i in range(5)})
+    # each request stops at the token it would make 4 + i tokens in (and, if that comes earlier, there)
+    requests = {f"s{i}": (_prompt(20 + i, 6), _greedy(30, stop_token_ids=[probe[f"p{i}"].token_ids[4 + i]]))
+                for i in range(5)}
+    expected = run_to_completion(eager, requests)
+    rows: list[tuple[str, int]] = []
+    launch = overlapping.runner.launch
+
+    def record(plan, *args, **kwargs):
+        rows.extend((item.request.request_id, item.start) for item in plan.scheduled)
+        return launch(plan, *args, **kwargs)
+
+    overlapping.runner.launch = record  # type: ignore[method-assign]
+    got = run_to_completion(overlapping, requests)
+    _assert_same(got, expected)
+    assert all(r.finish_reason == "stop" for r in got.values())
+    # a row whose input is at position 6 - 1 + n makes token n + 1 of a request that stopped at n: thrown away
+    wasted = [(rid, start) for rid, start in rows if start >= 6 - 1 + len(got[rid].token_ids)]
+    assert wasted and len(wasted) <= len(requests)  # at most one per request
+    _assert_no_leak(overlapping)
+
+
+def test_only_steps_whose_rows_all_take_the_argmax_are_launched(engines):
+    eager, overlapping = engines()
+    requests = {
+        "greedy": (_prompt(1, 7), _greedy(24)),
+        "seeded": (_prompt(2, 9), SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True)),
+        "penalised": (_prompt(3, 5), _greedy(14, repetition_penalty=1.3)),
+        "min_tokens": (_prompt(4, 5), SamplingParams(temperature=0.0, max_tokens=18, min_tokens=8)),
+    }
+    expected = run_to_completion(eager, requests)
+    launched = []
+    overlapping.runner.launch = _recording(overlapping.runner.launch, launched)  # type: ignore[method-assign]
+    got = run_to_completion(overlapping, requests)
+    _assert_same(got, expected)
+    assert launched, "the greedy request alone, at the end, runs ahead"
+    for ids in launched:  # never a step with the seeded or penalised rows, or min_tokens still suppressing EOS
+        assert "seeded" not in ids and "penalised" not in ids
+    _assert_no_leak(overlapping)
+
+
+def _recording(launch, into: list):
+    def record(plan, *args, **kwargs):
+        into.append({item.request.request_id for item in plan.scheduled})
+        return launch(plan, *args, **kwargs)
+    return record
+
+
+def test_an_arrival_or_an_abort_between_steps_breaks_the_chain_and_loses_nothing(engines):
+    eager, overlapping = engines()
+    first = {f"a{i}": (_prompt(40 + i, 4 + i), _greedy(20)) for i in range(3)}
+    late = {"late": (_prompt(50, 11), _greedy(12))}
+    results = {}
+    for engine in (eager, overlapping):
+        for request_id, (prompt, params) in first.items():
+            engine.add_request(request_id, prompt, params)
+        outputs = []
+        for _ in range(6):  # prefill, then decode steps (launched ahead on the overlapping engine)
+            outputs += engine.step()
+        if engine is overlapping:
+            assert engine._inflight is not None
+        outputs += engine.abort_request("a1")
+        engine.add_request("late", *late["late"])
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        tokens: dict[str, list[int]] = {}
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        results[engine is overlapping] = tokens
+    assert results[True] == results[False]
+    assert len(results[True]["a0"]) == 20 and len(results[True]["late"]) == 12
+    _assert_no_leak(overlapping)
+
+
+def test_slots_that_cannot_be_allocated_ahead_leave_the_step_to_the_scheduler(engines):
+    """A tight KV cache: a step ahead whose slots do not fit is not launched; the ordinary step then preempts as
+    usual. The tokens are the eager engine's."""
+    eager, overlapping = engines(kv_cache_bytes=24 * 4 * KV_PER_TOKEN)  # 24 blocks of 4 tokens
+    requests = {f"t{i}": (_prompt(60 + i, 9), _greedy(26)) for i in range(4)}
+    expected = run_to_completion(eager, requests)
+    got = run_to_completion(overlapping, requests)
+    _assert_same(got, expected)
+    assert overlapping.scheduler.num_preemptions > 0 and overlapping.num_launched_steps > 0
+    _assert_no_leak(overlapping)
+
+
+def test_no_step_runs_ahead_under_a_time_slice_gate_or_when_turned_off(engines):
+    _, overlapping = engines()
+
+    class Gate:
+        def acquire(self) -> None: ...
+        def release(self, more: bool) -> None: ...
+
+    AsyncLLMEngine(overlapping, start_thread=False, step_gate=Gate())
+    assert not overlapping.overlap_steps
+    _, off = engines(overlap_steps=False)
+    run_to_completion(off, {"x": (_prompt(70, 5), _greedy(10))})
+    assert off.num_launched_steps == 0 and off.runner.graphs is not None and off.runner.graphs.replays > 0
+
+
+def test_graph_and_launched_steps_are_counted_in_the_replica_metrics(engines):
+    from runtimes.server.metrics import ServerMetrics
+
+    _, overlapping = engines()
+    run_to_completion(overlapping, {"m": (_prompt(80, 5), _greedy(12))})
+    text = ServerMetrics(overlapping, "tiny").render().decode()
+    graph_steps = overlapping.runner.graphs.replays  # type: ignore[union-attr]
+    assert graph_steps == overlapping.num_launched_steps == 11  # every decode step after the prefill
+    assert f'multiserve_num_graph_steps_total{{model_name="tiny"}} {float(graph_steps)}' in text
+    assert f'multiserve_num_launched_steps_total{{model_name="tiny"}} {float(overlapping.num_launched_steps)}' in text
