@@ -352,8 +352,13 @@ class LLMEngine:
         plan = self.scheduler.plan_ahead(requests, ahead)
         if plan is None:
             return None
-        pending = self.runner.launch(plan, self.kv.block_tables,
-                                     None if inflight is None else inflight.pending.tokens)
+        try:
+            pending = self.runner.launch(plan, self.kv.block_tables,
+                                         None if inflight is None else inflight.pending.tokens)
+        except Exception as error:  # the ordinary steps take over: they plan these tokens again, isolating faults
+            log.error("launch_ahead_failed", error=repr(error), batch=len(requests))
+            self.overlap_steps = False
+            return None
         if pending is None:
             return None
         self.num_launched_steps += 1

@@ -191,3 +191,22 @@ def test_graph_and_launched_steps_are_counted_in_the_replica_metrics(engines):
     assert graph_steps == overlapping.num_launched_steps == 11  # every decode step after the prefill
     assert f'multiserve_num_graph_steps_total{{model_name="tiny"}} {float(graph_steps)}' in text
     assert f'multiserve_num_launched_steps_total{{model_name="tiny"}} {float(overlapping.num_launched_steps)}' in text
+
+
+def test_a_launch_that_fails_hands_its_tokens_back_to_the_ordinary_steps(engines):
+    eager, overlapping = engines()
+    requests = {f"f{i}": (_prompt(90 + i, 6), _greedy(16)) for i in range(3)}
+    expected = run_to_completion(eager, requests)
+    launch, calls = overlapping.runner.launch, [0]
+
+    def failing(plan, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:  # a step launched after one in flight
+            raise RuntimeError("launch failed")
+        return launch(plan, *args, **kwargs)
+
+    overlapping.runner.launch = failing  # type: ignore[method-assign]
+    got = run_to_completion(overlapping, requests)
+    _assert_same(got, expected)
+    assert calls[0] == 4 and not overlapping.overlap_steps  # no more launches after the failure
+    _assert_no_leak(overlapping)
