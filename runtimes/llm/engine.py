@@ -40,7 +40,7 @@ from runtimes.llm.model_runner import (
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
-from runtimes.llm.sampler import Sampler, plain_greedy
+from runtimes.llm.sampler import Sampler, on_device
 from runtimes.llm.sampling_params import SamplingParams, check_token_ids
 from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, record_failure
@@ -327,9 +327,12 @@ class LLMEngine:
 
     def _launch_ahead(self, inflight: _InFlight | None) -> _InFlight | None:
         """Start the next decode step without waiting for it, when its plan is certain: every running request takes
-        one more token by argmax, nothing waits to be admitted, a graph holds the batch, and each has its slot
-        (allocated here). After a step in flight (`inflight`), the same requests go on from its tokens, read on the
-        device; those it finishes (a stop token) waste the token computed for them here. None: no step launched."""
+        one more token sampled from its logits alone (no penalty, bias, suppression or logprobs), nothing waits to be
+        admitted, a graph holds the batch, and each has its slot (allocated here). After a step in flight
+        (`inflight`), the same requests go on from its tokens, read on the device; those it finishes (a stop token)
+        waste the token computed for them here. None: no step launched. Unseeded random rows draw from the engine's
+        generator in the same order, but a wasted row's draw shifts the later ones: only greedy and seeded requests
+        reproduce exactly (as everywhere: a batch's make-up changes unseeded draws)."""
         graphs = self.runner.graphs
         running = self.scheduler.running
         if (not self.overlap_steps or graphs is None or not running or len(running) > graphs.max_size
@@ -347,7 +350,7 @@ class LLMEngine:
             # the step's input must exist and its output be wanted: not past max_tokens or the context
             if (r.num_tokens - r.num_computed_tokens != 1 or r.num_output_tokens + ahead >= r.max_tokens
                     or r.num_tokens + ahead >= self.max_model_len
-                    or not plain_greedy(r.params, r.num_output_tokens)):
+                    or not on_device(r.params, r.num_output_tokens)):
                 return None
         plan = self.scheduler.plan_ahead(requests, ahead)
         if plan is None:

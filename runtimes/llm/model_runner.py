@@ -104,9 +104,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
                device_ids: torch.Tensor | None = None) -> PendingStep | None:
-        """Start a decode step whose every request takes the argmax (`sampler.plain_greedy`) of one new token, by
-        graph replay, without waiting for it: its tokens come back through `PendingStep.collect`. `device_ids`: the
-        rows' input tokens on the device (a step still in flight samples them), instead of `token_ids[start]`. None
+        """Start a decode step of one new token per request, each sampled from its logits alone (`sampler.on_device`),
+        by graph replay, without waiting for it: its tokens come back through `PendingStep.collect`. `device_ids`: the
+        rows' input tokens on the device (a step still in flight samples them), instead of `token_ids[start]`; each
+        row then counts that token among its outputs (a seeded row's noise is keyed by its output position). None
         when no graph holds the batch."""
         if self.graphs is None:
             return None
@@ -117,7 +118,14 @@ class ModelRunner:
                                  [block_tables[item.request.request_id] for item in scheduled], device_ids)
         if hidden is None:
             return None
-        tokens = self.model.compute_logits(hidden).argmax(dim=-1)  # [B], on the device
+        rows = []
+        for item in scheduled:
+            request = item.request
+            # the outputs as of this step's input: with a token still on its way, one more than known (a placeholder)
+            outputs = request.token_ids[request.num_prompt_tokens:item.start + 1]
+            outputs += [-1] * (item.start + 1 - request.num_prompt_tokens - len(outputs))
+            rows.append(SamplingRow(request.params, (), outputs, request.seed, request.eos_token_ids))
+        tokens = self.sampler.device_tokens(self.model.compute_logits(hidden), rows)  # [B], on the device
         return self._readback.start(tokens, [item.request.request_id for item in scheduled])
 
     @torch.inference_mode()

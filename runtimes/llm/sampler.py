@@ -22,6 +22,11 @@ draws the same noise again. Noise is drawn on the logits' device, by the engine'
 generator per device, so a GPU step copies no `[R, V]` noise from the host; greedy rows draw none. Draws are
 reproducible on one kind of device (a CUDA generator's stream differs from the CPU's, and may differ between GPU
 models), so a seeded request resumed on another replica continues exactly where both run the same hardware.
+
+Host to device: what the random rows need (their rows, temperatures, top-k, top-p, min-p, which are unseeded) goes
+in one copy (`upload`: from page-locked memory, not waiting, on CUDA), so a step of greedy and plain sampled rows
+waits for the device once, when its tokens are read back. Penalties, logit bias, suppression and logprobs still
+copy and read back on their own (their rows never run ahead: `on_device`).
 Exp(1) is drawn as -log(1 - U), U uniform in [0, 1): on the CPU torch's `exponential_` took 1.09 ms for SmolLM2's
 49,152 values and this 0.24 ms, a tenth of a batch-1 decode step.
 """
@@ -69,11 +74,17 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+def on_device(params: SamplingParams, num_output: int) -> bool:
+    """Whether a row's next token needs nothing but its logits (and, when random, its parameters and noise): no
+    penalties, bias or logprobs, and nothing suppressed (its `min_tokens`, if any, reached at `num_output` tokens,
+    and so at any later one). `Sampler.device_tokens` samples such rows without reading anything back."""
+    return not _has_penalties(params) and not params.logit_bias and params.logprobs is None and (
+        num_output >= params.min_tokens)
+
+
 def plain_greedy(params: SamplingParams, num_output: int) -> bool:
-    """Whether a row's next token is just the argmax of its logits: greedy, no penalties, bias or logprobs, and
-    nothing suppressed (its `min_tokens`, if any, reached at `num_output` tokens, and so at any later one)."""
-    return (params.greedy and not _has_penalties(params) and not params.logit_bias and params.logprobs is None
-            and num_output >= params.min_tokens)
+    """Whether a row's next token is just the argmax of its logits: greedy and `on_device`."""
+    return params.greedy and on_device(params, num_output)
 
 
 def _suppressed_ids(row: SamplingRow) -> tuple[int, ...]:
@@ -122,12 +133,7 @@ class Sampler:
             x[_flat_index([(i, ids) for i, ids in enumerate(suppress) if ids], x.device)] = _NEG_INF
         logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None  # [B, V]
 
-        tokens = x.argmax(dim=-1)  # [B]; final for greedy rows, row-local so independent of the batch
-        rand = [i for i, p in enumerate(params) if not p.greedy]
-        if rand:
-            idx = torch.tensor(rand, device=x.device)
-            tokens[idx] = self._sample(x[idx], [rows[i] for i in rand])
-
+        tokens = self._draw(x, rows)
         token_ids = tokens.tolist()
         if logprobs is None:
             return SamplerOutput(token_ids, None, [None] * len(rows))
@@ -145,6 +151,20 @@ class Sampler:
                 entries.append((token_ids[i], sampled[i]))  # OpenAI reports the sampled token too
             top_logprobs.append(entries)
         return SamplerOutput(token_ids, sampled, top_logprobs)
+
+    def device_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The rows' tokens `[B]` on the logits' device, without waiting for it, where every row needs nothing but
+        its fp32 logits (`on_device`): what `__call__` would return, before it reads them back."""
+        return self._draw(logits, rows)
+
+    def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Token ids `[B]` from the final fp32 logits `x`: the argmax for greedy rows, a draw for the others."""
+        tokens = x.argmax(dim=-1)  # [B]; final for greedy rows, row-local so independent of the batch
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            plan = _RandomRows.upload(rows, rand, x.shape[1], x.device)
+            tokens[plan.rows] = self._sample(x[plan.rows], [rows[i] for i in rand], plan)
+        return tokens
 
     @staticmethod
     def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -166,30 +186,26 @@ class Sampler:
             presence = _column([r.params.presence_penalty for r in rows], x.device)  # [B, 1]
             x -= freq * counts + presence * (counts > 0)
 
-    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow], plan: _RandomRows) -> torch.Tensor:
         """Random rows only: `x` [R, V] penalised logits -> sampled token ids [R]."""
-        x = x / _column([r.params.temperature for r in rows], x.device)  # [R, V]
-        filtered = [i for i, r in enumerate(rows) if r.params.top_k_enabled or r.params.top_p < 1.0]
-        if filtered:  # only these rows pay for the topk / sort
-            idx = torch.tensor(filtered, device=x.device)
-            x[idx] = _mask_top_k_top_p(x[idx], [rows[i] for i in filtered])
+        x = x / plan.temperature  # [R, V]
+        if plan.filtered is not None:  # only these rows pay for the topk / sort
+            x[plan.filtered] = _mask_top_k_top_p(x[plan.filtered], plan)
         probs = x.softmax(dim=-1)  # [R, V]
-        min_p = [r.params.min_p for r in rows]
-        if any(min_p):
-            threshold = _column(min_p, x.device) * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+        if plan.min_p is not None:
+            threshold = plan.min_p * probs.amax(dim=-1, keepdim=True)  # [R, 1]
             # No renormalisation needed: argmax(probs / q) is invariant to scaling a row.
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return (probs / self._exponential(rows, probs.shape, x.device)).argmax(dim=-1)
+        return (probs / self._exponential(rows, probs.shape, x.device, plan.unseeded)).argmax(dim=-1)
 
-    def _exponential(
-        self, rows: Sequence[SamplingRow], shape: torch.Size, device: torch.device
-    ) -> torch.Tensor:
-        """Exp(1) noise `[R, V]`: one batched draw for unseeded rows, one keyed `[V]` draw per seeded row."""
+    def _exponential(self, rows: Sequence[SamplingRow], shape: torch.Size, device: torch.device,
+                     unseeded: torch.Tensor | None) -> torch.Tensor:
+        """Exp(1) noise `[R, V]`: one batched draw for the `unseeded` rows, one keyed `[V]` draw per seeded row."""
         q = torch.empty(shape, device=device)  # [R, V]
-        unseeded = [i for i, r in enumerate(rows) if r.seed is None]
-        if unseeded:
+        if unseeded is not None:
             gen = self.generator
-            q[unseeded] = _exp1((len(unseeded), shape[1]), gen, gen.device if gen is not None else device).to(device)
+            q[unseeded] = _exp1((unseeded.numel(), shape[1]), gen, gen.device if gen is not None else device
+                                ).to(device)
         keyed = None
         for i, r in enumerate(rows):
             if r.seed is not None:
@@ -197,6 +213,44 @@ class Sampler:
                 keyed.manual_seed(position_seed(r.seed, len(r.output_token_ids)))
                 q[i] = _exp1((shape[1],), keyed, device)
         return q.clamp_min_(_TINY)
+
+
+@dataclass
+class _RandomRows:
+    """What sampling the random rows needs from the host, on the logits' device, uploaded in one copy."""
+
+    rows: torch.Tensor  # [R] long: the random rows of the batch
+    temperature: torch.Tensor  # [R, 1]
+    filtered: torch.Tensor | None  # [F] long: those of them that use top_k or top_p (None: none does)
+    top_k: torch.Tensor  # [F, 1] long (the vocabulary size where a row does not use it)
+    top_p: torch.Tensor  # [F, 1]
+    max_top_k: int
+    any_top_p: bool
+    min_p: torch.Tensor | None  # [R, 1] (None: no row uses it)
+    unseeded: torch.Tensor | None  # [U] long: those without a seed of their own (None: every row has one)
+
+    @classmethod
+    def upload(cls, batch: Sequence[SamplingRow], rand: list[int], vocab: int, device: torch.device) -> _RandomRows:
+        rows = [batch[i] for i in rand]
+        filtered = [i for i, r in enumerate(rows) if r.params.top_k_enabled or r.params.top_p < 1.0]
+        ks = [min(rows[i].params.top_k, vocab) if rows[i].params.top_k_enabled else vocab for i in filtered]
+        ps = [rows[i].params.top_p for i in filtered]
+        min_p = [r.params.min_p for r in rows]
+        unseeded = [i for i, r in enumerate(rows) if r.seed is None]
+        up = upload([rand, [r.params.temperature for r in rows], filtered, ks, ps, min_p, unseeded], device)
+        return cls(up[0].long(), up[1].float().unsqueeze(1), up[2].long() if filtered else None,
+                   up[3].long().unsqueeze(1), up[4].float().unsqueeze(1), max(ks, default=0),
+                   any(p < 1.0 for p in ps), up[5].float().unsqueeze(1) if any(min_p) else None,
+                   up[6].long() if unseeded else None)
+
+
+def upload(columns: Sequence[Sequence[float]], device: torch.device) -> list[torch.Tensor]:
+    """Host numbers to `device` in one copy (float64: exact for every index and id), split back into columns. On CUDA
+    the copy is from page-locked memory and does not wait: the step's only wait stays the tokens' readback."""
+    host = torch.tensor([v for column in columns for v in column], dtype=torch.float64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(column) for column in columns]))
 
 
 _MASK64 = (1 << 64) - 1
@@ -229,7 +283,7 @@ def _add_logit_bias(x: torch.Tensor, biased: Sequence[tuple[int, tuple[tuple[int
     x.index_put_((rows, tokens), values, accumulate=True)
 
 
-def _mask_top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _mask_top_k_top_p(x: torch.Tensor, plan: _RandomRows) -> torch.Tensor:
     """Rows that use top_k and/or top_p: logits `[F, V]` outside the kept set -> -inf.
 
     Uses torch.topk when no row has top_p < 1, else one sort. top-p applies to the distribution
@@ -237,17 +291,15 @@ def _mask_top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Ten
     On the topk path, tokens tied with the k-th logit are all kept.
     """
     vocab = x.shape[1]
-    ks = [min(r.params.top_k, vocab) if r.params.top_k_enabled else vocab for r in rows]
-    k = torch.tensor(ks, device=x.device).unsqueeze(1)  # [F, 1]
-    ps = [r.params.top_p for r in rows]
-    if all(p >= 1.0 for p in ps):
-        kth = x.topk(max(ks), dim=-1).values.gather(1, k - 1)  # [F, 1]
+    k = plan.top_k  # [F, 1]
+    if not plan.any_top_p:
+        kth = x.topk(plan.max_top_k, dim=-1).values.gather(1, k - 1)  # [F, 1]
         return x.masked_fill(x < kth, _NEG_INF)
     sorted_x, order = x.sort(dim=-1, descending=True)  # [F, V]
     sorted_x = sorted_x.masked_fill(torch.arange(vocab, device=x.device) >= k, _NEG_INF)
     probs = sorted_x.softmax(dim=-1)  # [F, V]
     mass_before = probs.cumsum(dim=-1) - probs  # [F, V]: mass of strictly better tokens
-    top_p = _column(ps, x.device)  # [F, 1]
+    top_p = plan.top_p  # [F, 1]
     # `top_p < 1` guard: float cumsum can reach 1.0 before the tail, which must not be cut for top_p=1.
     sorted_x = sorted_x.masked_fill((mass_before >= top_p) & (top_p < 1.0), _NEG_INF)
     return torch.empty_like(x).scatter_(1, order, sorted_x)

@@ -103,30 +103,40 @@ def test_a_stop_token_ends_a_request_whose_next_token_was_already_launched(engin
     _assert_no_leak(overlapping)
 
 
-def test_only_steps_whose_rows_all_take_the_argmax_are_launched(engines):
+def test_only_rows_sampled_from_their_logits_alone_are_launched_and_seeded_ones_reproduce(engines):
+    """Greedy, seeded (top-p) and min-p rows may run ahead; a penalised row or one that asks for logprobs never does,
+    and a row whose min_tokens still suppresses EOS only once it has them. Seeded noise is keyed by output position,
+    so a seeded row launched ahead (its last token still on the device) draws what the eager engine draws."""
     eager, overlapping = engines()
+    prompts = {"greedy": _prompt(1, 7), "seeded": _prompt(2, 9), "min_p": _prompt(5, 4), "penalised": _prompt(3, 5),
+               "logprobs": _prompt(6, 6), "min_tokens": _prompt(4, 5)}
     requests = {
-        "greedy": (_prompt(1, 7), _greedy(24)),
-        "seeded": (_prompt(2, 9), SamplingParams(temperature=0.9, seed=11, max_tokens=10, ignore_eos=True)),
-        "penalised": (_prompt(3, 5), _greedy(14, repetition_penalty=1.3)),
-        "min_tokens": (_prompt(4, 5), SamplingParams(temperature=0.0, max_tokens=18, min_tokens=8)),
+        "greedy": (prompts["greedy"], _greedy(40)),
+        "seeded": (prompts["seeded"], SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=36,
+                                                     ignore_eos=True)),
+        "min_p": (prompts["min_p"], SamplingParams(temperature=1.1, min_p=0.05, seed=12, max_tokens=30,
+                                                   ignore_eos=True)),
+        "penalised": (prompts["penalised"], _greedy(12, repetition_penalty=1.3)),
+        "logprobs": (prompts["logprobs"], _greedy(16, logprobs=2)),
+        "min_tokens": (prompts["min_tokens"], SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20)),
     }
     expected = run_to_completion(eager, requests)
-    launched = []
-    overlapping.runner.launch = _recording(overlapping.runner.launch, launched)  # type: ignore[method-assign]
-    got = run_to_completion(overlapping, requests)
-    _assert_same(got, expected)
-    assert launched, "the greedy request alone, at the end, runs ahead"
-    for ids in launched:  # never a step with the seeded or penalised rows, or min_tokens still suppressing EOS
-        assert "seeded" not in ids and "penalised" not in ids
-    _assert_no_leak(overlapping)
+    rows: list[tuple[str, int]] = []
+    launch = overlapping.runner.launch
 
-
-def _recording(launch, into: list):
     def record(plan, *args, **kwargs):
-        into.append({item.request.request_id for item in plan.scheduled})
+        rows.extend((item.request.request_id, item.start) for item in plan.scheduled)
         return launch(plan, *args, **kwargs)
-    return record
+
+    overlapping.runner.launch = record  # type: ignore[method-assign]
+    got = run_to_completion(overlapping, requests)
+    for key in requests:
+        assert got[key].token_ids == expected[key].token_ids, key
+    launched = {rid for rid, _ in rows}
+    assert {"greedy", "seeded", "min_p"} <= launched and not launched & {"penalised", "logprobs"}
+    # outputs as of a launched row's input: start + 1 - prompt length, never short of min_tokens
+    assert all(start + 1 - len(prompts[rid]) >= 20 for rid, start in rows if rid == "min_tokens")
+    _assert_no_leak(overlapping)
 
 
 def test_an_arrival_or_an_abort_between_steps_breaks_the_chain_and_loses_nothing(engines):

@@ -318,3 +318,31 @@ def test_logit_bias_shifts_the_distribution_and_the_reported_logprobs() -> None:
     out = Sampler()(logits, [row(temperature=1.0, seed=3, logprobs=4, logit_bias={1: math.log(3.0)})])
     top = dict(out.top_logprobs[0] or [])
     assert top[1] == pytest.approx(math.log(0.5)) and top[0] == pytest.approx(math.log(1 / 6))
+
+
+def test_random_rows_take_what_they_need_from_the_host_in_one_copy(monkeypatch) -> None:
+    """Temperature, top-k, top-p, min-p, seeded and unseeded rows next to a greedy one: every number the random rows'
+    sampling needs reaches the logits' device through one `upload` (on CUDA a copy that does not wait), and nothing
+    else makes a tensor on a device from host values."""
+    from runtimes.llm import sampler as sampler_module
+
+    uploads: list[int] = []
+    real_upload, real_tensor = sampler_module.upload, torch.tensor
+
+    def counting_upload(columns, device):
+        uploads.append(len(columns))
+        return real_upload(columns, device)
+
+    def tensor_without_device(*args, **kwargs):
+        assert kwargs.get("device") is None, "a host-to-device tensor outside the one upload"
+        return real_tensor(*args, **kwargs)
+
+    rows = [row(temperature=0.0), row(temperature=0.7, top_k=5), row(temperature=1.2, top_p=0.8, seed=3),
+            row(temperature=0.9, min_p=0.1), row(temperature=1.0, top_k=8, top_p=0.9)]
+    logits = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(4))
+    expected = Sampler(torch.Generator().manual_seed(9))(logits, rows).token_ids
+    monkeypatch.setattr(sampler_module, "upload", counting_upload)
+    monkeypatch.setattr(torch, "tensor", tensor_without_device)
+    got = Sampler(torch.Generator().manual_seed(9))(logits, rows).token_ids
+    assert uploads == [7] and got == expected
+    assert got[0] == logits[0].argmax().item()
