@@ -1,11 +1,12 @@
-"""The fused operations of a decoder layer: RMSNorm with the residual add, RoPE in place, SiLU times up (and, on
-the CPU, the KV-cache write). For fp32 on the CPU they are C++ (`cpu_fused.cpp`, compiled on first use like the
-other CPU kernels: `applies`); on CUDA they are Triton (`triton_fused.py`: `cuda_ops`). The model takes its
-PyTorch reference path everywhere else (other CPU dtypes, no compiler, no Triton)."""
+"""The fused operations of a decoder layer: RMSNorm with the residual add, RoPE in place, SiLU times up, and the
+KV-cache write (`kv_writer`). For fp32 on the CPU they are C++ (`cpu_fused.cpp`, compiled on first use like the other
+CPU kernels: `applies`); on CUDA they are Triton (`triton_fused.py`: `cuda_ops`; the KV write: one launch for keys and
+values). The model takes its PyTorch reference path everywhere else (other CPU dtypes, no compiler, no Triton)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from runtimes.cpu_extension import try_build
 from runtimes.llm.attention.cpu_paged import KERNEL_CACHE_DTYPES
+from runtimes.llm.attention.reference import FP8_KV, write_kv
 
 _SOURCE = Path(__file__).with_name("cpu_fused.cpp")
 log = structlog.get_logger(__name__)
@@ -34,6 +36,37 @@ def applies(x: torch.Tensor) -> bool:
 def writes_kv(key: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether `write_kv_` takes these keys (fp32 on the CPU) into this cache (fp32 or fp16)."""
     return applies(key) and k_cache.dtype in KERNEL_CACHE_DTYPES
+
+
+def kv_writer(key: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., None]:
+    """What writes a step's keys and values into this cache, `(key, value, k_cache, v_cache, slot_mapping)`: the C++
+    `write_kv_` (fp32 on the CPU), the Triton kernel on CUDA (one launch for both; not into an fp8 cache, whose
+    rounding the reference's torch cast defines), else the reference's two index copies."""
+    if writes_kv(key, k_cache):
+        return _cpp_write_kv
+    if key.device.type == "cuda" and k_cache.dtype != FP8_KV and _is_pow2(key.shape[-1]) and (
+            (writer := _triton_write_kv()) is not None):
+        return writer
+    return write_kv
+
+
+def _cpp_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    torch.ops.multiserve_fused.write_kv_(k_cache, v_cache, key, value, slot_mapping)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@functools.cache
+def _triton_write_kv() -> Callable[..., None] | None:
+    try:
+        from runtimes.llm.attention.triton_paged import write_kv_triton
+    except ImportError as exc:  # no Triton: the reference path
+        log.warning("triton_write_kv_unavailable", error=repr(exc))
+        return None
+    return write_kv_triton
 
 
 def ops_for(x: torch.Tensor) -> Any:

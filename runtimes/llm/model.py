@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtimes.llm import fused
-from runtimes.llm.attention import AttentionMetadata, paged_attention_ref, write_kv
+from runtimes.llm.attention import AttentionMetadata, paged_attention_ref
 from runtimes.llm.attention.cpu_paged import KERNEL_CACHE_DTYPES, decode_rows, paged_attention_cpu
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear, kernel_available
@@ -185,10 +185,7 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, KVH, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        if fused.writes_kv(k, k_cache):
-            torch.ops.multiserve_fused.write_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
-        else:
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        fused.kv_writer(k, k_cache)(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.attention_fn(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

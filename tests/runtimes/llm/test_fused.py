@@ -61,6 +61,27 @@ def test_other_dtypes_take_the_reference_path():
     assert fused.applies(torch.zeros(2, 2)) and not fused.applies(torch.zeros(2, 2, dtype=torch.bfloat16))
 
 
+def test_each_device_and_cache_gets_its_kv_writer():
+    """C++ for fp32 on the CPU, the reference for other CPU caches; on CUDA the one-launch Triton kernel, except into
+    an fp8 cache (its rounding is the reference's torch cast) or at a head size the kernel cannot take."""
+    from types import SimpleNamespace
+
+    from runtimes.llm.attention.reference import write_kv
+    from runtimes.llm.attention.triton_paged import write_kv_triton
+
+    key = torch.zeros(3, 2, 16)
+    assert fused.kv_writer(key, torch.zeros(4, 4, 2, 16)) is fused._cpp_write_kv
+    assert fused.kv_writer(key, torch.zeros(4, 4, 2, 16, dtype=torch.bfloat16)) is write_kv
+
+    def cuda(shape, dtype):  # device and shape are all kv_writer reads of a CUDA tensor
+        return SimpleNamespace(device=torch.device("cuda"), shape=shape, dtype=dtype)
+
+    bf16 = cuda((3, 2, 16), torch.bfloat16)
+    assert fused.kv_writer(bf16, cuda((4, 4, 2, 16), torch.bfloat16)) is write_kv_triton
+    assert fused.kv_writer(bf16, cuda((4, 4, 2, 16), torch.float8_e4m3fn)) is write_kv
+    assert fused.kv_writer(cuda((3, 2, 80), torch.bfloat16), cuda((4, 4, 2, 80), torch.bfloat16)) is write_kv
+
+
 def test_write_kv_from_views_of_the_fused_projection():
     from runtimes.llm.attention import write_kv
 
