@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from runtimes.llm.attention import select_attention
+from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 
@@ -50,3 +55,58 @@ def run_to_completion(
     else:
         raise AssertionError(f"engine did not finish within {max_steps} steps")
     return results
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    """`length` token ids of the tiny models' byte vocabulary (3..258), drawn from `seed`."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(length)]
+
+
+class ReplayingGraph:
+    """A CUDA graph's contract on the CPU (runtimes/llm/cuda_graphs.py's `Graph`): `capture` keeps the function, closed
+    over the static buffers and the host values the capture saw; `replay` reruns exactly that and refills the captured
+    output in place."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+def eager_and_graphed(loaded, **config: object) -> tuple[LLMEngine, LLMEngine]:
+    """Two engines over `loaded` (its attention set to the CPU kernel's, which reads only device metadata): one
+    stepping eagerly, one with decode graphs captured by `ReplayingGraph`."""
+    attention = select_attention("auto", torch.device("cpu"))
+    for layer in loaded.model.layers:
+        layer.self_attn.attention_fn = attention
+    engine_config = EngineConfig(**config)  # type: ignore[arg-type]
+    return LLMEngine(loaded, engine_config), LLMEngine(loaded, engine_config, new_graph=ReplayingGraph)
+
+
+def record_launches(engine: LLMEngine) -> list[tuple[str, int]]:
+    """(request id, input position) of every row of every step the engine launches ahead, from now on."""
+    rows: list[tuple[str, int]] = []
+    launch = engine.runner.launch
+
+    def record(plan, *args, **kwargs):
+        rows.extend((item.request.request_id, item.start) for item in plan.scheduled)
+        return launch(plan, *args, **kwargs)
+
+    engine.runner.launch = record  # type: ignore[method-assign]
+    return rows
+
+
+def same_tokens(expected_engine: LLMEngine, engine: LLMEngine,
+                requests: Mapping[str, tuple[str | Sequence[int], SamplingParams]]) -> dict[str, Collected]:
+    """Run `requests` to completion on both engines and assert that every request got the same tokens; returns the
+    second engine's results."""
+    expected = run_to_completion(expected_engine, requests)
+    got = run_to_completion(engine, requests)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert got[key].token_ids == expected[key].token_ids, key
+    return got

@@ -10,9 +10,6 @@ pinned copies' asynchrony): `tests/gpu/check_model.py` does, on a GPU.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -22,29 +19,15 @@ from runtimes.llm.config import EngineConfig
 from runtimes.llm.cuda_graphs import capture_sizes
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from tests.runtimes.llm.engine_utils import run_to_completion
+from tests.runtimes.llm.engine_utils import (
+    ReplayingGraph,
+    eager_and_graphed,
+    random_prompt,
+    run_to_completion,
+    same_tokens,
+)
 
 KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 bytes (TinySpec defaults)
-
-
-class ReplayingGraph:
-    """A CUDA graph's contract on the CPU: `replay` reruns the captured function and refills its output in place."""
-
-    captures = 0
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        ReplayingGraph.captures += 1
-        self.fn = fn
-        self.out = fn()
-        return self.out
-
-    def replay(self) -> None:
-        self.out.copy_(self.fn())
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 259) for _ in range(length)]
 
 
 def _requests(count: int) -> dict[str, tuple[list[int], SamplingParams]]:
@@ -53,7 +36,7 @@ def _requests(count: int) -> dict[str, tuple[list[int], SamplingParams]]:
     for i in range(count):
         params = (SamplingParams(temperature=0.0, max_tokens=6 + (i * 5) % 23, ignore_eos=True) if i % 3 else
                   SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, max_tokens=4 + i % 11, ignore_eos=True))
-        requests[f"r{i}"] = (_prompt(i, 2 + (i * 7) % 40), params)
+        requests[f"r{i}"] = (random_prompt(i, 2 + (i * 7) % 40), params)
     return requests
 
 
@@ -61,14 +44,10 @@ def _requests(count: int) -> dict[str, tuple[list[int], SamplingParams]]:
 def engines(tiny_loaded):
     """(eager engine, graph engine) factory over one tiny model with the C++ CPU attention."""
     loaded = tiny_loaded(seed=3)
-    attention = select_attention("auto", torch.device("cpu"))
-    for layer in loaded.model.layers:
-        layer.self_attn.attention_fn = attention
 
     def make(**overrides: object) -> tuple[LLMEngine, LLMEngine]:
-        config = EngineConfig(**{"kv_cache_bytes": 1024 * KV_PER_TOKEN, "block_size": 4,
-                                 "max_num_batched_tokens": 64, "max_num_seqs": 12, **overrides})  # type: ignore[arg-type]
-        return LLMEngine(loaded, config), LLMEngine(loaded, config, new_graph=ReplayingGraph)
+        return eager_and_graphed(loaded, **{"kv_cache_bytes": 1024 * KV_PER_TOKEN, "block_size": 4,
+                                            "max_num_batched_tokens": 64, "max_num_seqs": 12, **overrides})
 
     return make
 
@@ -105,10 +84,7 @@ def test_graph_decode_is_token_identical_to_eager_and_replays_every_decode_step(
     assert eager.runner.graphs is None  # the CPU: no graphs unless asked for
     decode_steps = _count_decode_steps(graphed)
     requests = _requests(20)
-    expected = run_to_completion(eager, requests)
-    got = run_to_completion(graphed, requests)
-    for key in requests:
-        assert got[key].token_ids == expected[key].token_ids, key
+    same_tokens(eager, graphed, requests)
     graphs = graphed.runner.graphs
     assert decode_steps[0] > 10 and graphs.replays == decode_steps[0]  # every step of one token per row
     # nothing leaked, and the pad block was never handed out
@@ -120,13 +96,10 @@ def test_graph_decode_under_preemption_rewrites_the_rows_of_re_allocated_tables(
     """A tight cache preempts requests; one that comes back gets new blocks in a new table list, which the graphs'
     kept block-table rows must not mistake for the old one."""
     eager, graphed = engines(kv_cache_bytes=30 * 4 * KV_PER_TOKEN, max_num_seqs=8)  # 30 blocks of 4 tokens
-    requests = {f"p{i}": (_prompt(100 + i, 10 + i), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-                for i in range(8)}
-    expected = run_to_completion(eager, requests)
-    got = run_to_completion(graphed, requests)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests = {f"p{i}": (random_prompt(100 + i, 10 + i), params) for i in range(8)}
+    same_tokens(eager, graphed, requests)
     assert graphed.scheduler.num_preemptions > 0
-    for key in requests:
-        assert got[key].token_ids == expected[key].token_ids, key
     assert graphed.kv.num_free_blocks == graphed.kv.num_blocks
 
 
@@ -137,10 +110,7 @@ def test_batches_beyond_the_largest_bucket_run_eagerly(engines, monkeypatch):
     assert graphs is not None and graphs.max_size == 4
     decode_steps = _count_decode_steps(graphed)
     requests = _requests(12)
-    expected = run_to_completion(eager, requests)
-    got = run_to_completion(graphed, requests)
-    for key in requests:
-        assert got[key].token_ids == expected[key].token_ids, key
+    same_tokens(eager, graphed, requests)
     assert 0 < graphs.replays < decode_steps[0]
 
 
@@ -181,7 +151,7 @@ def test_the_stand_in_bakes_host_values_as_a_graph_does(tiny_loaded, monkeypatch
     monkeypatch.setattr(engine_module, "graphs_apply", lambda model: True)
     forced = LLMEngine(loaded, config, new_graph=ReplayingGraph)
     assert forced.runner.graphs is not None
-    requests = {"g": (_prompt(5, 9), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))}
+    requests = {"g": (random_prompt(5, 9), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))}
     expected = run_to_completion(eager, requests)
     got = run_to_completion(forced, requests)
     assert forced.runner.graphs.replays > 0
@@ -198,10 +168,7 @@ def test_triton_decode_attention_replays_token_identical(tiny_loaded):
     config = EngineConfig(kv_cache_bytes=128 * 4 * KV_PER_TOKEN, block_size=4, max_num_seqs=3)
     eager, graphed = LLMEngine(loaded, config), LLMEngine(loaded, config, new_graph=ReplayingGraph)
     decode_steps = _count_decode_steps(graphed)
-    requests = {f"t{i}": (_prompt(60 + i, 3 + 4 * i), SamplingParams(temperature=0.0, max_tokens=3 + 3 * i,
+    requests = {f"t{i}": (random_prompt(60 + i, 3 + 4 * i), SamplingParams(temperature=0.0, max_tokens=3 + 3 * i,
                                                                      ignore_eos=True)) for i in range(3)}
-    expected = run_to_completion(eager, requests)
-    got = run_to_completion(graphed, requests)
-    for key in requests:
-        assert got[key].token_ids == expected[key].token_ids, key
+    same_tokens(eager, graphed, requests)
     assert graphed.runner.graphs is not None and graphed.runner.graphs.replays == decode_steps[0] > 0

@@ -3,8 +3,6 @@ caching; no block leaks; n > 1; stop strings; refusals at submission."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -13,16 +11,14 @@ from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.request_errors import InvalidRequestError
-from tests.runtimes.llm.engine_utils import run_to_completion
+from tests.runtimes.llm.engine_utils import random_prompt, run_to_completion
 
 KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 bytes (TinySpec defaults)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 259) for _ in range(length)]
+_prompt = random_prompt
 
 
 def _mixed_requests(count: int) -> dict[str, tuple[list[int], SamplingParams]]:

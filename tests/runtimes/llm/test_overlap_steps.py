@@ -9,39 +9,25 @@ eagerly, token for token, and must leave no KV block held.
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from runtimes.llm.async_engine import AsyncLLMEngine
-from runtimes.llm.attention import select_attention
-from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from tests.runtimes.llm.engine_utils import run_to_completion
-from tests.runtimes.llm.test_cuda_graphs import KV_PER_TOKEN, ReplayingGraph
-
-
-def _prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 259) for _ in range(length)]
+from tests.runtimes.llm.engine_utils import eager_and_graphed, random_prompt, record_launches, run_to_completion
+from tests.runtimes.llm.test_cuda_graphs import KV_PER_TOKEN
 
 
 @pytest.fixture
 def engines(tiny_loaded):
     """(eager engine, overlapping engine) factory over one tiny model with the C++ CPU attention."""
     loaded = tiny_loaded(seed=5)
-    attention = select_attention("auto", torch.device("cpu"))
-    for layer in loaded.model.layers:
-        layer.self_attn.attention_fn = attention
 
     def make(**overrides: object) -> tuple[LLMEngine, LLMEngine]:
-        config = EngineConfig(**{"kv_cache_bytes": 1024 * KV_PER_TOKEN, "block_size": 4,
-                                 "max_num_batched_tokens": 64, "max_num_seqs": 8, **overrides})  # type: ignore[arg-type]
-        eager = LLMEngine(loaded, config)
-        overlapping = LLMEngine(loaded, config, new_graph=ReplayingGraph)
-        assert overlapping.overlap_steps == config.overlap_steps and not eager.overlap_steps
+        config = {"kv_cache_bytes": 1024 * KV_PER_TOKEN, "block_size": 4, "max_num_batched_tokens": 64,
+                  "max_num_seqs": 8, **overrides}
+        eager, overlapping = eager_and_graphed(loaded, **config)
+        assert overlapping.overlap_steps == config.get("overlap_steps", True) and not eager.overlap_steps
         return eager, overlapping
 
     return make
@@ -67,7 +53,7 @@ def _assert_no_leak(engine: LLMEngine) -> None:
 
 def test_greedy_decoding_runs_ahead_and_gives_the_eager_tokens(engines):
     eager, overlapping = engines()
-    requests = {f"g{i}": (_prompt(i, 3 + 5 * i), _greedy(5 + 7 * i)) for i in range(6)}
+    requests = {f"g{i}": (random_prompt(i, 3 + 5 * i), _greedy(5 + 7 * i)) for i in range(6)}
     expected = run_to_completion(eager, requests)
     got = run_to_completion(overlapping, requests)
     _assert_same(got, expected)
@@ -81,19 +67,12 @@ def test_a_stop_token_ends_a_request_whose_next_token_was_already_launched(engin
     """Stop tokens are found only when a step's tokens are read: by then the step after it is running for that
     request too. Its token there is thrown away, and its blocks (one allocated ahead) are freed."""
     eager, overlapping = engines()
-    probe = run_to_completion(eager, {f"p{i}": (_prompt(20 + i, 6), _greedy(30)) for i in range(5)})
+    probe = run_to_completion(eager, {f"p{i}": (random_prompt(20 + i, 6), _greedy(30)) for i in range(5)})
     # each request stops at the token it would make 4 + i tokens in (and, if that comes earlier, there)
-    requests = {f"s{i}": (_prompt(20 + i, 6), _greedy(30, stop_token_ids=[probe[f"p{i}"].token_ids[4 + i]]))
+    requests = {f"s{i}": (random_prompt(20 + i, 6), _greedy(30, stop_token_ids=[probe[f"p{i}"].token_ids[4 + i]]))
                 for i in range(5)}
     expected = run_to_completion(eager, requests)
-    rows: list[tuple[str, int]] = []
-    launch = overlapping.runner.launch
-
-    def record(plan, *args, **kwargs):
-        rows.extend((item.request.request_id, item.start) for item in plan.scheduled)
-        return launch(plan, *args, **kwargs)
-
-    overlapping.runner.launch = record  # type: ignore[method-assign]
+    rows = record_launches(overlapping)
     got = run_to_completion(overlapping, requests)
     _assert_same(got, expected)
     assert all(r.finish_reason == "stop" for r in got.values())
@@ -108,8 +87,9 @@ def test_only_rows_sampled_from_their_logits_alone_are_launched_and_seeded_ones_
     and a row whose min_tokens still suppresses EOS only once it has them. Seeded noise is keyed by output position,
     so a seeded row launched ahead (its last token still on the device) draws what the eager engine draws."""
     eager, overlapping = engines()
-    prompts = {"greedy": _prompt(1, 7), "seeded": _prompt(2, 9), "min_p": _prompt(5, 4), "penalised": _prompt(3, 5),
-               "logprobs": _prompt(6, 6), "min_tokens": _prompt(4, 5)}
+    prompts = {name: random_prompt(seed, length) for name, seed, length in (
+        ("greedy", 1, 7), ("seeded", 2, 9), ("min_p", 5, 4), ("penalised", 3, 5), ("logprobs", 6, 6),
+        ("min_tokens", 4, 5))}
     requests = {
         "greedy": (prompts["greedy"], _greedy(40)),
         "seeded": (prompts["seeded"], SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=36,
@@ -121,14 +101,7 @@ def test_only_rows_sampled_from_their_logits_alone_are_launched_and_seeded_ones_
         "min_tokens": (prompts["min_tokens"], SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20)),
     }
     expected = run_to_completion(eager, requests)
-    rows: list[tuple[str, int]] = []
-    launch = overlapping.runner.launch
-
-    def record(plan, *args, **kwargs):
-        rows.extend((item.request.request_id, item.start) for item in plan.scheduled)
-        return launch(plan, *args, **kwargs)
-
-    overlapping.runner.launch = record  # type: ignore[method-assign]
+    rows = record_launches(overlapping)
     got = run_to_completion(overlapping, requests)
     for key in requests:
         assert got[key].token_ids == expected[key].token_ids, key
@@ -141,8 +114,8 @@ def test_only_rows_sampled_from_their_logits_alone_are_launched_and_seeded_ones_
 
 def test_an_arrival_or_an_abort_between_steps_breaks_the_chain_and_loses_nothing(engines):
     eager, overlapping = engines()
-    first = {f"a{i}": (_prompt(40 + i, 4 + i), _greedy(20)) for i in range(3)}
-    late = {"late": (_prompt(50, 11), _greedy(12))}
+    first = {f"a{i}": (random_prompt(40 + i, 4 + i), _greedy(20)) for i in range(3)}
+    late = {"late": (random_prompt(50, 11), _greedy(12))}
     results = {}
     for engine in (eager, overlapping):
         for request_id, (prompt, params) in first.items():
@@ -169,7 +142,7 @@ def test_slots_that_cannot_be_allocated_ahead_leave_the_step_to_the_scheduler(en
     """A tight KV cache: a step ahead whose slots do not fit is not launched; the ordinary step then preempts as
     usual. The tokens are the eager engine's."""
     eager, overlapping = engines(kv_cache_bytes=24 * 4 * KV_PER_TOKEN)  # 24 blocks of 4 tokens
-    requests = {f"t{i}": (_prompt(60 + i, 9), _greedy(26)) for i in range(4)}
+    requests = {f"t{i}": (random_prompt(60 + i, 9), _greedy(26)) for i in range(4)}
     expected = run_to_completion(eager, requests)
     got = run_to_completion(overlapping, requests)
     _assert_same(got, expected)
@@ -187,7 +160,7 @@ def test_no_step_runs_ahead_under_a_time_slice_gate_or_when_turned_off(engines):
     AsyncLLMEngine(overlapping, start_thread=False, step_gate=Gate())
     assert not overlapping.overlap_steps
     _, off = engines(overlap_steps=False)
-    run_to_completion(off, {"x": (_prompt(70, 5), _greedy(10))})
+    run_to_completion(off, {"x": (random_prompt(70, 5), _greedy(10))})
     assert off.num_launched_steps == 0 and off.runner.graphs is not None and off.runner.graphs.replays > 0
 
 
@@ -195,7 +168,7 @@ def test_graph_and_launched_steps_are_counted_in_the_replica_metrics(engines):
     from runtimes.server.metrics import ServerMetrics
 
     _, overlapping = engines()
-    run_to_completion(overlapping, {"m": (_prompt(80, 5), _greedy(12))})
+    run_to_completion(overlapping, {"m": (random_prompt(80, 5), _greedy(12))})
     text = ServerMetrics(overlapping, "tiny").render().decode()
     graph_steps = overlapping.runner.graphs.replays  # type: ignore[union-attr]
     assert graph_steps == overlapping.num_launched_steps == 11  # every decode step after the prefill
@@ -205,7 +178,7 @@ def test_graph_and_launched_steps_are_counted_in_the_replica_metrics(engines):
 
 def test_a_launch_that_fails_hands_its_tokens_back_to_the_ordinary_steps(engines):
     eager, overlapping = engines()
-    requests = {f"f{i}": (_prompt(90 + i, 6), _greedy(16)) for i in range(3)}
+    requests = {f"f{i}": (random_prompt(90 + i, 6), _greedy(16)) for i in range(3)}
     expected = run_to_completion(eager, requests)
     launch, calls = overlapping.runner.launch, [0]
 
