@@ -106,11 +106,18 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
         if weights is None:
             return total, explicit_kv
         budget = explicit_kv if explicit_kv is not None else (total - weights - overhead_bytes if is_llm else 0)
-        need = weights + budget + overhead_bytes
+        need = weights + max(budget, 0) + overhead_bytes
         if need > total:
-            raise ValueError(f"placement.memory_gib {_gib(total)} cannot hold weights {_gib(weights)} + KV cache "
-                             f"{_gib(budget)} + overhead {_gib(overhead_bytes)}: short by {_gib(need - total)}")
-        _check_kv(budget if is_llm else None, one_seq, engine)
+            with_kv = f" + KV cache {_gib(budget)}" if budget > 0 else (", before any KV cache" if is_llm else "")
+            raise ValueError(f"placement.memory_gib {_gib(total)} cannot hold weights {_gib(weights)} + overhead "
+                             f"{_gib(overhead_bytes)}{with_kv}: short by {_gib(need - total)}")
+        try:
+            _check_kv(budget if is_llm else None, one_seq, engine)
+        except ValueError as exc:
+            if explicit_kv is not None:
+                raise
+            raise ValueError(f"placement.memory_gib {_gib(total)} less weights {_gib(weights)} and overhead "
+                             f"{_gib(overhead_bytes)}: {exc}") from None
         return total, budget if is_llm else None
     kv = explicit_kv if explicit_kv is not None else one_seq
     _check_kv(kv, one_seq, engine)

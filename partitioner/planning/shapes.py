@@ -1,4 +1,6 @@
-"""A model's `ModelShape` estimated from its own files, for a model that names neither a shape nor a memory size.
+"""A model's `ModelShape` estimated from its own files, for a model that names no shape: without a memory size it is
+the size the planner reserves; with `placement.memory_gib` it lets the planner refuse a size that cannot hold the
+weights, before a replica runs out of memory.
 
 The planner takes shapes as inputs and never opens a model (demand.py). Serving does, here, and reads metadata
 only: a GGUF file's header (gguf's reader maps the file; the parameter count comes from the tensors' shapes, no
@@ -42,20 +44,20 @@ def plan_shapes(registry: Registry, shapes: Mapping[str, ModelShape], inventory:
 
 
 def needs_estimate(model: ModelSpec, shapes: Mapping[str, ModelShape]) -> bool:
-    """Whether the planner would meet `model` without a memory size when it goes to a GPU: an LLM of ours,
-    launched here and not pinned to the CPU, with neither a given shape nor `placement.memory_gib` (either wins).
-    Embedding models are left out: the encoder runtime keeps its weights in another dtype and reads other keys."""
+    """Whether the planner wants `model`'s shape from its files when it goes to a GPU: an LLM of ours, launched here
+    and not pinned to the CPU, without a given shape (which wins). Embedding models are left out: the encoder runtime
+    keeps its weights in another dtype and reads other keys."""
     if not model.enabled or model.replicas == 0 or model.launcher == "url" or model.device == "cpu":
         return False
-    return (isinstance(model.engine, EngineSpec) and model.placement.memory_gib is None
-            and model.name not in shapes)
+    return isinstance(model.engine, EngineSpec) and model.name not in shapes
 
 
 def with_estimates(registry: Registry, shapes: Mapping[str, ModelShape],
                    ) -> tuple[dict[str, ModelShape], dict[str, str]]:
     """`shapes` plus an estimate for each model that `needs_estimate`, and, by model name, why one could not be
-    made (its weights are not on this machine, or they are not of a model the runtime loads). Such a model stays
-    without a shape: the planner then refuses it on a GPU, asking for `placement.memory_gib`."""
+    made for a model without `placement.memory_gib` (its weights are not on this machine, or they are not of a model
+    the runtime loads). Such a model stays without a shape: the planner then refuses it on a GPU, asking for
+    `placement.memory_gib`. A model with one is planned by it either way: only the check of that size is lost."""
     found, unknown = dict(shapes), {}
     for model in registry.models:
         if not needs_estimate(model, shapes):
@@ -63,7 +65,8 @@ def with_estimates(registry: Registry, shapes: Mapping[str, ModelShape],
         try:
             found[model.name] = estimate_shape(model.source_ref())
         except Exception as exc:  # a damaged file fails in its reader's own ways (a cut GGUF: IndexError)
-            unknown[model.name] = f"its shape could not be read from {model.source_ref()}: {exc!r}"
+            if model.placement.memory_gib is None:
+                unknown[model.name] = f"its shape could not be read from {model.source_ref()}: {exc!r}"
     return found, unknown
 
 

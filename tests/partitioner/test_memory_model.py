@@ -80,14 +80,17 @@ def test_a_replica_without_a_memory_size_holds_what_the_plan_reserved_for_it(tmp
     assert launch.placement.memory_fraction == pytest.approx(replica.memory_bytes / device, rel=1e-6)
 
 
-def test_a_memory_size_is_the_cap_and_the_engine_sizes_its_kv_cache_inside_it(tmp_path, tiny_gguf):
-    """With `placement.memory_gib` the plan sets the cap alone: the engine sizes its KV cache under it once its
-    weights are loaded (`runtimes.cuda_memory.default_kv_bytes`), so the plan hands it no budget of its own."""
-    _, replica, launch = placed_engine(tmp_path, {
+def test_a_memory_size_is_the_cap_and_its_kv_budget_what_the_weights_and_overhead_leave(tmp_path, tiny_gguf):
+    """With `placement.memory_gib` and the weights here, the plan checks the size against their header and hands the
+    engine the rest after weights and overhead as its KV budget, which is what the engine allocates."""
+    engine, replica, launch = placed_engine(tmp_path, {
         "source": {"path": str(tiny_gguf)}, "placement": {"isolation": "mps", "memory_gib": 0.75},
         "engine": {"max_model_len": 200, "block_size": 16}})
     device = gpus("h100-80gb").devices[0].memory_total_bytes
-    assert replica.memory_bytes == int(0.75 * GIB) and launch.kv_cache_bytes is None
+    budget = int(0.75 * GIB) - weight_bytes(engine) - DEFAULT_OVERHEAD_BYTES
+    assert replica.memory_bytes == int(0.75 * GIB) and launch.kv_cache_bytes == replica.kv_cache_bytes == budget
+    block = engine.kv.block_size * engine.model_config.kv_bytes_per_token(BF16)
+    assert budget - block < kv_bytes(engine) <= budget
     assert launch.placement.memory_fraction == pytest.approx(0.75 * GIB / device, rel=1e-6)
 
 

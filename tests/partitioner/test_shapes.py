@@ -94,7 +94,7 @@ def test_an_edited_config_is_read_again(tmp_path, tiny_models):
     assert estimate_shape(copy).context_len == 4096
 
 
-def test_only_models_without_a_shape_or_memory_size_are_estimated(tiny_models, tmp_path):
+def test_only_models_without_a_given_shape_are_estimated(tiny_models, tmp_path):
     path = str(tiny_models[True][0])
     given = ModelShape(num_layers=1, num_kv_heads=1, head_dim=8, weights_bytes=1)
     reg = registry(
@@ -102,6 +102,8 @@ def test_only_models_without_a_shape_or_memory_size_are_estimated(tiny_models, t
         auto={"source": {"path": path}},
         given={"source": {"path": path}, "device": "cuda"},
         sized={"source": {"path": path}, "device": "cuda", "placement": {"memory_gib": 2}},
+        sized_elsewhere={"source": {"path": str(tmp_path / "absent.gguf")}, "device": "cuda",
+                         "placement": {"memory_gib": 2}},
         on_cpu={"source": {"path": path}, "device": "cpu"},
         off={"source": {"path": path}, "device": "cuda", "enabled": False},
         elsewhere={"source": {"path": str(tmp_path / "absent.gguf")}, "device": "cuda"},
@@ -112,9 +114,9 @@ def test_only_models_without_a_shape_or_memory_size_are_estimated(tiny_models, t
     whole = write_gguf(tiny_models[True][1], tmp_path / "whole.gguf")
     (tmp_path / "cut.gguf").write_bytes(whole.read_bytes()[:1000])  # the header ends in mid-array
     shapes, unknown = with_estimates(reg, {"given": given})
-    assert sorted(shapes) == ["auto", "estimated", "given"]
-    assert shapes["given"] is given and shapes["estimated"] == shapes["auto"] == estimate_shape(path)
-    assert sorted(unknown) == ["broken", "cut", "elsewhere"]
+    assert sorted(shapes) == ["auto", "estimated", "given", "sized"]  # "sized": to check its memory_gib
+    assert shapes["given"] is given and shapes["estimated"] == shapes["auto"] == shapes["sized"] == estimate_shape(path)
+    assert sorted(unknown) == ["broken", "cut", "elsewhere"]  # a model with memory_gib is planned by it anyway
     assert "absent.gguf" in unknown["elsewhere"] and "FileNotFoundError" in unknown["elsewhere"]
     assert "not a GGUF file" in unknown["broken"] and "truncated or corrupt GGUF file" in unknown["cut"]
 
@@ -157,8 +159,22 @@ def test_a_given_shape_or_memory_size_wins_over_the_estimate(tmp_path):
     current, _ = planned(reg, tmp_path, shaped=given)
     assert current is not None
     assert current.replica("shaped/0").memory_bytes == GIB + 16 * given.kv_bytes_per_token + DEFAULT_OVERHEAD_BYTES
-    sized = current.replica("sized/0")
-    assert (sized.memory_bytes, sized.kv_cache_bytes) == (3 * GIB, None)  # as without any shape
+    sized = current.replica("sized/0")  # its size, and the KV budget what the estimated weights and overhead leave
+    assert (sized.memory_bytes, sized.kv_cache_bytes) == (
+        3 * GIB, 3 * GIB - SMOLLM2_SHAPE.weights_bytes - DEFAULT_OVERHEAD_BYTES)
+
+
+def test_a_memory_size_that_cannot_hold_the_estimated_weights_is_refused_by_field(tmp_path):
+    """SmolLM2's 0.25 GiB of bf16 weights and the 0.5 GiB overhead do not fit 0.6 GiB; 0.8 GiB leaves less KV than one
+    8192-token sequence takes (0.18 GiB). Both are refused with the field and the shortfall, before any replica runs
+    out of memory; the registry is not planned."""
+    for gib, expected in ((0.6, "placement.memory_gib 0.60 GiB cannot hold weights 0.25 GiB + overhead 0.50 GiB, "
+                                "before any KV cache: short by 0.15 GiB"),
+                          (0.8, "placement.memory_gib 0.80 GiB less weights 0.25 GiB and overhead 0.50 GiB: "
+                                "a KV cache of 0.05 GiB holds less than one full-token sequence (0.18 GiB)")):
+        reg = registry(small={"source": SMOLLM2, "device": "cuda", "placement": {"memory_gib": gib}})
+        current, problems = planned(reg, tmp_path)
+        assert current is None and "models[0] small" in str(problems[0]) and expected in str(problems[0]), problems
 
 
 def test_a_model_not_on_this_machine_is_still_refused_for_want_of_a_memory_size(tmp_path):
