@@ -135,6 +135,8 @@ class RayPlacer:
             demands = cluster_demands(registry, self._shapes_for(registry, nodes))
         except InfeasiblePlan as exc:  # a model's own numbers contradict each other
             return exc
+        planned = {d.replica_id for d in demands}  # replicas removed or scaled away are forgotten
+        self._running_on = {rid: node for rid, node in self._running_on.items() if rid in planned}
         return place_replicas(nodes, demands, self._options, eligible=_eligibility(registry, alive),
                               refusals=(unapplied_changes, refuse_time_slicing(registry, NO_ARBITER)),
                               previous=dict(self._running_on), unread=unread)

@@ -184,3 +184,20 @@ def test_a_ray_model_written_with_an_mps_placement_gets_its_share_on_the_node_wh
         assert placed.placement.env == {"CUDA_VISIBLE_DEVICES": "GPU-b-h200", "CUDA_MPS_PIPE_DIRECTORY": pipe,
                                         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
                                         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20480M"}
+
+
+def test_a_scaled_down_replica_is_forgotten():
+    """The placer remembers where each replica runs, to keep it there (`previous`); a replica a scale-down removed is
+    forgotten at the next plan, so the record does not grow with every scale-up and -down."""
+    cluster = Cluster()
+    placer = placer_for(registry(big=big(2)), cluster)
+
+    def node_of(index: int) -> str:
+        reg = placer.current["registry"]  # type: ignore[attr-defined]
+        placed = placer.node_placement(replica_launch(reg.models[0], index))
+        assert placed is not None
+        return placed.node_id
+
+    assert [node_of(0), node_of(1)] == [NODE_A, NODE_B]
+    placer.current["registry"] = registry(big=big(1))  # type: ignore[attr-defined]
+    assert node_of(0) == NODE_A and placer._running_on == {"big/0": NODE_A}
