@@ -209,17 +209,20 @@ class ModelPool:
         log.info("replica_launched", replica=replica.replica_id, url=replica.display_url)
 
     async def _retire(self, group: InstanceGroup, replica: Replica) -> None:
-        """Stop a replica the group no longer wants, its streams moved to the others first."""
-        await self.stop_replica(replica, migrate=True)
+        """Stop a replica the group no longer wants, its streams moved to the others first. The caller holds the
+        lock, so the others are supervised while it drains (as `tick` would: it waits for that lock)."""
+        await self.stop_replica(replica, migrate=True, supervise_others=True)
         group.replicas.remove(replica)
 
     async def _stop_group(self, group: InstanceGroup) -> None:
         await asyncio.gather(*(self.stop_replica(r) for r in group.replicas))
         group.replicas.clear()
 
-    async def stop_replica(self, replica: Replica, migrate: bool = False) -> None:
+    async def stop_replica(self, replica: Replica, migrate: bool = False, supervise_others: bool = False) -> None:
         """Drain (no new requests; in-flight ones finish up to the deadline, or with `migrate` the streams that
-        can go on elsewhere move at once), then stop the process."""
+        can go on elsewhere move at once), then stop the process. `supervise_others` (the caller holds the lock and
+        stops one replica at a time): a supervision pass over the rest every probe interval while it drains, so a
+        replica that crashes meanwhile is not left down for up to the drain timeout."""
         # Forget its schedule: a pending restart must not fire on a later replica that reuses the id.
         self._schedule.restart_at.pop(replica.replica_id, None)
         self._schedule.launched_at.pop(replica.replica_id, None)
@@ -227,8 +230,12 @@ class ModelPool:
         if migrate:
             replica.migrate_streams()
         deadline = self.clock() + self.settings.drain_timeout_s
+        next_tick = self.clock() + self.settings.probe_interval_s
         while replica.outstanding > 0 and self.clock() < deadline:
             await self.sleep(0.05)
+            if supervise_others and self.clock() >= next_tick:
+                await self._supervise_all(skip=replica)
+                next_tick = self.clock() + self.settings.probe_interval_s
         if replica.handle is not None:
             await replica.handle.stop(timeout_s=10.0)
         replica.set_state(ReplicaState.STOPPED, self.clock())

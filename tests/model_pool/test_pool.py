@@ -663,6 +663,23 @@ def test_draining_gives_up_waiting_at_the_drain_timeout():
     run(scenario, settings=PoolSettings(drain_timeout_s=3.0))
 
 
+def test_replicas_that_crash_while_another_drains_are_restarted_meanwhile():
+    """A scale-down drains its replica under the pool's lock (up to the drain timeout), so `tick` waits; the others
+    are supervised from the drain's own wait, every probe interval: a crash there is restarted before it ends."""
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 3)))
+        await h.pool.tick()
+        h.replica("alpha/2").outstanding = 1  # a request that never finishes: the drain waits its full 30 s
+        h.launcher.latest("alpha/0").crash()
+        await h.pool.apply(registry(model("alpha", 2)))
+        assert h.launcher.latest("alpha/2").stopped
+        crashed = h.replica("alpha/0")
+        assert crashed.restarts == 1 and len(h.launcher.handles_of("alpha/0")) == 2  # restarted within the drain
+        assert crashed.state == READY and h.states("alpha") == [READY, READY]
+
+    run(scenario, settings=PoolSettings(drain_timeout_s=30.0, probe_interval_s=2.0, restart_backoff_s=0.5))
+
+
 def test_shutdown_stops_every_replica():
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha", 2), model("beta")))
