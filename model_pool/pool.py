@@ -106,12 +106,12 @@ class ModelPool:
             specs = {m.name: m for m in registry.models}
             for name in diff.removed:
                 if name in self.groups:
-                    await self._stop_group(self.groups.pop(name))
+                    await self._stop_group(self.groups.pop(name), supervise_others=True)
             touched = dict.fromkeys([*diff.added, *diff.changed, *(name for name, _, _ in diff.resized)])
             for name in touched:
                 spec, group = specs[name], self.groups.get(name)
                 if group is not None and not spec.enabled:
-                    await self._stop_group(self.groups.pop(name))
+                    await self._stop_group(self.groups.pop(name), supervise_others=True)
                     group = None
                 if not spec.enabled:
                     continue
@@ -214,8 +214,19 @@ class ModelPool:
         await self.stop_replica(replica, migrate=True, supervise_others=True)
         group.replicas.remove(replica)
 
-    async def _stop_group(self, group: InstanceGroup) -> None:
-        await asyncio.gather(*(self.stop_replica(r) for r in group.replicas))
+    async def _stop_group(self, group: InstanceGroup, supervise_others: bool = False) -> None:
+        """Stop every replica of a group, draining them together. `supervise_others` (the group is out of the pool
+        and the caller holds the lock): the pool's remaining replicas are supervised every probe interval while they
+        drain, as in `stop_replica`. Never at shutdown, where everything is stopping."""
+        stops = asyncio.gather(*(self.stop_replica(r) for r in group.replicas))
+        if supervise_others:
+            next_tick = self.clock() + self.settings.probe_interval_s
+            while not stops.done():
+                await self.sleep(0.05)
+                if not stops.done() and self.clock() >= next_tick:
+                    await self._supervise_all()
+                    next_tick = self.clock() + self.settings.probe_interval_s
+        await stops
         group.replicas.clear()
 
     async def stop_replica(self, replica: Replica, migrate: bool = False, supervise_others: bool = False) -> None:

@@ -680,6 +680,21 @@ def test_replicas_that_crash_while_another_drains_are_restarted_meanwhile():
     run(scenario, settings=PoolSettings(drain_timeout_s=30.0, probe_interval_s=2.0, restart_backoff_s=0.5))
 
 
+def test_replicas_that_crash_while_a_removed_model_drains_are_restarted_meanwhile():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 1), model("beta", 2)))
+        await h.pool.tick()
+        for replica in h.group("beta").replicas:
+            replica.outstanding = 1  # requests that never finish: the drain waits its full 30 s
+        h.launcher.latest("alpha/0").crash()
+        await h.pool.apply(registry(model("alpha", 1)))  # beta removed
+        assert h.pool.group("beta") is None and h.launcher.latest("beta/0").stopped
+        crashed = h.replica("alpha/0")
+        assert crashed.restarts == 1 and len(h.launcher.handles_of("alpha/0")) == 2 and crashed.state == READY
+
+    run(scenario, settings=PoolSettings(drain_timeout_s=30.0, probe_interval_s=2.0, restart_backoff_s=0.5))
+
+
 def test_shutdown_stops_every_replica():
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha", 2), model("beta")))
