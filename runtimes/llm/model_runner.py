@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtimes.llm.attention import AttentionMetadata
+from runtimes.llm.attention.metadata import to_device
 from runtimes.llm.config import ModelConfig
 from runtimes.llm.cuda_graphs import DecodeGraphs
 from runtimes.llm.model import LlamaForCausalLM, PartialForward, StepInterrupted
@@ -92,8 +93,8 @@ class ModelRunner:
             if hidden is not None:
                 return self._sample(hidden, sampling)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ids_t = to_device(input_ids, torch.long, self.device)
+        pos_t = to_device(positions, torch.long, self.device)
         try:
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta, interrupt)  # [T, H]
         except StepInterrupted as stop:
@@ -155,7 +156,7 @@ class ModelRunner:
             offset += item.num_new_tokens
         if not kept:
             return None
-        index = torch.tensor(rows, device=self.device)
+        index = to_device(rows, torch.long, self.device)
         partial = step.partial
         cos, sin = partial.rope
         pruned = PartialForward(partial.next_layer, partial.x[index],
@@ -184,7 +185,7 @@ class ModelRunner:
         result = StepResult()
         if not sampling.rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(sampling.index, device=self.device)])  # [B, V]
+        logits = self.model.compute_logits(hidden[to_device(sampling.index, torch.long, self.device)])  # [B, V]
         out = self.sampler(logits, sampling.rows)
         for i, request_id in enumerate(sampling.request_ids):
             result.sampled[request_id] = out.token_ids[i]

@@ -172,3 +172,29 @@ def test_triton_decode_attention_replays_token_identical(tiny_loaded):
                                                                      ignore_eos=True)) for i in range(3)}
     same_tokens(eager, graphed, requests)
     assert graphed.runner.graphs is not None and graphed.runner.graphs.replays == decode_steps[0] > 0
+
+
+def test_eager_steps_move_their_metadata_only_through_to_device(engines, monkeypatch):
+    """A prefill and decode steps, eagerly, greedy and seeded: no tensor is made on a device straight from host values
+    (on CUDA that is a copy from pageable memory, which waits for the device); everything goes through
+    `metadata.to_device`, a non-waiting copy from page-locked memory there."""
+    from runtimes.llm.attention import metadata as metadata_module
+
+    eager, _ = engines()
+    real_tensor, moved = torch.tensor, []
+
+    def tensor_without_device(*args, **kwargs):
+        assert kwargs.get("device") is None, "a tensor made on a device from host values"
+        return real_tensor(*args, **kwargs)
+
+    real_to_device = metadata_module.to_device
+    monkeypatch.setattr(torch, "tensor", tensor_without_device)
+    def counted(values, dtype, device):
+        moved.append(len(values))
+        return real_to_device(values, dtype, device)
+
+    monkeypatch.setattr(metadata_module, "to_device", counted)
+    requests = {"g": (random_prompt(1, 9), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)),
+                "s": (random_prompt(2, 5), SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))}
+    assert all(len(r.token_ids) == 4 for r in run_to_completion(eager, requests).values())
+    assert moved  # the metadata went through it
