@@ -22,6 +22,7 @@ from gateway.auth_keys import bearer_token, token_matches
 from gateway.request_body import parse_json_object
 from registry.errors import ModelNotFound
 from registry.store import RegistryDiff, RegistryError
+from runtimes.server.disconnect import read_body
 from runtimes.server.errors import APIError
 
 
@@ -39,7 +40,7 @@ def _state(request: Request) -> Any:
 async def _json_body(request: Request, param: str | None = None) -> dict[str, Any]:
     """The body as a JSON object, by the same rules as every body the gateway reads; a 400 names `param`."""
     try:
-        return parse_json_object(await request.body())
+        return parse_json_object(await read_body(request))
     except APIError as err:
         raise APIError(400, err.message, param=param, code=err.code) from None
 
@@ -108,7 +109,7 @@ def _replica_action(drain: bool):
         state = _state(request)
         replica_id = request.path_params["replica_id"]
         migrate = False
-        if drain and await request.body():
+        if drain and await read_body(request):
             migrate = (await _json_body(request, "migrate")).get("migrate", False)
             if not isinstance(migrate, bool):
                 raise APIError(400, f"migrate must be true or false, got {migrate!r}", param="migrate")

@@ -26,7 +26,7 @@ from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
 from registry.schema import ModelSpec
-from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
+from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, read_body, until_disconnect
 from runtimes.server.errors import APIError, error_payload
 from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER, RESUMABLE_HEADER, RESUME_FIELD
 
@@ -112,7 +112,7 @@ class Forwarder:
 
     async def forward(self, request: Request, endpoint: str) -> Response:
         start = self.clock()
-        body = await request.body()
+        body = await read_body(request)
         payload = request_payload(request.scope, body)
         if RESUME_FIELD in payload:
             raise APIError(400, f"{RESUME_FIELD} is for the gateway's own continuations, not for clients",

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from runtimes.server.body_limit import BodySizeLimitMiddleware
+from runtimes.server.disconnect import read_body
 from runtimes.server.errors import APIError, exception_handlers
 from runtimes.server.intake import check_model
 from runtimes.server.metrics import ReplicaMetrics
@@ -80,7 +81,7 @@ class ReplicaEndpoints:
     async def parse_body(self, request: Request, model: type[BodyT]) -> BodyT:
         """The body as `model`, once the replica can take work; 404 unless it names a model served here."""
         self.check_available()
-        body = model.model_validate_json(await request.body())  # its size is limited by BodySizeLimitMiddleware
+        body = model.model_validate_json(await read_body(request))  # size limited by BodySizeLimitMiddleware
         check_model(body.model, self.names)
         return body
 

@@ -377,10 +377,22 @@ def test_a_gateway_edit_applies_live_or_is_refused_as_needing_a_restart(rig):
 
 
 def test_health_stayed_fast_and_no_kv_block_is_left_in_use(rig):
+    """/health, timed from a process of its own all through the module, never stalls. A stall of the gateway's loop
+    (a blocking call on it, as a registry edit validated there once was) shows at every one of the module's three
+    registry edits and in whatever it hits, so at most two samples may pass 100 ms, and none 500 ms. Two, not none:
+    while a fake replica pushes its 64 MiB reply through loopback as fast as it can, the 2-core machine is saturated
+    and one sample once took 199 ms (a clean-clone run; the gateway's own latency for it stayed ~1 ms)."""
     samples = rig.health_ms()
     assert len(samples) > 100
-    print(f"/health over {len(samples)} samples: median {statistics.median(samples):.1f} ms, max {max(samples):.1f} ms")
-    assert max(samples) < 100, f"/health took up to {max(samples):.0f} ms (median {statistics.median(samples):.1f})"
+    top = sorted(samples, reverse=True)[:5]
+    print(f"/health over {len(samples)} samples: median {statistics.median(samples):.1f} ms, largest {top} ms")
+    slow = [s for s in samples if s >= 100]
+    assert len(slow) <= 2 and max(samples) < 500, (
+        f"/health took {len(slow)} samples over 100 ms, largest {top} (median {statistics.median(samples):.1f} ms)")
+    # nothing of the abuse reached the gateway as an error of its own (a client leaving mid-body once did: a 500
+    # and a traceback for Starlette's ClientDisconnect)
+    unhandled = [line for line in rig.gateway.log_path.read_text().splitlines() if '"unhandled error"' in line]
+    assert not unhandled, unhandled[0][:2000]
     replica = _tiny_replica(rig.gateway)
     assert replica["restarts"] == 0 and replica["state"] == "ready"
     text = replica_get(replica, "/metrics").text

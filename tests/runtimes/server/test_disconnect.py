@@ -147,3 +147,27 @@ def test_leaving_before_the_first_token_aborts_at_once(engine, make_app, monkeyp
     assert sent[0]["status"] == 499, sent  # nothing was streamed: the disconnect came before the first token
     wait_until(lambda: all_blocks_free(engine), what="the aborted request's blocks to be freed")
     assert len(steps) <= 1  # aborted within one engine step
+
+
+def test_a_client_that_leaves_mid_body_gets_499_and_no_error_logged(engine, make_app):
+    """The body's first half, then `http.disconnect`: reading it raises Starlette's ClientDisconnect, which is no
+    error of the server's (no 500, no traceback; the engine never sees the request)."""
+    import structlog
+
+    app = make_app()
+    body = json.dumps(LONG).encode()
+    parts = [{"type": "http.request", "body": body[: len(body) // 2], "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return parts.pop(0) if parts else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(app(_scope("/v1/completions", body, "2.3"), receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert not [e for e in logs if e["log_level"] == "error"], logs
+    assert [e["event"] for e in logs] == ["client disconnected while sending its request"]
+    assert all_blocks_free(engine)
