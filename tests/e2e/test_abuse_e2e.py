@@ -156,9 +156,9 @@ async def _misbehave(behaviour: str, reader: asyncio.StreamReader, writer: async
 # ------------------------------------------------------------------------------------ the gateway
 
 
-# GET /health every 20 ms on one kept-alive connection, each answer's time in ms on a line of its own, until stdin
-# closes. A process of its own, not a thread of the test's: a thread's timings would include the test process's
-# pauses (its garbage collector, the fake replicas' threads holding the GIL), not only the gateway's.
+# GET /health every 20 ms on one kept-alive connection, each answer's wall-clock end and time in ms on a line of its
+# own, until stdin closes. A process of its own, not a thread of the test's: a thread's timings would include the test
+# process's pauses (its garbage collector, the fake replicas' threads holding the GIL), not only the gateway's.
 WATCH_HEALTH = """
 import select, sys, time
 import httpx
@@ -166,7 +166,8 @@ with httpx.Client(base_url=sys.argv[1], timeout=5) as client:
     while not select.select([sys.stdin], [], [], 0)[0]:
         start = time.perf_counter()
         status = client.get("/health").status_code
-        print(f"{(time.perf_counter() - start) * 1000:.3f}" if status == 200 else f"status {status}", flush=True)
+        took_ms = (time.perf_counter() - start) * 1000
+        print(f"{time.time():.4f} {took_ms:.3f}" if status == 200 else f"status {status}", flush=True)
         time.sleep(0.02)
 """
 
@@ -176,13 +177,20 @@ class Rig:
     gateway: Gateway
     fakes: FakeReplicas
     health_watch: subprocess.Popen[str]
+    # wall-clock spans in which a fake replica floods the gateway (its 64 MiB reply at loopback speed)
+    floods: list[tuple[float, float]] = field(default_factory=list)
 
-    def health_ms(self) -> list[float]:
-        """Stop the watcher; the times it measured (a non-200 answer fails here)."""
+    def health_ms(self) -> tuple[list[float], list[float]]:
+        """Stop the watcher; the times it measured outside the floods and during them (a non-200 answer fails
+        here)."""
         out, _ = self.health_watch.communicate("stop\n", timeout=30)
-        lines = out.split()
         assert not [line for line in out.splitlines() if line.startswith("status")], out[-500:]
-        return [float(line) for line in lines]
+        calm, flooded = [], []
+        for line in out.splitlines():
+            end, took_ms = map(float, line.split())
+            overlaps = any(end - took_ms / 1000 < stop + 0.05 and end > start - 0.05 for start, stop in self.floods)
+            (flooded if overlaps else calm).append(took_ms)
+        return calm, flooded
 
 
 @pytest.fixture(scope="module")
@@ -300,10 +308,12 @@ def test_hostile_requests_get_a_4xx_and_break_nothing(rig):
 def test_a_misbehaving_replica_costs_its_request_and_nothing_else(rig, behaviour):
     name = f"fake-{behaviour.replace('_', '-')}"
     before = rig.fakes.posts[behaviour]
-    start = time.monotonic()
+    start, wall_start = time.monotonic(), time.time()
     with rig.gateway.client() as http:
         response = http.post(CHAT, json={**OK_CHAT, "model": name}, timeout=30)
         took_s = time.monotonic() - start
+        if behaviour == "huge_body":
+            rig.floods.append((wall_start, time.time()))
         if behaviour == "extra_bytes":  # the reply itself was good; its connection is not reused
             assert response.status_code == 200, response.text
         else:
@@ -377,18 +387,17 @@ def test_a_gateway_edit_applies_live_or_is_refused_as_needing_a_restart(rig):
 
 
 def test_health_stayed_fast_and_no_kv_block_is_left_in_use(rig):
-    """/health, timed from a process of its own all through the module, never stalls. A stall of the gateway's loop
-    (a blocking call on it, as a registry edit validated there once was) shows at every one of the module's three
-    registry edits and in whatever it hits, so at most two samples may pass 100 ms, and none 500 ms. Two, not none:
-    while a fake replica pushes its 64 MiB reply through loopback as fast as it can, the 2-core machine is saturated
-    and one sample once took 199 ms (a clean-clone run; the gateway's own latency for it stayed ~1 ms)."""
-    samples = rig.health_ms()
-    assert len(samples) > 100
-    top = sorted(samples, reverse=True)[:5]
-    print(f"/health over {len(samples)} samples: median {statistics.median(samples):.1f} ms, largest {top} ms")
-    slow = [s for s in samples if s >= 100]
-    assert len(slow) <= 2 and max(samples) < 500, (
-        f"/health took {len(slow)} samples over 100 ms, largest {top} (median {statistics.median(samples):.1f} ms)")
+    """/health, timed from a process of its own all through the module, never stalls: every answer within 100 ms,
+    except while a fake replica floods the gateway with its 64 MiB reply as fast as loopback carries it. Then the
+    2-core machine is saturated, and a clean-clone run measured /health at 208-228 ms three times (a warm run: 20 ms
+    at most); those answers must still come within a second."""
+    calm, flooded = rig.health_ms()
+    assert len(calm) > 100
+    top = sorted(calm, reverse=True)[:5]
+    print(f"/health over {len(calm)} samples: median {statistics.median(calm):.1f} ms, largest {top} ms; "
+          f"{len(flooded)} during the flood, largest {max(flooded, default=0):.0f} ms")
+    assert max(calm) < 100, f"/health took up to {max(calm):.0f} ms: largest {top}, median {statistics.median(calm)}"
+    assert max(flooded, default=0) < 1000, f"/health took {max(flooded):.0f} ms during the flood"
     # nothing of the abuse reached the gateway as an error of its own (a client leaving mid-body once did: a 500
     # and a traceback for Starlette's ClientDisconnect)
     unhandled = [line for line in rig.gateway.log_path.read_text().splitlines() if '"unhandled error"' in line]
