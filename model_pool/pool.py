@@ -220,12 +220,7 @@ class ModelPool:
         drain, as in `stop_replica`. Never at shutdown, where everything is stopping."""
         stops = asyncio.gather(*(self.stop_replica(r) for r in group.replicas))
         if supervise_others:
-            next_tick = self.clock() + self.settings.probe_interval_s
-            while not stops.done():
-                await self.sleep(0.05)
-                if not stops.done() and self.clock() >= next_tick:
-                    await self._supervise_all()
-                    next_tick = self.clock() + self.settings.probe_interval_s
+            await self._wait_supervising(lambda: not stops.done(), supervise=True)
         await stops
         group.replicas.clear()
 
@@ -241,16 +236,23 @@ class ModelPool:
         if migrate:
             replica.migrate_streams()
         deadline = self.clock() + self.settings.drain_timeout_s
-        next_tick = self.clock() + self.settings.probe_interval_s
-        while replica.outstanding > 0 and self.clock() < deadline:
-            await self.sleep(0.05)
-            if supervise_others and self.clock() >= next_tick:
-                await self._supervise_all(skip=replica)
-                next_tick = self.clock() + self.settings.probe_interval_s
+        await self._wait_supervising(lambda: replica.outstanding > 0 and self.clock() < deadline,
+                                     supervise=supervise_others, skip=replica)
         if replica.handle is not None:
             await replica.handle.stop(timeout_s=10.0)
         replica.set_state(ReplicaState.STOPPED, self.clock())
         log.info("replica_stopped", replica=replica.replica_id)
+
+    async def _wait_supervising(self, waiting: Callable[[], bool], supervise: bool,
+                                skip: Replica | None = None) -> None:
+        """Poll until `waiting()` is false; with `supervise` (the caller holds the lock, so `tick` cannot run), a
+        supervision pass over the replicas but `skip` every probe interval meanwhile."""
+        next_tick = self.clock() + self.settings.probe_interval_s
+        while waiting():
+            await self.sleep(0.05)
+            if supervise and waiting() and self.clock() >= next_tick:
+                await self._supervise_all(skip=skip)
+                next_tick = self.clock() + self.settings.probe_interval_s
 
     async def shutdown(self) -> None:
         async with self._lock:
