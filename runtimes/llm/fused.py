@@ -6,6 +6,7 @@ values). The model takes its PyTorch reference path everywhere else (other CPU d
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -44,29 +45,16 @@ def kv_writer(key: torch.Tensor, k_cache: torch.Tensor) -> Callable[..., None]:
     rounding the reference's torch cast defines), else the reference's two index copies."""
     if writes_kv(key, k_cache):
         return _cpp_write_kv
-    if key.device.type == "cuda" and k_cache.dtype != FP8_KV and _is_pow2(key.shape[-1]) and (
-            (writer := _triton_write_kv()) is not None):
-        return writer
+    head_dim = key.shape[-1]
+    if key.device.type == "cuda" and k_cache.dtype != FP8_KV and head_dim & (head_dim - 1) == 0 and (
+            (triton_paged := _triton("attention.triton_paged")) is not None):
+        return triton_paged.write_kv_triton
     return write_kv
 
 
 def _cpp_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     torch.ops.multiserve_fused.write_kv_(k_cache, v_cache, key, value, slot_mapping)
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-@functools.cache
-def _triton_write_kv() -> Callable[..., None] | None:
-    try:
-        from runtimes.llm.attention.triton_paged import write_kv_triton
-    except ImportError as exc:  # no Triton: the reference path
-        log.warning("triton_write_kv_unavailable", error=repr(exc))
-        return None
-    return write_kv_triton
 
 
 def ops_for(x: torch.Tensor) -> Any:
@@ -77,14 +65,14 @@ def ops_for(x: torch.Tensor) -> Any:
 
 def cuda_ops(x: torch.Tensor) -> ModuleType | None:
     """The Triton operations (`runtimes.llm.triton_fused`) for a CUDA tensor, None otherwise."""
-    return _triton_fused() if x.device.type == "cuda" else None
+    return _triton("triton_fused") if x.device.type == "cuda" else None
 
 
 @functools.cache
-def _triton_fused() -> ModuleType | None:
+def _triton(module: str) -> ModuleType | None:
+    """`runtimes.llm.<module>`, a module of Triton kernels; None (logged once) where Triton cannot be imported."""
     try:
-        from runtimes.llm import triton_fused
+        return importlib.import_module(f"runtimes.llm.{module}")
     except ImportError as exc:  # no Triton: the reference path
-        log.warning("triton_fused_unavailable", error=repr(exc))
+        log.warning("triton_unavailable", module=module, error=repr(exc))
         return None
-    return triton_fused

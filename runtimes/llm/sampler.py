@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtimes.llm.attention.metadata import to_device
 from runtimes.llm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -118,12 +119,12 @@ class Sampler:
         """`logits` `[B, V]` (any float dtype, any device), one `SamplingRow` per batch row."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits [{len(rows)}, V], got {tuple(logits.shape)}")
+        if all(plain_greedy(r.params, len(r.output_token_ids)) for r in rows):  # no [B, V] work at all
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
         params = [r.params for r in rows]
         suppress = [_suppressed_ids(r) for r in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
         biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
-        if all(plain_greedy(r.params, len(r.output_token_ids)) for r in rows):  # no [B, V] work at all
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
 
         x = logits.to(torch.float32, copy=True)  # [B, V]; a copy, as it is edited in place below
         if biased:
@@ -245,12 +246,10 @@ class _RandomRows:
 
 
 def upload(columns: Sequence[Sequence[float]], device: torch.device) -> list[torch.Tensor]:
-    """Host numbers to `device` in one copy (float64: exact for every index and id), split back into columns. On CUDA
-    the copy is from page-locked memory and does not wait: the step's only wait stays the tokens' readback."""
-    host = torch.tensor([v for column in columns for v in column], dtype=torch.float64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split([len(column) for column in columns]))
+    """Host numbers to `device` in one copy (float64: exact for every index and id; `to_device`: not waiting on
+    CUDA, so the step's only wait stays the tokens' readback), split back into columns."""
+    flat = to_device([v for column in columns for v in column], torch.float64, device)
+    return list(flat.split([len(column) for column in columns]))
 
 
 _MASK64 = (1 << 64) - 1

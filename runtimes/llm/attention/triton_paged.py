@@ -178,9 +178,9 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     assert query.shape[1] % k_cache.shape[2] == 0, (
         f"num_heads {query.shape[1]} must be a multiple of num_kv_heads {k_cache.shape[2]}"
     )
-    assert query.dtype in _SUPPORTED_DTYPES, f"query dtype {query.dtype} unsupported; use fp32, fp16 or bf16"
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        assert name == "query" or t.dtype in _CACHE_DTYPES, f"{name} dtype {t.dtype} unsupported"
+    for name, t, dtypes in (("query", query, _SUPPORTED_DTYPES), ("k_cache", k_cache, _CACHE_DTYPES),
+                            ("v_cache", v_cache, _CACHE_DTYPES)):
+        assert t.dtype in dtypes, f"{name} dtype {t.dtype} unsupported; use one of {dtypes}"
         assert t.stride(-1) == 1, f"{name} must be contiguous in its last (head_dim) dimension"
 
 
