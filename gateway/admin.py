@@ -105,7 +105,8 @@ def _replica_action(drain: bool):
     async def endpoint(request: Request) -> JSONResponse:
         """drain: no new requests from now on; with `{"migrate": true}` (the body is optional) its streams that can
         go on elsewhere move to other replicas at once, so it empties in about a step instead of after its longest
-        request. undrain: takes requests again."""
+        request; if no other replica of the model is ready they finish where they are, and move once one is. The
+        answer says how many moved and how many requests stay in flight there. undrain: takes requests again."""
         state = _state(request)
         replica_id = request.path_params["replica_id"]
         migrate = False
@@ -113,10 +114,18 @@ def _replica_action(drain: bool):
             migrate = (await _json_body(request, "migrate")).get("migrate", False)
             if not isinstance(migrate, bool):
                 raise APIError(400, f"migrate must be true or false, got {migrate!r}", param="migrate")
-        replica = state.pool.drain(replica_id, migrate) if drain else state.pool.undrain(replica_id)
-        if replica is None:
+        answer: dict[str, Any] | None
+        if drain:
+            drained = state.pool.drain(replica_id, migrate)
+            answer = None if drained is None else {**drained.replica.snapshot(),
+                                                   "migrated_streams": drained.migrated_streams,
+                                                   "finishing_in_place": drained.finishing_in_place}
+        else:
+            replica = state.pool.undrain(replica_id)
+            answer = None if replica is None else replica.snapshot()
+        if answer is None:
             raise APIError(404, f"replica {replica_id!r} does not exist", param="replica_id")
-        return JSONResponse(replica.snapshot())
+        return JSONResponse(answer)
 
     return endpoint
 

@@ -8,6 +8,11 @@ otherwise the old one is drained with migration first (its streams go on on the 
 A new replica that does not become ready stops the rollout: the old replicas it would have replaced keep serving.
 Scaling down drains with migration too.
 
+A deliberate drain with migration (the admin's, a scale-down's, a rollout's) moves streams only where they can go
+on: with no other routable replica in the group they finish where they are, and move once one is routable (or
+when the drain times out, or the draining replica stops answering its probes). A replica found unhealthy has its
+streams moved regardless: it will not finish them.
+
 A replica whose process is alive but whose probes keep failing (hung, or its engine stuck: it reports itself
 unready) is taken out of routing after `unhealthy_after` probes and restarted once it has been unhealthy for
 `restart_unhealthy_after_s`; that counts as a crash, so a replica that keeps hanging ends up failed.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +68,16 @@ class InstanceGroup:
 
     def replica_id(self, index: int) -> str:
         return f"{self.spec.name}/{index}" if self.revision == 0 else f"{self.spec.name}/{index}-r{self.revision}"
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What `ModelPool.drain` did: streams asked to move now, and requests left in flight on the replica (they
+    finish there; with migration and nowhere to go yet, its streams among them move once a replica can take them)."""
+
+    replica: Replica
+    migrated_streams: int
+    finishing_in_place: int
 
 
 @dataclass
@@ -226,18 +241,24 @@ class ModelPool:
 
     async def stop_replica(self, replica: Replica, migrate: bool = False, supervise_others: bool = False) -> None:
         """Drain (no new requests; in-flight ones finish up to the deadline, or with `migrate` the streams that
-        can go on elsewhere move at once), then stop the process. `supervise_others` (the caller holds the lock and
-        stops one replica at a time): a supervision pass over the rest every probe interval while it drains, so a
-        replica that crashes meanwhile is not left down for up to the drain timeout."""
+        can go on elsewhere move: at once if another replica can take them, see `_migrate`; those still waiting at
+        the deadline move then), then stop the process. `supervise_others` (the caller holds the lock and stops one
+        replica at a time): a supervision pass over the rest every probe interval while it drains, so a replica
+        that crashes meanwhile is not left down for up to the drain timeout (and one that gets ready can take the
+        streams waiting to move)."""
         # Forget its schedule: a pending restart must not fire on a later replica that reuses the id.
         self._schedule.restart_at.pop(replica.replica_id, None)
         self._schedule.launched_at.pop(replica.replica_id, None)
         replica.set_state(ReplicaState.DRAINING, self.clock())
         if migrate:
-            replica.migrate_streams()
+            moved = self._migrate(replica)
+            log.info("replica_draining", replica=replica.replica_id, migrated_streams=moved,
+                     migration_waiting=replica.migration_waiting)
         deadline = self.clock() + self.settings.drain_timeout_s
         await self._wait_supervising(lambda: replica.outstanding > 0 and self.clock() < deadline,
                                      supervise=supervise_others, skip=replica)
+        if replica.migration_waiting:  # timed out waiting: moved, not broken by the stop (they wait for a replica)
+            self._move_streams(replica, "drain_timeout")
         if replica.handle is not None:
             await replica.handle.stop(timeout_s=10.0)
         replica.set_state(ReplicaState.STOPPED, self.clock())
@@ -277,6 +298,7 @@ class ModelPool:
         """One supervision pass over every replica but `skip` (the caller holds the lock)."""
         replicas = [(g, r) for g in self.groups.values() for r in g.replicas if r is not skip]
         await asyncio.gather(*(self._supervise(g, r) for g, r in replicas))
+        self._move_waiting()
 
     async def _supervise(self, group: InstanceGroup, replica: Replica) -> None:
         if replica.state in (ReplicaState.STOPPED, ReplicaState.FAILED):
@@ -340,6 +362,33 @@ class ModelPool:
                 replica.set_state(ReplicaState.UNHEALTHY, now)
                 moved = replica.migrate_streams()  # a hung replica's streams go on elsewhere, not wait for it
                 log.warning("replica_unhealthy", replica=replica.replica_id, migrated_streams=moved)
+        elif replica.migration_waiting and replica.consecutive_failures >= self.settings.unhealthy_after:
+            self._move_streams(replica, "unresponsive")  # drained and hung: it will not finish them either
+
+    # ------------------------------------------------------------------------------------ migration
+
+    def _migrate(self, replica: Replica) -> int:
+        """A deliberate drain's migration: the replica's streams move now if another replica of its group can take
+        them (`has_migration_target`); else they stay to finish here, waiting to move once one can
+        (`_move_waiting`). Returns how many were asked to move."""
+        group = self.groups.get(replica.model)
+        if group is not None and has_migration_target(group.replicas, replica):
+            return replica.migrate_streams()
+        replica.migration_waiting = True
+        return 0
+
+    def _move_waiting(self) -> None:
+        """The streams waiting on a replica drained with migration move once another of its group can take them:
+        a scale-up, a restart or an undrain made one routable."""
+        for group in self.groups.values():
+            for replica in group.replicas:
+                if replica.migration_waiting and has_migration_target(group.replicas, replica):
+                    self._move_streams(replica, "replica_ready")
+
+    def _move_streams(self, replica: Replica, reason: str) -> None:
+        moved = replica.migrate_streams()
+        if moved:
+            log.info("drained_streams_moved", replica=replica.replica_id, migrated_streams=moved, reason=reason)
 
     # ------------------------------------------------------------------------------------ routing support
 
@@ -366,22 +415,30 @@ class ModelPool:
     def find_replica(self, replica_id: str) -> Replica | None:
         return next((r for g in self.groups.values() for r in g.replicas if r.replica_id == replica_id), None)
 
-    def drain(self, replica_id: str, migrate: bool = False) -> Replica | None:
-        """No new requests for the replica; with `migrate`, its movable streams go on on other replicas now."""
+    def drain(self, replica_id: str, migrate: bool = False) -> Drained | None:
+        """No new requests for the replica; with `migrate`, its movable streams go on on other replicas: now if
+        another replica of its group can take them, else once one can (meanwhile they go on here)."""
         replica = self.find_replica(replica_id)
-        if replica is not None:
-            replica.manually_drained = True
-            replica.set_state(ReplicaState.DRAINING, self.clock())
-            if migrate:
-                moved = replica.migrate_streams()
-                log.info("replica_drained", replica=replica_id, migrated_streams=moved)
-        return replica
+        if replica is None:
+            return None
+        replica.manually_drained = True
+        replica.set_state(ReplicaState.DRAINING, self.clock())
+        in_flight = replica.outstanding  # (before the moves: a moved stream counts until its relay lets go)
+        moved = self._migrate(replica) if migrate else 0
+        drained = Drained(replica, moved, max(in_flight - moved, 0))
+        log.info("replica_drained", replica=replica_id, migrate=migrate, migrated_streams=moved,
+                 finishing_in_place=drained.finishing_in_place, migration_waiting=replica.migration_waiting)
+        return drained
 
     def undrain(self, replica_id: str) -> Replica | None:
+        """Takes requests again: its own streams waiting to move stay, and those waiting on another replica drained
+        with migration may now move to it."""
         replica = self.find_replica(replica_id)
         if replica is not None and replica.manually_drained:
             replica.manually_drained = False
+            replica.migration_waiting = False
             replica.set_state(ReplicaState.READY if replica.last_probe_ok else ReplicaState.STARTING, self.clock())
+            self._move_waiting()
         return replica
 
     def health(self) -> dict[str, Any]:
@@ -389,6 +446,13 @@ class ModelPool:
                        "ready_replicas": sum(r.state == ReplicaState.READY for r in g.replicas),
                        "engine": g.spec.engine.model_dump(mode="json"), "rollout": g.rollout or None}
                 for name, g in self.groups.items()}
+
+
+def has_migration_target(group_replicas: Iterable[Replica], replica: Replica) -> bool:
+    """Whether a deliberate drain moves `replica`'s streams now: only if another replica of its group can take them.
+    With nowhere to go they would wait `resume_wait_s` for one and then be cut, though `replica` could have finished
+    them."""
+    return any(other is not replica and other.routable() for other in group_replicas)
 
 
 def _live(group: InstanceGroup) -> list[Replica]:

@@ -40,12 +40,16 @@ class Replica:
     crash_times: deque[float] = field(default_factory=lambda: deque(maxlen=16))
     transitions: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))
     manually_drained: bool = False
+    # drained with migration while no other replica of its group could take its streams: they finish here, or move
+    # once one can (the pool moves them then)
+    migration_waiting: bool = False
     state_since: float = 0.0  # the pool's clock when `state` was last changed
     # streams relayed from this replica that can go on elsewhere: each callback asks its relay to move
     movable: set[Callable[[], None]] = field(default_factory=set)
 
     def migrate_streams(self) -> int:
         """Ask every movable stream to continue on another replica; returns how many were asked."""
+        self.migration_waiting = False
         movers = list(self.movable)
         for move in movers:
             move()
@@ -92,6 +96,7 @@ class Replica:
             "consecutive_failures": self.consecutive_failures,
             "breaker": self.breaker.state.value,
             "in_flight": self.outstanding,
+            "migration_waiting": self.migration_waiting,
             "restarts": self.restarts,
             "transitions": [{"at": t, "state": s} for t, s in self.transitions],
         }

@@ -12,6 +12,7 @@ import pytest
 
 from gateway.proxy import ProxySettings
 from gateway.resume import Moved, ProgressTracker, Pump, StreamTracker
+from tests.gateway import fakes
 from tests.gateway.fakes import ADMIN_TOKEN, NUM_STREAM_CHUNKS, FakeGateway, Received, chat
 
 ALL_TOKENS = [f"tok{i}" for i in range(NUM_STREAM_CHUNKS)]
@@ -119,6 +120,28 @@ def test_drain_with_migrate_moves_a_live_stream_at_once(with_gateway):
         assert gw.outstanding()["alpha/0"] == 0 and gw.replicas.streams[0].closed
         bad = await gw.client.post("/admin/replicas/alpha/1/drain", json={"migrate": "yes"}, headers=admin)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "migrate"
+
+    with_gateway(scenario)
+
+
+def test_drain_with_migrate_of_a_models_only_replica_lets_its_stream_finish_there(with_gateway, monkeypatch):
+    """Nowhere to move: moved, the stream would wait resume_wait_s for a replica and end in-band; it finishes."""
+    monkeypatch.setattr(fakes, "SLOW_S", 1.0)  # the stall after two tokens: time to drain in, then it goes on
+
+    async def scenario(gw: FakeGateway) -> None:
+        gw.replicas.set("beta/0", "stall_midstream")
+        request = asyncio.create_task(gw.client.post("/v1/chat/completions", json=chat("beta", stream=True)))
+        while gw.outstanding().get("beta/0") != 1:
+            await asyncio.sleep(0.001)
+        admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+        reply = await gw.client.post("/admin/replicas/beta/0/drain", json={"migrate": True}, headers=admin)
+        answer = reply.json()
+        assert (answer["state"], answer["migrated_streams"], answer["finishing_in_place"]) == ("draining", 0, 1)
+        assert answer["migration_waiting"] is True
+        payloads = data_events(await asyncio.wait_for(request, 5.0))
+        assert contents(payloads) == ALL_TOKENS and payloads[-1] == "[DONE]"
+        assert not any("error" in json.loads(p) for p in payloads[:-1]) and continuations(gw) == []
+        assert gw.metric("multiserve_gateway_stream_migrations_total", model="beta", cause="drained") == 0
 
     with_gateway(scenario)
 

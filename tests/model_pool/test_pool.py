@@ -15,7 +15,7 @@ import pytest
 from model_pool.health import BreakerConfig
 from model_pool.launcher import RemoteHandle, UrlLauncher
 from model_pool.pool import InstanceGroup, ModelPool, PoolSettings
-from model_pool.replica import Replica, ReplicaState
+from model_pool.replica import Lease, Replica, ReplicaState
 from registry.launch import ReplicaPlacement
 from registry.schema import ModelSpec, Registry
 from tests.gateway.fakes import FakeClock, FakeLauncher, FakeReplicas, FakeSleep
@@ -73,6 +73,19 @@ async def open_pool(settings: PoolSettings | None = None,
             yield Harness(pool, launcher, replicas, clock, sleep)
         finally:
             await pool.shutdown()
+
+
+def stream_on(h: Harness, replica_id: str, moved: list[str]) -> Lease:
+    """A stream the gateway relays from the replica: a movable lease. Moving it notes where from and lets go of the
+    lease (its relay goes on elsewhere); `release()` is the stream finishing in place."""
+    lease = h.pool.lease(h.replica(replica_id))
+
+    def move() -> None:
+        moved.append(replica_id)
+        lease.release()
+
+    lease.movable(move)
+    return lease
 
 
 def run(scenario: Callable[[Harness], Awaitable[None]], **options: Any) -> None:
@@ -529,7 +542,7 @@ def test_drain_makes_a_replica_unroutable_until_undrained():
         await h.pool.apply(registry(model("alpha", 2)))
         await h.pool.tick()
         group = h.group("alpha")
-        drained = h.pool.drain("alpha/0")
+        drained = h.pool.drain("alpha/0").replica
         assert drained is h.replica("alpha/0") and drained.state == ReplicaState.DRAINING
         assert not drained.routable()
         assert {h.pool.choose(group, set()).replica_id for _ in range(4)} == {"alpha/1"}
@@ -635,11 +648,13 @@ def test_scaling_down_moves_the_retired_replicas_streams_to_the_others():
     run(scenario)
 
 
-def test_a_replica_found_unhealthy_has_its_streams_moved():
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_a_replica_found_unhealthy_has_its_streams_moved(num_replicas):
+    """Even with nowhere to go yet: a hung replica will not finish them, and their continuations wait for one."""
     moved: list[str] = []
 
     async def scenario(h: Harness) -> None:
-        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.apply(registry(model("alpha", num_replicas)))
         await h.pool.tick()
         h.replica("alpha/0").movable.add(lambda: moved.append("alpha/0"))
         h.replicas.set("alpha/0", "hang")
@@ -661,6 +676,159 @@ def test_draining_gives_up_waiting_at_the_drain_timeout():
         assert 3.0 <= sum(h.sleep.delays) < 3.2
 
     run(scenario, settings=PoolSettings(drain_timeout_s=3.0))
+
+
+def test_draining_the_last_ready_replica_with_migrate_lets_its_streams_finish_there():
+    """Nowhere to move: moved, they would wait for a replica and then be cut, though this one can finish them."""
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        moved: list[str] = []
+        streams = [stream_on(h, "alpha/0", moved) for _ in range(2)]
+        drained = h.pool.drain("alpha/0", migrate=True)
+        assert (drained.migrated_streams, drained.finishing_in_place) == (0, 2)
+        assert drained.replica.snapshot()["migration_waiting"] is True
+        await h.ticks(3, every_s=2.0)
+        assert moved == [] and drained.replica.outstanding == 2
+        streams[0].release()  # it finishes where it began
+        assert h.pool.undrain("alpha/0") is drained.replica and drained.replica.state == READY
+        await h.ticks(1)
+        assert moved == [] and drained.replica.outstanding == 1 and not drained.replica.migration_waiting
+
+    run(scenario)
+
+
+def test_draining_with_another_ready_replica_moves_its_streams_at_once():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        moved: list[str] = []
+        for _ in range(2):
+            stream_on(h, "alpha/0", moved)
+        h.pool.lease(h.replica("alpha/0"))  # a request that cannot move (say n > 1)
+        drained = h.pool.drain("alpha/0", migrate=True)
+        assert moved == ["alpha/0", "alpha/0"] and not drained.replica.migration_waiting
+        assert (drained.migrated_streams, drained.finishing_in_place) == (2, 1)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("how", ["scale_up", "undrain", "restart"])
+def test_streams_waiting_on_a_drained_replica_move_once_another_is_ready(how):
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha", 1 if how == "scale_up" else 2)))
+        await h.pool.tick()
+        if how == "undrain":
+            h.pool.drain("alpha/1")
+        if how == "restart":
+            h.launcher.latest("alpha/1").crash()
+            await h.pool.tick()
+        moved: list[str] = []
+        stream_on(h, "alpha/0", moved)
+        assert h.pool.drain("alpha/0", migrate=True).migrated_streams == 0
+        await h.pool.tick()
+        assert moved == []
+        if how == "scale_up":
+            await h.pool.apply(registry(model("alpha", 2)))
+            await h.ticks(1)
+        elif how == "undrain":
+            h.pool.undrain("alpha/1")
+        else:
+            h.clock.advance(1.0)
+            await h.ticks(2)  # relaunched after its backoff, then probed ready
+        assert h.replica("alpha/1").state == READY
+        assert moved == ["alpha/0"] and h.replica("alpha/0").outstanding == 0
+
+    run(scenario, settings=PoolSettings(restart_backoff_s=0.5))
+
+
+def test_a_drained_replica_that_stops_answering_moves_the_streams_waiting_on_it():
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        moved: list[str] = []
+        stream_on(h, "alpha/0", moved)
+        h.pool.drain("alpha/0", migrate=True)
+        h.replicas.set("alpha/0", "hang")
+        await h.ticks(1)
+        assert moved == []  # one failed probe is not enough
+        await h.ticks(1)
+        assert moved == ["alpha/0"]
+
+    run(scenario, settings=PoolSettings(unhealthy_after=2))
+
+
+@pytest.mark.parametrize("meanwhile", ["stream_finishes", "other_gets_ready"])
+def test_scaling_down_beside_a_replica_not_ready_yet_moves_streams_only_once_it_is(meanwhile):
+    """2 -> 1 while the replica that stays is still starting: the retired one's stream finishes there, unless the
+    other gets ready first (the drain supervises it every probe interval), then it moves."""
+    async def scenario(h: Harness) -> None:
+        h.replicas.set("alpha/0", "not_ready")
+        await h.pool.apply(registry(model("alpha", 2)))
+        await h.pool.tick()
+        assert h.states("alpha") == [STARTING, READY]
+        moved: list[str] = []
+        stream = stream_on(h, "alpha/1", moved)
+        began = h.clock()
+
+        def later(_: float) -> None:
+            if h.clock() - began >= 5.0:
+                if meanwhile == "stream_finishes":
+                    stream.release()
+                else:
+                    h.replicas.set("alpha/0", "ok")
+
+        h.sleep.on_sleep = later
+        await h.pool.apply(registry(model("alpha", 1)))
+        assert moved == ([] if meanwhile == "stream_finishes" else ["alpha/1"])
+        assert h.launcher.latest("alpha/1").stopped and 5.0 <= sum(h.sleep.delays) < 10.0  # not the 30 s timeout
+
+    run(scenario, settings=PoolSettings(drain_timeout_s=30.0, probe_interval_s=2.0))
+
+
+def test_retiring_the_last_replica_moves_what_is_left_at_the_drain_timeout():
+    """Scaled to zero, nowhere to go: the stream runs on until the drain times out, then goes on as a move (its
+    continuation waits for a replica, as it would for a crash)."""
+    moved_at: list[float] = []
+
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        h.pool.lease(h.replica("alpha/0")).movable(lambda: moved_at.append(h.clock()))
+        began = h.clock()
+        await h.pool.apply(registry(model("alpha", 0)))
+        assert len(moved_at) == 1 and moved_at[0] - began >= 3.0 and h.launcher.latest("alpha/0").stopped
+
+    run(scenario, settings=PoolSettings(drain_timeout_s=3.0))
+
+
+def test_a_rollout_of_a_lone_replica_without_room_for_two_lets_its_streams_finish_first():
+    order: list[str] = []
+
+    async def scenario(h: Harness) -> None:
+        await h.pool.apply(registry(model("alpha")))
+        await h.pool.tick()
+        moved: list[str] = []
+        stream = stream_on(h, "alpha/0", moved)
+        began = h.clock()
+
+        def later(_: float) -> None:
+            if h.clock() - began >= 1.0 and h.replica("alpha/0").outstanding:
+                order.append("finished")
+                stream.release()
+
+        h.sleep.on_sleep = later
+        real_start = h.launcher.start
+
+        async def start(request):  # type: ignore[no-untyped-def]
+            order.append(f"start {request.index}")
+            return await real_start(request)
+
+        h.launcher.start = start  # type: ignore[method-assign]
+        await h.pool.apply(registry(model("alpha", engine={"block_size": 32})))
+        assert moved == [] and order == ["finished", "start 0"] and h.states("alpha") == [READY]
+
+    run(scenario, placement_for=lambda spec, index: ReplicaPlacement(memory_fraction=0.4))
 
 
 def test_replicas_that_crash_while_another_drains_are_restarted_meanwhile():
