@@ -174,6 +174,39 @@ def test_drain_with_migrate_empties_a_replica_at_once(gateway):
     assert reply.status_code == 200
 
 
+def test_drain_with_migrate_of_the_last_ready_replica_lets_its_streams_finish(gateway):
+    """The other replica drained first (without migration), the busy one is the model's last: drained with
+    migration, its streams have nowhere to go, and finish where they are rather than end in an error event."""
+    _wait_all_ready(gateway)
+    requests = _requests(4, 0)
+    reference = asyncio.run(_run_all(gateway, requests))
+    migrated_before = _migrations(gateway, "drained")
+    answers: list[dict] = []
+
+    async def drain_both(runs: list[Run]) -> None:
+        await _until_all_streaming(runs)
+        busiest = _busiest(gateway)
+        other = next(r for r in _replicas(gateway) if r["id"] != busiest["id"])
+        async with httpx.AsyncClient(timeout=10) as http:
+            first = await http.post(f"{gateway.url}/admin/replicas/{other['id']}/drain", headers=ADMIN)
+            assert first.status_code == 200, first.text
+            reply = await http.post(f"{gateway.url}/admin/replicas/{busiest['id']}/drain", json={"migrate": True},
+                                    headers=ADMIN)
+            assert reply.status_code == 200, reply.text
+            answers.append(reply.json())
+
+    try:
+        runs = asyncio.run(_run_all(gateway, requests, drain_both))
+    finally:
+        for replica in _replicas(gateway):
+            httpx.post(f"{gateway.url}/admin/replicas/{replica['id']}/undrain", headers=ADMIN, timeout=10)
+    [answer] = answers
+    assert answer["migrated_streams"] == 0 and answer["finishing_in_place"] >= 1, answer
+    assert answer["migration_waiting"] is True
+    _assert_same(runs, reference)  # every stream whole: all its tokens, then [DONE], no error event
+    assert _migrations(gateway, "drained") == migrated_before
+
+
 def test_a_live_engine_edit_rolls_out_without_breaking_a_stream(gateway):
     """16 clients stream back to back while an admin edit changes the model's engine settings: the replicas are
     replaced one by one (the new one ready before the old one is drained with migration), and every stream, before,
