@@ -1,14 +1,16 @@
-"""API keys: what each may do (its models, default lane, tenant class, rate limits), read from the JSON in the
-environment variable the registry names, and the Bearer token of a request."""
+"""API keys: what each may do (its models, lanes, tenant class, rate limits), read from the JSON in the environment
+variable the registry names, and the Bearer token of a request."""
 
 from __future__ import annotations
 
 import hmac
 import json
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from policies.classify import parse_lane
+from policies.classify import key_lane, lane_names, parse_lane
+from policies.multilevel import BACKGROUND, INTERACTIVE, LANES
 from policies.ratelimit import KeyLimits
 from registry.errors import format_loc
 
@@ -24,12 +26,18 @@ def token_matches(given: str, expected: str | None) -> bool:
 
 
 class ApiKey(BaseModel):
-    """What one API key may do: its models (None: all), default lane, tenant class and rate limits."""
+    """What one API key may do: its models (None: all), lanes, tenant class and rate limits.
+
+    Lanes (`policies.classify.key_lane`): `priority` alone is a ceiling and the default: a request may ask for that
+    lane or a less urgent one, and one that asks for a more urgent lane gets this one. `lanes` lists the lanes its
+    requests may ask for, exactly (any other is refused); with it, `priority` is only the default, one of `lanes`
+    (without it: the least urgent of them)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     models: frozenset[str] | None = None
-    priority: int | str | None = None  # the lane of its requests unless they say otherwise (policies/classify.py)
+    priority: int | str | None = None  # its requests' most urgent lane, and the lane of those that name none
+    lanes: frozenset[int] | None = None  # the lanes its requests may ask for (names or numbers in the JSON)
     tenant: str | None = None  # picks a model's `variants` entry
     requests_per_minute: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
@@ -41,14 +49,45 @@ class ApiKey(BaseModel):
             parse_lane(value)  # ValueError naming the lanes
         return value
 
+    @field_validator("lanes", mode="before")
+    @classmethod
+    def _lanes(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple, set, frozenset)) or not value:
+            raise ValueError(f"must be a non-empty list of lanes: {_LANE_VALUES}")
+        lanes = frozenset(_lane_number(lane) for lane in value)
+        priority = info.data.get("priority")  # absent when it was refused itself
+        if priority is not None and parse_lane(priority) not in lanes:
+            raise ValueError(f"the key's priority ({LANES[parse_lane(priority)]}) must be one of its lanes "
+                             f"({lane_names(lanes)})")
+        return lanes
+
+    @property
+    def default_lane(self) -> int | None:
+        """The lane of its requests that name none; None: their length decides (policies/classify.py)."""
+        return key_lane(None, None if self.priority is None else parse_lane(self.priority), self.lanes)
+
     @property
     def limits(self) -> KeyLimits:
         return KeyLimits(self.requests_per_minute, self.tokens_per_minute)
 
 
+_LANE_VALUES = f"{', '.join(LANES)} or {INTERACTIVE}-{BACKGROUND}"
+
+
+def _lane_number(value: Any) -> int:
+    """A lane named in a key's `lanes`: a name or its number, exactly (no clamping: a list is written on purpose)."""
+    if isinstance(value, str) and value.strip().lower() in LANES:
+        return LANES.index(value.strip().lower())
+    if type(value) is int and INTERACTIVE <= value <= BACKGROUND:
+        return value
+    raise ValueError(f"{value!r} is not a lane: use {_LANE_VALUES}")
+
+
 def parse_api_keys(raw: str | None) -> dict[str, ApiKey]:
     """API keys as JSON (from the environment variable the registry names): key -> `"*"` (every model),
-    a list of models, or an object with `models`, `priority`, `tenant`, `requests_per_minute`,
+    a list of models, or an object with `models`, `priority`, `lanes`, `tenant`, `requests_per_minute`,
     `tokens_per_minute`. Errors name the key and the field."""
     if not raw:
         return {}

@@ -25,6 +25,7 @@ class RequestContext:
     replica: str | None = None  # the replica that served it last
     prompt_tokens: int | None = None  # its prompt's length as that replica counted it (told with a stream's head)
     payload: dict[str, Any] | None = None  # its JSON body, once parsed (`request_body.request_payload`)
+    lane: int | None = None  # the lane its API key allows it (gateway/lanes.py); None: the replica classifies it
     reply_tap: ReplyTap | None = None  # what reads its reply's token counts (`tap_reply`)
 
     @property
@@ -33,9 +34,9 @@ class RequestContext:
         return None if self.key is None else self.key.models
 
     @property
-    def key_priority(self) -> int | str | None:
+    def key_priority(self) -> int | None:
         """The caller's default lane (policies/classify.py), unless the request names one."""
-        return None if self.key is None else self.key.priority
+        return None if self.key is None else self.key.default_lane
 
     @property
     def tenant(self) -> str | None:

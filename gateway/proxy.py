@@ -18,6 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.context import request_context
+from gateway.lanes import choose_lane
 from gateway.metrics import GatewayMetrics
 from gateway.request_body import request_payload
 from gateway.resume import Moved, ProgressTracker, Pump, Stalled, StreamTracker
@@ -117,6 +118,12 @@ class Forwarder:
         if RESUME_FIELD in payload:
             raise APIError(400, f"{RESUME_FIELD} is for the gateway's own continuations, not for clients",
                            param=RESUME_FIELD)
+        context = request_context(request.scope)
+        choice = choose_lane(payload.get("priority"), request.headers.get("x-priority"), context.key)
+        if choice.rewrite_priority:  # the replica reads the body's priority first: it must be the lane allowed
+            payload["priority"] = choice.lane  # (the context's payload too, which the traffic log reads)
+            body = json.dumps(payload).encode()
+        context.lane = choice.lane
         spec = self._target(request, payload, endpoint)
         stream = payload.get("stream") is True
         request_context(request.scope).model = spec.name
@@ -244,10 +251,10 @@ class Forwarder:
         context = request_context(request.scope)
         headers = {"content-type": "application/json", "x-request-id": context.request_id, **replica.auth_headers()}
         # the replica classifies the request's lane (policies/classify.py): the body's priority, else this
-        # header, which carries the client's own or else its API key's default
-        lane = request.headers.get("x-priority") or context.key_priority
-        if lane is not None:
-            headers["x-priority"] = str(lane)
+        # header: the lane its API key allows (gateway/lanes.py), else the client's own
+        lane = request.headers.get("x-priority") if context.lane is None else str(context.lane)
+        if lane:
+            headers["x-priority"] = lane
         resumable = call.resume is not None
         if resumable:
             headers[RESUMABLE_HEADER] = "1"

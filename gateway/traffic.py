@@ -102,8 +102,8 @@ def request_lane(payload: dict[str, Any] | None, headers: dict[bytes, bytes], pr
 
 
 class TrafficMiddleware:
-    """Pure ASGI: taps the reply of tracked endpoints and records one line per request (the body as the proxy
-    parsed it gives its lane)."""
+    """Pure ASGI: taps the reply of tracked endpoints and records one line per request (its lane: the one its API
+    key allowed it, gateway/lanes.py, else the one its body as the proxy parsed it gives)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], recorder: TrafficRecorder,
                  wall_clock: Callable[[], float] = time.time,
@@ -125,7 +125,8 @@ class TrafficMiddleware:
         finally:
             prompt, output, source = tap.counts(context.prompt_tokens)
             model = context.model
-            lane = request_lane(context.payload, dict(scope.get("headers") or []), prompt, context.key_priority,
-                                None if model is None else self.thresholds_for(model))
+            lane = LANES[context.lane] if context.lane is not None else request_lane(
+                context.payload, dict(scope.get("headers") or []), prompt, context.key_priority,
+                None if model is None else self.thresholds_for(model))
             self.recorder.record(TrafficRecord(start_s, self.wall_clock(), model, endpoint, lane,
                                                tap.status or 500, tap.stream, prompt, output, source))

@@ -3,6 +3,9 @@
 In order: the request's own `priority` field (vLLM convention: lower is more urgent; values are
 clamped to the lanes) or an `X-Priority` header (a lane name or number), then the API key's default,
 then its length: short prompts with short answers are interactive, very long prompts background.
+
+What an API key lets its requests ask for (`key_lane`) is decided at the gateway, which sends the replica the lane
+it allowed: a replica trusts its gateway.
 """
 
 from __future__ import annotations
@@ -38,6 +41,40 @@ def parse_lane(value: str | int) -> int:
         return parse_lane(int(text))
     except ValueError:
         raise ValueError(f"priority must be a number or one of {', '.join(LANES)}; got {value!r}") from None
+
+
+class LaneNotAllowed(ValueError):
+    """A request asked for a lane its API key does not list."""
+
+    def __init__(self, lane: int, allowed: frozenset[int]) -> None:
+        super().__init__(f"the {LANES[lane]} lane is not one of this API key's lanes: {lane_names(allowed)}")
+        self.lane, self.allowed = lane, allowed
+
+
+def lane_names(lanes: frozenset[int]) -> str:
+    """The lanes, most urgent first, by name: "normal, background"."""
+    return ", ".join(LANES[lane] for lane in sorted(lanes))
+
+
+def key_lane(asked: int | None, ceiling: int | None, allowed: frozenset[int] | None) -> int | None:
+    """The lane of a request on an API key, from the lane it asked for (`asked`; None: it named none) and its key's
+    `priority` (`ceiling`) and `lanes` (`allowed`); None: the key sets neither and the request named no lane, so its
+    length decides (`classify`).
+
+    - `allowed` set: the asked lane if it is listed, else LaneNotAllowed; a request that names none gets `ceiling`
+      if set (it is then one of `allowed`), else the least urgent allowed lane.
+    - only `ceiling` set: the asked lane, or the ceiling if the asked one is more urgent (clamped, as vLLM clamps a
+      priority out of range); a request that names none gets the ceiling.
+    """
+    if allowed is not None:
+        if asked is None:
+            return ceiling if ceiling is not None else max(allowed)
+        if asked not in allowed:
+            raise LaneNotAllowed(asked, allowed)
+        return asked
+    if asked is None or ceiling is None:
+        return ceiling if asked is None else asked
+    return max(asked, ceiling)
 
 
 def classify(

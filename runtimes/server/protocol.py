@@ -18,6 +18,7 @@ from runtimes.request_errors import InvalidRequestError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1  # a request's `priority`: 32 bits, as vLLM's
 
 
 class _Strict(BaseModel):
@@ -61,7 +62,7 @@ class SamplingFields(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
     # lane: 0 interactive, 1 normal, 2 background; None: classified (policies/classify.py refuses other values)
-    priority: int | None = Field(None, ge=-(1 << 31), le=(1 << 31) - 1)
+    priority: int | None = Field(None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True

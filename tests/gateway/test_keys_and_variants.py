@@ -25,13 +25,13 @@ KEYS = {
 VARIANTS = REGISTRY.replace("    fallbacks: [beta]\n", "    fallbacks: [beta]\n    variants: {internal: beta}\n")
 
 
-def test_a_keys_default_lane_reaches_the_replica_unless_the_request_names_one(with_gateway):
+def test_a_keys_lane_reaches_the_replica_and_a_more_urgent_ask_does_not(with_gateway):
     async def scenario(gw: FakeGateway) -> None:
         await gw.client.post("/v1/chat/completions", json=chat(), headers=bearer("batch"))
         await gw.client.post("/v1/chat/completions", json=chat(), headers={**bearer("batch"), "x-priority": "0"})
         await gw.client.post("/v1/chat/completions", json=chat(), headers=bearer("staff"))
         sent = [r.headers.get("x-priority") for r in gw.replicas.received]
-        assert sent == ["background", "0", None]
+        assert sent == ["2", "2", None]  # (more in test_lanes.py)
 
     with_gateway(scenario, api_keys=KEYS)
 
@@ -128,6 +128,8 @@ def test_a_request_larger_than_the_whole_budget_is_refused_outright(with_gateway
     ('{"a": ["m1"]}', {"a": ApiKey(models=frozenset({"m1"}))}),
     ('{"a": {"models": "*", "priority": 2, "tenant": "internal", "requests_per_minute": 5}}',
      {"a": ApiKey(priority=2, tenant="internal", requests_per_minute=5)}),
+    ('{"a": {"lanes": ["Normal", 2, "background"], "priority": "normal"}}',
+     {"a": ApiKey(priority="normal", lanes=frozenset({1, 2}))}),
 ])
 def test_api_key_forms(raw, expected):
     assert parse_api_keys(raw) == expected
@@ -137,6 +139,14 @@ def test_api_key_forms(raw, expected):
     ('{"a": {"requests_per_minute": 0}}', "API key #1: requests_per_minute: Input should be greater than or equal"),
     ('{"a": "*", "b": {"priority": "urgent"}}', "API key #2: priority: Value error, priority must be a number or"),
     ('{"a": {"model": ["x"]}}', "API key #1: model: Extra inputs are not permitted"),
+    ('{"a": {"lanes": []}}', "API key #1: lanes: Value error, must be a non-empty list of lanes: interactive, "
+                             "normal, background or 0-2"),
+    ('{"a": {"lanes": "normal"}}', "API key #1: lanes: Value error, must be a non-empty list of lanes"),
+    ('{"a": "*", "b": {"lanes": ["normal", "urgent"]}}', "API key #2: lanes: Value error, 'urgent' is not a lane"),
+    ('{"a": {"lanes": [3]}}', "API key #1: lanes: Value error, 3 is not a lane: use interactive, normal, background"),
+    ('{"a": {"lanes": [true]}}', "API key #1: lanes: Value error, True is not a lane"),
+    ('{"a": {"priority": "interactive", "lanes": ["normal", "background"]}}',
+     "API key #1: lanes: Value error, the key's priority (interactive) must be one of its lanes (normal, background)"),
     ('["a"]', "API keys must be a JSON object"),
 ])
 def test_bad_api_keys_name_the_key_and_field(raw, message):
