@@ -15,12 +15,17 @@ fractional GPUs, memory, custom resources such as a node label); Ray itself isol
 CUDA_VISIBLE_DEVICES, which the worker inherits). A registry whose Ray models no node of the cluster could ever
 hold, or a cluster that cannot be reached, is refused like any invalid registry (`ray_problems`), so the last good
 one keeps serving.
+
+Where a worker listens (`worker_address`): on its node's loopback unless `gateway.ray.worker_host` says otherwise,
+so the launch token and the traffic it guards never leave a host unless the operator chose a network for them; a
+replica placed on another host than the gateway's then fails its start, naming the setting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
@@ -44,10 +49,46 @@ from runtimes.server.wire import REPLICA_TOKEN_ENV
 log = structlog.get_logger(__name__)
 
 ACTOR_LOST = -1  # exit_code() of a replica whose actor died (killed, or its node lost) rather than its worker exiting
+LOOPBACK = "127.0.0.1"  # where a worker listens when `gateway.ray.worker_host` is unset
+NODE_ADDRESS = "node"  # `worker_host: node`: each worker listens on its node's address, as Ray knows it
+ANY_ADDRESS = "0.0.0.0"  # listens on every interface; dialled at its node's address
 
 
 class RayUnavailable(RuntimeError):
     """Ray is not installed, or the cluster cannot be reached (or runs another Ray version)."""
+
+
+class WorkerUnreachable(RayUnavailable):
+    """A worker would listen where the gateway cannot reach it (loopback, on another host than the gateway's)."""
+
+
+def worker_address(worker_host: str | None, node_address: str, gateway_address: str) -> tuple[str, str]:
+    """Where a Ray replica's worker listens on its node, whose address as Ray knows it is `node_address`, and the
+    address the gateway dials it at: `worker_host` (unset: loopback, reachable only from the same host); `node`: the
+    node's address; `0.0.0.0`: every interface, dialled at the node's address. WorkerUnreachable for a loopback
+    address on another host than the gateway's (`gateway_address`), which the gateway would never reach (or would
+    reach a stranger listening on its own loopback)."""
+    host = worker_host or LOOPBACK
+    if host == NODE_ADDRESS:
+        return node_address, node_address
+    if host == ANY_ADDRESS:
+        return host, node_address
+    if _is_loopback(host) and node_address != gateway_address:
+        setting = "is unset" if worker_host is None else f"is {worker_host!r}"
+        raise WorkerUnreachable(
+            f"Ray placed it on node {node_address}, another host than the gateway's ({gateway_address}), but "
+            f"gateway.ray.worker_host {setting}, so its worker would listen on {host} there, which the gateway "
+            f"cannot reach: set gateway.ray.worker_host: node (each worker listens on its node's address; keep that "
+            f"network private, docs/multi-node.md), or keep the model on the gateway's host (a node label in its "
+            f"ray.resources)")
+    return host, host
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host.lower() == "localhost"
 
 
 class RayCluster:
@@ -60,6 +101,7 @@ class RayCluster:
         self._lock = threading.Lock()
         self._actor_class: Any = None
         self._inventory_task: Any = None
+        self._gateway_address: str | None = None
 
     def ray(self) -> Any:
         """The `ray` module, connected; RayUnavailable says why not."""
@@ -83,6 +125,12 @@ class RayCluster:
         if self._actor_class is None:
             self._actor_class = ray.remote(max_restarts=0)(ReplicaActor)  # the pool restarts, with its backoff
         return self._actor_class
+
+    def gateway_address(self) -> str:
+        """This host's address as Ray knows it (its node's, when the gateway runs on a node of the cluster)."""
+        if self._gateway_address is None:
+            self._gateway_address = str(self.ray().util.get_node_ip_address())
+        return self._gateway_address
 
     def nodes(self) -> list[dict[str, Any]]:
         """The cluster's alive nodes, each with its total resources (`Resources`) and address."""
@@ -152,12 +200,14 @@ class ReplicaActor:
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, launch_json: str, token: str, host: str | None, env: dict[str, str]) -> tuple[str, int]:
-        """Start the worker on a free port of this node; returns its base URL and pid."""
-        if host is None:
-            import ray
+    def node_address(self) -> str:
+        """This node's address, as Ray knows it."""
+        import ray
 
-            host = ray.util.get_node_ip_address()
+        return str(ray.util.get_node_ip_address())
+
+    def start(self, launch_json: str, token: str, host: str, env: dict[str, str]) -> tuple[int, int]:
+        """Start the worker on a free port of `host` on this node; returns the port and the worker's pid."""
         port = free_port(host)
         command = [sys.executable, "-m", "multiserve", "worker", "--launch", launch_json, "--host", host,
                    "--port", str(port)]
@@ -165,7 +215,7 @@ class ReplicaActor:
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
         self.process = subprocess.Popen(command, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                                         preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
-        return f"http://{host}:{port}", self.process.pid
+        return port, self.process.pid
 
     async def wait(self) -> int:
         """The worker's exit status, once it has exited."""
@@ -244,6 +294,7 @@ class RayLauncher:
         resources = launch.ray or RayResources()
         options = resources.ray_options()
         actor_class = await asyncio.to_thread(self.cluster.actor_class)
+        gateway_address = await asyncio.to_thread(self.cluster.gateway_address)
         planned = None if self.planner is None else await asyncio.to_thread(self.planner.node_placement, launch)
         if planned is not None:
             options["scheduling_strategy"] = self.cluster.node_affinity(planned.node_id)
@@ -256,19 +307,29 @@ class RayLauncher:
         env = dict(launch.placement.env)
         timeout_s = self.cluster.connection.start_timeout_s
         try:
-            url, pid = await asyncio.wait_for(
-                actor.start.remote(launch.model_dump_json(), token, self.cluster.connection.worker_host, env),
-                timeout_s)
+            url, pid, node = await asyncio.wait_for(self._start_worker(actor, launch, token, env, gateway_address),
+                                                    timeout_s)
+        except WorkerUnreachable as err:
+            self.cluster.ray().kill(actor)
+            raise WorkerUnreachable(f"{launch.replica_id}: {err}") from None
         except TimeoutError as err:
             self.cluster.ray().kill(actor)
             where = "" if planned is None else f" on its planned node {planned.address} ({planned.node_id})"
             raise RayUnavailable(f"{launch.replica_id}: Ray did not place and start its actor{where} within "
                                  f"{timeout_s:g} s (asking {resources.ray_options()}); is a node with those "
                                  f"resources free?") from err
-        node = str(url.split("//", 1)[1].rsplit(":", 1)[0])
         handle = RayHandle(url, actor, int(pid), node, token, node_id=None if planned is None else planned.node_id)
         handle.watch(self.cluster)
         return handle
+
+    async def _start_worker(self, actor: Any, launch: ReplicaLaunch, token: str, env: dict[str, str],
+                            gateway_address: str) -> tuple[str, int, str]:
+        """Start the replica's worker under its placed actor, listening where `worker_address` says; its URL, pid
+        and node's address."""
+        node_address = await actor.node_address.remote()
+        host, dialled = worker_address(self.cluster.connection.worker_host, node_address, gateway_address)
+        port, pid = await actor.start.remote(launch.model_dump_json(), token, host, env)
+        return f"http://{dialled}:{port}", pid, node_address
 
 
 def ray_problems(registry: Registry, cluster: RayCluster | None) -> list[Problem]:

@@ -96,8 +96,9 @@ class RayConnection(Frozen):
     # (Ray Client); None: `auto` when a model needs Ray. `multiserve serve --ray-address` overrides it.
     address: str | None = Field(default=None, min_length=1, max_length=512)
     namespace: str = Field(default="multiserve", pattern=r"^[A-Za-z0-9._-]+$", max_length=128)
-    # where a Ray replica's worker listens, on its node: None is the node's own address (reachable from the
-    # gateway); 127.0.0.1 only suits a cluster whose nodes all run on the gateway's host
+    # where a Ray replica's worker listens, on its node (model_pool/ray_launcher.py `worker_address`): None is
+    # 127.0.0.1, which serves only replicas on the gateway's host (one elsewhere fails its start, saying so); `node`
+    # is each node's own address as Ray knows it (keep that network private: docs/multi-node.md); an address as given
     worker_host: str | None = Field(default=None, min_length=1, max_length=255)
     start_timeout_s: float = Field(default=120.0, gt=0, le=MAX_WAIT_S)  # for Ray to place and start an actor
 

@@ -1,15 +1,27 @@
 """The registry check for `launcher: ray` models, against a stand-in cluster (the real one: tests/e2e/test_ray_e2e.py):
 an unreachable cluster, or resources no node has, are refused naming the field; what fits passes. And what the
-launcher asks of Ray: a planned replica's actor pinned to its node, its worker given that node's plan entry."""
+launcher asks of Ray: a planned replica's actor pinned to its node, its worker given that node's plan entry, and
+listening on its node's loopback unless `worker_host` says otherwise."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
+from ray import exceptions as ray_exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from model_pool.ray_launcher import RayCluster, RayHandle, RayLauncher, RayUnavailable, ray_problems
+from model_pool.ray_launcher import (
+    RayCluster,
+    RayHandle,
+    RayLauncher,
+    RayUnavailable,
+    WorkerUnreachable,
+    ray_problems,
+    worker_address,
+)
 from model_pool.ray_plan import RayPlacer
 from partitioner.devices.inventory import Inventory
 from registry.launch import ReplicaLaunch, replica_launch
@@ -80,25 +92,32 @@ class _Method:
         return future
 
 
+GATEWAY_HOST = "10.0.0.1"  # the gateway's host, a node of the cluster
+
+
 class _Actor:
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], node_address: str) -> None:
         self.options = options
-        self.start, self.wait = _Method(("http://127.0.0.1:9999", 4321)), _Method(None)
+        self.node_address, self.start, self.wait = _Method(node_address), _Method((9999, 4321)), _Method(None)
 
 
 class LaunchCluster(RayCluster):
-    """The launcher's side of Ray: actors are recorded with the options they were created with, and never run;
-    nodes and their inventories are the stand-in cluster's of test_ray_plan."""
+    """The launcher's side of Ray: actors are recorded with the options they were created with, and never run (each
+    on a node at `node_address`); nodes and their inventories are the stand-in cluster's of test_ray_plan."""
 
-    def __init__(self) -> None:
-        super().__init__(RayConnection(worker_host="127.0.0.1"))
+    def __init__(self, worker_host: str | None = "127.0.0.1", node_address: str = GATEWAY_HOST) -> None:
+        super().__init__(RayConnection(worker_host=worker_host))
         self.stand_in = PlanCluster()
         self.actors: list[_Actor] = []
+        self.node_address = node_address
+        self.killed: list[_Actor] = []
 
     def ray(self) -> Any:
-        import ray
+        # installed, never connected: the handle only needs its exception types
+        return SimpleNamespace(exceptions=ray_exceptions, kill=self.killed.append)
 
-        return ray  # installed, never connected: the handle only needs its exception types
+    def gateway_address(self) -> str:
+        return GATEWAY_HOST
 
     def actor_class(self) -> Any:
         cluster = self
@@ -108,7 +127,7 @@ class LaunchCluster(RayCluster):
                 self.options = options
 
             def remote(self) -> _Actor:
-                cluster.actors.append(_Actor(self.options))
+                cluster.actors.append(_Actor(self.options, cluster.node_address))
                 return cluster.actors[-1]
 
         class ActorClass:
@@ -125,8 +144,8 @@ class LaunchCluster(RayCluster):
         return self.stand_in.read_inventory(node_id)
 
 
-def _start(reg: Registry, index: int) -> tuple[LaunchCluster, RayHandle]:
-    cluster = LaunchCluster()
+def _start(reg: Registry, index: int, cluster: LaunchCluster | None = None) -> tuple[LaunchCluster, RayHandle]:
+    cluster = cluster or LaunchCluster()
     launcher = RayLauncher(cluster, RayPlacer(lambda: reg, cluster, shapes={"big": SHAPE}))
 
     async def start() -> RayHandle:
@@ -161,3 +180,48 @@ def test_a_replica_the_plan_does_not_place_is_left_to_ray():
     [(_launch, _token, _host, env)] = actor.start.calls
     assert env == {} and handle.node_id is None
     assert (cluster.stand_in.node_calls, cluster.stand_in.reads) == (0, [])
+
+
+def _free(cluster: LaunchCluster) -> tuple[LaunchCluster, RayHandle]:
+    return _start(plan_registry(free={"device": "cpu", "ray": {"num_cpus": 0.5}}), 0, cluster)
+
+
+def test_an_unset_worker_host_listens_on_loopback_on_the_gateways_host():
+    cluster, handle = _free(LaunchCluster(worker_host=None))
+    [(_launch, _token, host, _env)] = cluster.actors[0].start.calls
+    assert host == "127.0.0.1" and handle.base_url == "http://127.0.0.1:9999"
+    assert handle.node == GATEWAY_HOST  # the node it runs on, as logs show it
+
+
+def test_an_unset_worker_host_on_another_host_fails_the_start_naming_the_setting():
+    cluster = LaunchCluster(worker_host=None, node_address="10.0.0.2")
+    with pytest.raises(WorkerUnreachable) as err:
+        _free(cluster)
+    message = str(err.value)
+    assert message.startswith("free/0: Ray placed it on node 10.0.0.2, another host than the gateway's (10.0.0.1)")
+    assert "gateway.ray.worker_host is unset" in message and "set gateway.ray.worker_host: node" in message
+    [actor] = cluster.actors
+    assert actor.start.calls == [] and cluster.killed == [actor]  # no worker started; its actor let go
+
+
+def test_worker_host_node_listens_on_each_nodes_address():
+    cluster, handle = _free(LaunchCluster(worker_host="node", node_address="10.0.0.2"))
+    [(_launch, _token, host, _env)] = cluster.actors[0].start.calls
+    assert (host, handle.base_url) == ("10.0.0.2", "http://10.0.0.2:9999")
+
+
+@pytest.mark.parametrize("worker_host, node, listens, dialled", [
+    (None, "10.0.0.1", "127.0.0.1", "127.0.0.1"),
+    ("127.0.0.1", "10.0.0.1", "127.0.0.1", "127.0.0.1"),
+    ("node", "10.0.0.2", "10.0.0.2", "10.0.0.2"),
+    ("0.0.0.0", "10.0.0.2", "0.0.0.0", "10.0.0.2"),  # every interface, dialled at the node's address
+    ("10.0.0.2", "10.0.0.2", "10.0.0.2", "10.0.0.2"),  # an address of one node, as written
+])
+def test_worker_address(worker_host, node, listens, dialled):
+    assert worker_address(worker_host, node, "10.0.0.1") == (listens, dialled)
+
+
+@pytest.mark.parametrize("worker_host", [None, "127.0.0.1", "localhost", "::1"])
+def test_a_loopback_worker_on_another_host_is_unreachable(worker_host):
+    with pytest.raises(WorkerUnreachable, match=r"node 10\.0\.0\.2, another host than the gateway's"):
+        worker_address(worker_host, "10.0.0.2", "10.0.0.1")
