@@ -1,7 +1,8 @@
 """Reading a client's JSON body at the gateway: whatever the bytes, the answer is the object or a 400.
 
 What a hardened entry refuses before anything else looks at the body:
-- not UTF-8, not JSON, or JSON that is not an object;
+- not UTF-8 (JSON's one encoding between systems, RFC 8259; `json.loads` would take UTF-16 and UTF-32 bytes too, and
+  forward what a replica refuses), not JSON, or JSON that is not an object;
 - `NaN`, `Infinity` and numbers that overflow to infinity (not JSON, and not re-encodable to a replica);
 - integers of more than 4,300 digits (Python's own limit on converting them);
 - nesting deeper than `MAX_DEPTH` (no OpenAI body comes near; a deep one would exhaust the recursion of whoever
@@ -32,7 +33,11 @@ def request_payload(scope: Any, body: bytes) -> dict[str, Any]:
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object, or APIError 400 (code `invalid_json`) saying what is wrong with it."""
     try:
-        payload = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _invalid(f"the request body must be UTF-8 encoded JSON: {err}") from None
+    try:
+        payload = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise _invalid(f"the request body nests JSON deeper than {MAX_DEPTH} levels") from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, too many digits, and the two hooks below

@@ -23,7 +23,10 @@ NESTED = b'{"model": "alpha", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + 
     (b'{"model": "alpha", "temperature": -Infinity}', "-Infinity is not a JSON number"),
     (b'{"model": "alpha", "temperature": 1e999}', "the number 1e999 is too large"),
     (b'{"model": "alpha", "seed": 1' + b"0" * 5000 + b"}", "not valid JSON"),
-    (b'{"model": "alpha", "messages": "\xff\xfe"}', "not valid JSON"),
+    (b'{"model": "alpha", "messages": "\xff\xfe"}', "must be UTF-8"),
+    ('{"model": "alpha", "messages": []}'.encode("utf-16"), "must be UTF-8"),  # json.loads alone would take these
+    ('{"model": "alpha", "messages": []}'.encode("utf-32"), "must be UTF-8"),
+    ('{"model": "alpha", "messages": []}'.encode("utf-16-le"), "not valid JSON"),  # valid UTF-8, full of NULs
     (b"[1, 2, 3]", "must be a JSON object"),
     (b'"a string"', "must be a JSON object"),
     (b"null", "must be a JSON object"),

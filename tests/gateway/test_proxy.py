@@ -114,7 +114,7 @@ def test_a_missing_model_field_is_400(with_gateway, body):
 
 @pytest.mark.parametrize(("content", "says"), [
     (b'{"model": "alpha", ', "not valid JSON"),
-    (b"\xff\xfe", "not valid JSON"),
+    (b"\xff\xfe", "must be UTF-8"),
     (b'["alpha"]', "must be a JSON object"),
 ])
 def test_a_body_that_is_not_a_json_object_is_400(with_gateway, content, says):
