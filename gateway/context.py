@@ -24,6 +24,9 @@ class RequestContext:
     model: str | None = None  # the model the request was routed to (after aliases and tenant variants)
     replica: str | None = None  # the replica that served it last
     prompt_tokens: int | None = None  # its prompt's length as that replica counted it (told with a stream's head)
+    # output tokens its replicas reported generating as they went (a non-streamed reply's progress, every attempt
+    # and continuation): what a reply cut short (504, 499, broken) is charged, having no usage of its own
+    generated_tokens: int = 0
     payload: dict[str, Any] | None = None  # its JSON body, once parsed (`request_body.request_payload`)
     lane: int | None = None  # the lane its API key allows it (gateway/lanes.py); None: the replica classifies it
     reply_tap: ReplyTap | None = None  # what reads its reply's token counts (`tap_reply`)

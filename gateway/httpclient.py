@@ -43,7 +43,7 @@ from urllib.parse import SplitResult, unquote_to_bytes, urlsplit
 
 import httptools
 
-from gateway.upstream import Timeouts, UpstreamError, UpstreamTimeout
+from gateway.upstream import MAX_REPLY_BYTES, Timeouts, UpstreamError, UpstreamTimeout
 
 _HIGH_WATER_BYTES = 1 << 20  # buffered body bytes at which a streamed reply stops reading its socket
 _LOW_WATER_BYTES = 256 << 10  # and resumes when the reader has taken it back under this
@@ -58,7 +58,7 @@ class KeepAliveClient:
 
     def __init__(self, max_idle_s: float = 4.0, max_idle_per_host: int = 256,
                  clock: Callable[[], float] = time.monotonic, *, max_header_fields: int = 100,
-                 max_head_bytes: int = 64 << 10, max_body_bytes: int = 64 << 20) -> None:
+                 max_head_bytes: int = 64 << 10, max_body_bytes: int = MAX_REPLY_BYTES) -> None:
         for name, value in (("max_header_fields", max_header_fields), ("max_head_bytes", max_head_bytes),
                             ("max_body_bytes", max_body_bytes)):
             if value < 1:

@@ -75,8 +75,9 @@ def _rate_limited(refusal: Refusal) -> APIError:
 
 def _tokens_used(tap: ReplyTap, estimate: TokenEstimate, context: RequestContext) -> int:
     """What a finished request cost: its reply's usage; for a stream without one, its prompt as the replica
-    counted it (or as estimated) plus its content events; nothing for a refusal."""
-    prompt, output, source = tap.counts(context.prompt_tokens)
+    counted it (or as estimated) plus its content events; for a whole reply cut short (504, 499), its prompt as
+    estimated plus the tokens its replicas reported generating; nothing for a refusal."""
+    prompt, output, source = tap.counts(context.prompt_tokens, context.generated_tokens)
     if source == "none":
         return 0 if tap.status >= 400 or tap.status == 0 else estimate.total
     return (estimate.prompt if prompt is None else prompt) + (output or 0)

@@ -18,11 +18,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.context import request_context
+from gateway.framing import MAX_FRAME_BYTES, UpstreamMalformed
 from gateway.lanes import choose_lane
 from gateway.metrics import GatewayMetrics
 from gateway.request_body import request_payload
-from gateway.resume import Moved, ProgressTracker, Pump, Stalled, StreamTracker
-from gateway.upstream import Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
+from gateway.resume import Moved, ProgressTracker, Pump, ResumeBudget, Stalled, StreamTracker
+from gateway.upstream import MAX_REPLY_BYTES, Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
 from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
@@ -54,6 +55,11 @@ class ProxySettings:
     # a resumable stream silent this long mid-way goes on elsewhere (a hung replica is found sooner by its probes,
     # which move its streams as soon as it is marked unhealthy)
     stream_stall_s: float | None = 300.0
+    # a broken generation goes on elsewhere at most this many times (one that made no progress counts twice), and
+    # its continuations wait for a replica `resume_wait_s` in all, not each
+    max_resumes: int = 3
+    max_reply_bytes: int = MAX_REPLY_BYTES  # of a whole reply sent as progress (one read whole: the HTTP client's)
+    max_event_bytes: int = MAX_FRAME_BYTES  # of one stream event or progress line of a replica's
 
 
 class ReplicaFailure(Exception):
@@ -206,9 +212,12 @@ class Forwarder:
                 options = payload.get("stream_options")
                 include_usage = isinstance(options, dict) and options.get("include_usage") is True
                 resume = _Resume(group, ENDPOINTS[endpoint][0], {**payload, "model": target.name}, include_usage)
+            # Every non-streamed generation is asked for as progress: its tokens are counted as they come, so one cut
+            # short (a timeout, a client gone) is charged what it made; only those in `resume` can go on elsewhere.
+            progress = endpoint != "embeddings" and not stream
             try:
                 response = await self._try_group(request, group, endpoint, content, stream,
-                                                 _Call(start, spec.name, key, deadline, resume))
+                                                 _Call(start, spec.name, key, deadline, resume, progress))
             except ReplicaFailure as failure:
                 outcome.timed_out = failure.timeout
                 continue
@@ -256,19 +265,18 @@ class Forwarder:
         if lane:
             headers["x-priority"] = lane
         resumable = call.resume is not None
-        if resumable:
+        if resumable or call.progress:
             headers[RESUMABLE_HEADER] = "1"
         lease = self.pool.lease(replica)
         handed_over = False
         try:
             response = await self._open(replica.base_url + ENDPOINTS[endpoint][0], content, headers, lease)
-            if (not stream and resumable and response.status_code == 200
+            if (not stream and (resumable or call.progress) and response.status_code == 200
                     and response.headers.get(RESUMABLE_HEADER) == "1"):
                 chunks, first = await self._first_bytes(response, lease)
                 handed_over = True
-                assert call.resume is not None
-                leg = _Leg(replica, response, lease, self._pump(chunks, True), first)
-                return await self._whole_reply(request, leg, call, call.resume, headers)
+                leg = _Leg(replica, response, lease, self._pump(chunks, resumable), first, resumable)
+                return await self._whole_reply(request, leg, call, headers)
             if not stream or response.status_code != 200:
                 data = await self._read_all(response, lease)
                 lease.succeeded()
@@ -334,17 +342,23 @@ class Forwarder:
         same connection (gateway/resume.py); any other break, or the request's deadline, ends the stream with an
         error event (closing the upstream connection aborts the request on the replica)."""
         model = call.model
-        tracker = None if resume is None else StreamTracker(resume.include_usage)
+        tracker = None if resume is None else StreamTracker(resume.include_usage, self.settings.max_event_bytes)
         tried = {leg.replica.replica_id}
+        budget = self._budget()
         try:
             self.metrics.ttft.labels(model).observe(self.clock() - call.start)
             while True:
+                num_before = 0 if tracker is None else len(tracker.token_ids)
                 try:
                     chunk: bytes | None = leg.first
                     while chunk is not None:
                         yield chunk if tracker is None else tracker.feed(chunk)
                         chunk = await self._next(leg, call)
                     leg.lease.succeeded()
+                    return
+                except UpstreamMalformed as err:  # a misbehaving replica: its answer ends here, whatever it was
+                    await self._let_go(leg, err)
+                    yield err.before + _error_event(_malformed(model, err))
                     return
                 except (UpstreamError, Moved) as err:
                     await self._let_go(leg, err)
@@ -355,8 +369,10 @@ class Forwarder:
                     if tracker.finished:  # only the usage chunk and [DONE] were missing
                         yield tracker.ending(request_context(request.scope).prompt_tokens)
                         return
-                    next_leg = await self._resume(request, leg, err, resume, tracker.continuation(resume.payload),
-                                                  len(tracker.token_ids), call, headers, tried)
+                    next_leg = None
+                    if budget.spend(progressed=len(tracker.token_ids) > num_before):
+                        next_leg = await self._resume(request, leg, err, resume, tracker.continuation(resume.payload),
+                                                      len(tracker.token_ids), call, headers, tried, budget)
                     if next_leg is None:
                         yield _error_event(_interrupted(model))
                         return
@@ -368,15 +384,19 @@ class Forwarder:
             await leg.close()
             self.metrics.e2e.labels(model).observe(self.clock() - call.start)
 
-    async def _whole_reply(self, request: Request, leg: _Leg, call: _Call, resume: _Resume,
-                           headers: dict[str, str]) -> Response:
-        """A non-streamed generation, read as progress (runtimes/server/wire.py PROGRESS_MEDIA_TYPE): when its replica
-        fails, stalls, answers 503 (its engine died) or is drained with migration before the reply line has come, the
-        rest is generated on another replica, and the client gets the one whole reply that ends it."""
-        progress = ProgressTracker()
+    async def _whole_reply(self, request: Request, leg: _Leg, call: _Call, headers: dict[str, str]) -> Response:
+        """A non-streamed generation, read as progress (runtimes/server/wire.py PROGRESS_MEDIA_TYPE). When its replica
+        fails, stalls, answers 503 (its engine died) or is drained with migration before the reply line has come, a
+        resumable one (`call.resume`) is generated on to its end on another replica, within the resumption budget,
+        and the client gets the one whole reply that ends it; any other is retried from the start elsewhere, as a
+        reply read whole would be. A malformed or oversized reply is a 502. The tokens every leg reported go to the
+        request's context, for what a reply cut short is charged."""
+        progress = ProgressTracker(self.settings.max_reply_bytes, self.settings.max_event_bytes)
         tried = {leg.replica.replica_id}
+        budget = self._budget()
         try:
             while True:
+                num_before = len(progress.token_ids)
                 try:
                     chunk: bytes | None = leg.first
                     while chunk is not None:
@@ -385,19 +405,32 @@ class Forwarder:
                     if progress.reply is None or progress.reply[0] == 503:
                         raise UpstreamError("the reply ended before its last line" if progress.reply is None
                                             else "answered 503 midway")
+                    status, body = progress.reply_json()
                     leg.lease.succeeded()
-                    status, body = progress.reply
                     return Response(body, status_code=status, media_type="application/json")
+                except UpstreamMalformed as err:
+                    await self._let_go(leg, err)
+                    raise _malformed(call.model, err) from err
                 except (UpstreamError, Moved) as err:
                     await self._let_go(leg, err)
-                    next_leg = await self._resume(request, leg, err, resume, progress.continuation(resume.payload),
-                                                  len(progress.token_ids), call, headers, tried)
+                    if call.resume is None:  # cannot go on elsewhere: try it afresh on another replica
+                        raise ReplicaFailure(leg.replica, f"reply broke: {err!r}",
+                                             timeout=isinstance(err, UpstreamTimeout)) from err
+                    next_leg = None
+                    if budget.spend(progressed=len(progress.token_ids) > num_before):
+                        next_leg = await self._resume(request, leg, err, call.resume,
+                                                      progress.continuation(call.resume.payload),
+                                                      len(progress.token_ids), call, headers, tried, budget)
                     if next_leg is None:
                         raise APIError(503, f"model {call.model!r}: the replica failed midway and no other could "
                                             f"finish the reply", code="reply_interrupted") from err
                     leg = next_leg
         finally:
+            request_context(request.scope).generated_tokens += len(progress.token_ids)
             await leg.close()
+
+    def _budget(self) -> ResumeBudget:
+        return ResumeBudget(self.settings.max_resumes, self.settings.resume_wait_s)
 
     async def _let_go(self, leg: _Leg, err: Exception) -> None:
         """Close a leg that broke off midway; held against its replica unless it was moved or went quiet (it may just
@@ -409,10 +442,10 @@ class Forwarder:
         await leg.close()
 
     async def _resume(self, request: Request, leg: _Leg, err: Exception, resume: _Resume, body: bytes, num_tokens: int,
-                      call: _Call, headers: dict[str, str], tried: set[str]) -> _Leg | None:
+                      call: _Call, headers: dict[str, str], tried: set[str], budget: ResumeBudget) -> _Leg | None:
         """The continuation (`body`: after `num_tokens` generated) of what broke off on `leg`, opened on another
         replica of the model (`_continuation`), counted and logged; None if none could take it."""
-        next_leg = await self._continuation(request, resume, body, call, headers, tried)
+        next_leg = await self._continuation(request, resume, body, call, headers, tried, budget)
         if next_leg is None:
             return None
         cause = _cause(err, leg.replica)
@@ -429,12 +462,21 @@ class Forwarder:
         return await asyncio.wait_for(leg.pump.get(), max(call.deadline - self.clock(), 0.0))
 
     async def _continuation(self, request: Request, resume: _Resume, body: bytes, call: _Call,
-                            headers: dict[str, str], tried: set[str]) -> _Leg | None:
+                            headers: dict[str, str], tried: set[str], budget: ResumeBudget) -> _Leg | None:
         """Open the rest of a broken generation (`body`) on another ready replica of the model, waiting (with backoff,
-        within the request's deadline and `resume_wait_s`) for one to be ready; None if none could take it."""
-        give_up = self.clock() + self.settings.resume_wait_s
+        within the request's deadline and what is left of its `resume_wait_s`) for one to be ready; None if none
+        could take it."""
+        started = self.clock()
+        give_up = started + budget.wait_left_s
         if call.deadline is not None:
             give_up = min(give_up, call.deadline)
+        try:
+            return await self._open_continuation(resume, body, call, headers, tried, give_up)
+        finally:
+            budget.waited(self.clock() - started)
+
+    async def _open_continuation(self, resume: _Resume, body: bytes, call: _Call, headers: dict[str, str],
+                                 tried: set[str], give_up: float) -> _Leg | None:
         for attempt in itertools.count(1):
             replica = self.pool.choose(resume.group, tried, call.key)
             if replica is None:  # none untried: any ready one will do (a restarted replica is a fresh process)
@@ -542,6 +584,11 @@ def _cause(err: Exception, replica: Replica) -> str:
     return "stalled" if isinstance(err, Stalled) else "replica_failed"
 
 
+def _malformed(model: str, err: UpstreamMalformed) -> APIError:
+    return APIError(502, f"model {model!r}: the replica's reply was malformed ({err}); it was cut off",
+                    code="bad_upstream_reply")
+
+
 def _interrupted(model: str) -> APIError:
     return APIError(503, f"model {model!r}: the replica failed while streaming; the reply is incomplete",
                     code="stream_interrupted")
@@ -557,6 +604,7 @@ class _Call:
     key: str | None
     deadline: float | None
     resume: _Resume | None = None  # set for a generation of one choice that can go on elsewhere
+    progress: bool = False  # a non-streamed generation: asked for as progress, its tokens counted as they come
 
 
 def routing_key(spec: ModelSpec, request: Request, payload: dict[str, Any]) -> str | None:

@@ -19,9 +19,11 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from gateway.upstream import UpstreamError, UpstreamTimeout
+from gateway.framing import MAX_FRAME_BYTES, Framer, UpstreamMalformed, parse_token_ids
+from gateway.upstream import MAX_REPLY_BYTES, UpstreamTimeout
 from runtimes.server.wire import REPLY_LINE, RESUME_FIELD, TOKENS_COMMENT
 
 _TOKENS = TOKENS_COMMENT.encode()
@@ -30,9 +32,11 @@ _DATA = b"data: "
 
 
 class StreamTracker:
-    """Follows one relayed SSE stream of a single choice (n = 1); see the module's docstring."""
+    """Follows one relayed SSE stream of a single choice (n = 1); see the module's docstring. What it passes on is
+    checked as it goes: a token line that is not a list of ids, an event that is not JSON (nor `[DONE]`), choices or
+    deltas that are not objects, or an event over `max_event_bytes` raise UpstreamMalformed."""
 
-    def __init__(self, include_usage: bool) -> None:
+    def __init__(self, include_usage: bool, max_event_bytes: int = MAX_FRAME_BYTES) -> None:
         self.include_usage = include_usage
         self.token_ids: list[int] = []
         self.id: str | None = None
@@ -44,7 +48,7 @@ class StreamTracker:
         self.failed = False  # the replica reported an error in-band: that is an answer, not something to resume
         self.untracked = False  # text went out without token ids (a replica that does not take part): no resuming
         self.usage_sent = False
-        self._pending = b""
+        self._events = Framer(b"\n\n", max_event_bytes, "stream event")
 
     @property
     def resumable(self) -> bool:
@@ -52,22 +56,25 @@ class StreamTracker:
 
     def feed(self, data: bytes) -> bytes:
         """The complete events in what has arrived so far, without token-id lines; a partial event is kept back
-        (if the replica dies before finishing it, the continuation makes its tokens again)."""
-        buffer = self._pending + data
-        end = buffer.rfind(b"\n\n")
-        if end < 0:
-            self._pending = buffer
-            return b""
-        self._pending = buffer[end + 2:]
-        return b"".join(self._event(event) for event in buffer[:end].split(b"\n\n"))
+        (if the replica dies before finishing it, the continuation makes its tokens again). On a malformed event,
+        UpstreamMalformed carries the events before it."""
+        out: list[bytes] = []
+        try:
+            for event in self._events.feed(data):
+                out.append(self._event(event))
+        except UpstreamMalformed as err:
+            raise UpstreamMalformed(str(err), b"".join(out)) from None
+        return b"".join(out)
 
     def _event(self, event: bytes) -> bytes:
         ids: list[int] = []
         if event.startswith(_TOKENS):
             line, _, event = event.partition(b"\n")
-            ids = [int(t) for t in line[len(_TOKENS):].split(b",")]
+            ids = parse_token_ids(line[len(_TOKENS):])
         if event.startswith(_DATA):
             self._observe(event[len(_DATA):], ids)
+        elif ids:
+            raise UpstreamMalformed(f"token ids before something other than a data line: {event[:80]!r}")
         self.token_ids.extend(ids)
         return event + b"\n\n"
 
@@ -78,27 +85,41 @@ class StreamTracker:
         try:
             chunk = json.loads(data)
         except ValueError:
-            self.untracked = True
-            return
-        if not isinstance(chunk, dict) or "error" in chunk:
+            raise UpstreamMalformed(f"a stream event that is not JSON: {data[:80]!r}") from None
+        if not isinstance(chunk, dict):
+            raise UpstreamMalformed(f"a stream event that is not a JSON object: {data[:80]!r}")
+        if "error" in chunk:
             self.failed = True
             return
         if chunk.get("usage"):
             self.usage_sent = True
         if self.id is None:
-            self.id, self.created = chunk.get("id"), chunk.get("created")
-            self.object, self.model = chunk.get("object"), chunk.get("model")
-        for choice in chunk.get("choices") or ():
+            self._identify(chunk)
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            raise UpstreamMalformed(f"a stream event whose choices are not objects: {data[:80]!r}")
+        for choice in choices:
             if choice.get("finish_reason") is not None:
                 self.finished = True
             delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise UpstreamMalformed(f"a stream event whose delta is not an object: {data[:80]!r}")
             if not ids and (choice.get("text") or delta.get("content")):
                 self.untracked = True
+
+    def _identify(self, chunk: dict[str, Any]) -> None:
+        """The stream's id and creation time, which a continuation keeps; a stream without them can't go on."""
+        stream_id, created = chunk.get("id"), chunk.get("created")
+        if isinstance(stream_id, str) and isinstance(created, int) and not isinstance(created, bool):
+            self.id, self.created = stream_id, created
+            self.object, self.model = chunk.get("object"), chunk.get("model")
+        else:
+            self.untracked = True
 
     def continuation(self, payload: dict[str, Any]) -> bytes:
         """The body that asks another replica to go on after the tokens sent so far. What is left of an event the
         broken reply had begun is dropped: its tokens were never sent, and the continuation makes them again."""
-        self._pending = b""
+        self._events.clear()
         resume = {"token_ids": self.token_ids, "id": self.id, "created": self.created}
         return json.dumps({**payload, RESUME_FIELD: resume}).encode()
 
@@ -118,13 +139,19 @@ class StreamTracker:
 class ProgressTracker:
     """Follows a non-streamed generation's progress reply (runtimes/server/wire.py PROGRESS_MEDIA_TYPE): the ids of
     the tokens generated so far, then the final status and reply. The client sees only that reply, so a continuation
-    needs nothing but the token ids, and the replica that finishes answers with the whole text."""
+    needs nothing but the token ids, and the replica that finishes answers with the whole text.
 
-    def __init__(self) -> None:
+    Bounded: a line over `max_line_bytes` or a reply over `max_reply_bytes` is UpstreamMalformed, as is a line that
+    is neither a token line nor a reply line with a status, or (`reply_json()`) a reply that is not a JSON object."""
+
+    def __init__(self, max_reply_bytes: int = MAX_REPLY_BYTES, max_line_bytes: int = MAX_FRAME_BYTES) -> None:
         self.token_ids: list[int] = []
         self.status: int | None = None  # set once the reply line has come; the body follows it
+        self.max_reply_bytes = max_reply_bytes
         self._body: list[bytes] = []
-        self._pending = b""
+        self._body_bytes = 0
+        self.max_line_bytes = max_line_bytes
+        self._held = bytearray()  # a line begun
 
     @property
     def reply(self) -> tuple[int, bytes] | None:
@@ -132,32 +159,79 @@ class ProgressTracker:
         return None if self.status is None else (self.status, b"".join(self._body))
 
     def feed(self, data: bytes) -> None:
-        """Take what has arrived; UpstreamError for a line that is neither a token line nor the reply line."""
+        """Take what has arrived; UpstreamMalformed for a line that is neither a token line nor the reply line.
+        Linear: each byte is appended once and searched for a newline once."""
         if self.status is not None:
-            self._body.append(data)
+            self._take(data)
             return
-        buffer = self._pending + data
-        while True:
-            line, newline, rest = buffer.partition(b"\n")
-            if not newline:
-                self._pending = buffer
+        held = self._held
+        start = len(held)
+        held += data
+        pos = 0
+        while (end := held.find(b"\n", max(pos, start))) >= 0:
+            if end - pos > self.max_line_bytes:
+                break
+            line, pos = bytes(held[pos:end]), end + 1
+            if line.startswith(_REPLY):  # what follows is the body, not lines (a pretty reply has newlines)
+                status = line[len(_REPLY):]
+                if not (status.isdigit() and len(status) == 3 and 200 <= int(status) <= 599):
+                    raise UpstreamMalformed(f"not a reply line: {line[:80]!r}")
+                self.status = int(status)
+                body = bytes(held[pos:])
+                held.clear()
+                self._take(body)
                 return
-            buffer = rest
-            ids = line[len(_TOKENS):].split(b",") if line.startswith(_TOKENS) else []
-            if ids and all(t.isdigit() for t in ids):
-                self.token_ids.extend(map(int, ids))
-            elif line.startswith(_REPLY) and line[len(_REPLY):].isdigit():
-                self.status, self._pending = int(line[len(_REPLY):]), b""
-                self._body.append(buffer)
-                return
-            else:
-                raise UpstreamError(f"not a progress line: {line[:80]!r}")
+            if not line.startswith(_TOKENS):
+                raise UpstreamMalformed(f"not a progress line: {line[:80]!r}")
+            self.token_ids.extend(parse_token_ids(line[len(_TOKENS):]))
+        del held[:pos]
+        if len(held) > self.max_line_bytes:
+            held.clear()
+            raise UpstreamMalformed(f"the replica sent a progress line over {self.max_line_bytes} bytes")
+
+    def _take(self, data: bytes) -> None:
+        self._body_bytes += len(data)
+        if self._body_bytes > self.max_reply_bytes:
+            self._body.clear()
+            raise UpstreamMalformed(f"the replica's reply is over {self.max_reply_bytes} bytes")
+        self._body.append(data)
+
+    def reply_json(self) -> tuple[int, bytes]:
+        """The final status and body once the reply has ended, checked to be a JSON object (it goes out as JSON)."""
+        assert self.status is not None
+        body = b"".join(self._body)
+        try:
+            valid = isinstance(json.loads(body), dict)
+        except ValueError:
+            valid = False
+        if not valid:
+            raise UpstreamMalformed(f"the replica's reply is not a JSON object: {body[:80]!r}")
+        return self.status, body
 
     def continuation(self, payload: dict[str, Any]) -> bytes:
         """The body that asks another replica to go on after the tokens generated so far; what the broken reply had
         begun of a line (its tokens are made again) or of a reply it did not finish is dropped."""
-        self._pending, self.status, self._body = b"", None, []
+        self._held.clear()
+        self.status, self._body, self._body_bytes = None, [], 0
         return json.dumps({**payload, RESUME_FIELD: {"token_ids": self.token_ids}}).encode()
+
+
+@dataclass
+class ResumeBudget:
+    """How much more one request may be resumed: `resumes_left` continuations (one after a leg that made no progress
+    costs two: a replica that breaks at once, again and again, is not chased for long) and `wait_left_s` of waiting
+    for a replica to go on on, over all its continuations."""
+
+    resumes_left: int
+    wait_left_s: float
+
+    def spend(self, progressed: bool) -> bool:
+        """Take the cost of one more continuation; whether the budget allows it."""
+        self.resumes_left -= 1 if progressed else 2
+        return self.resumes_left >= 0 and self.wait_left_s > 0
+
+    def waited(self, seconds: float) -> None:
+        self.wait_left_s -= seconds
 
 
 class Moved(Exception):

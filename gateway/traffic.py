@@ -5,8 +5,9 @@ and `multiserve plan-capacity` read it (bench/profile.py).
 Token counts come from the reply itself, as it passes through: `usage` of a whole JSON reply, or of the last chunk
 of a stream that asked for `stream_options.include_usage`; a stream without usage gets its output counted as its
 content events (`usage: "counted"`) and its prompt count from the `x-multiserve-prompt-tokens` header our replicas
-send (the proxy keeps it in the request's context). The lane is the one the replica would pick
-(policies/classify.py) from the request's priority, X-Priority header and lengths.
+send (the proxy keeps it in the request's context); a whole reply cut short (a timeout, a client gone) gets the
+tokens its replicas reported generating in its progress (`usage: "generated"`). The lane is the one the replica
+would pick (policies/classify.py) from the request's priority, X-Priority header and lengths.
 
 Off unless the registry's `gateway.traffic.path` is set. The file rotates by size (`path` → `path.1` → … →
 `path.<backups>`, the oldest dropped), so it stays under (backups + 1) × max_bytes.
@@ -48,7 +49,7 @@ class TrafficRecord:
     stream: bool
     prompt_tokens: int | None
     output_tokens: int | None
-    usage: str  # reported | counted | none
+    usage: str  # reported | counted | generated (a whole reply cut short: what its replicas reported) | none
 
 
 class TrafficRecorder:
@@ -123,7 +124,7 @@ class TrafficMiddleware:
         try:
             await self.app(scope, receive, send)
         finally:
-            prompt, output, source = tap.counts(context.prompt_tokens)
+            prompt, output, source = tap.counts(context.prompt_tokens, context.generated_tokens)
             model = context.model
             lane = LANES[context.lane] if context.lane is not None else request_lane(
                 context.payload, dict(scope.get("headers") or []), prompt, context.key_priority,

@@ -17,6 +17,9 @@ from typing import Protocol
 
 import httpx
 
+# The most a gateway holds of one reply, whichever way it comes (read whole, or a whole reply sent as progress).
+MAX_REPLY_BYTES = 64 << 20
+
 
 class UpstreamError(Exception):
     """The replica could not be reached, or its reply broke off or was not HTTP.

@@ -147,6 +147,8 @@ class FakeReplicas:
         self.streams: list[ChunkStream] = []
         self.on_request: Callable[[Received], None] | None = None  # called as each POST arrives
         self.cancelled: Counter[str] = Counter()  # host -> "slow" requests the gateway gave up on
+        # host -> what answers its POSTs instead of a behaviour (a replica misbehaving in a way of the test's own)
+        self.scripts: dict[str, Callable[[Received], httpx.Response]] = {}
 
     def set(self, replica_id: str, behaviour: str) -> None:
         if behaviour not in BEHAVIOURS:
@@ -156,6 +158,11 @@ class FakeReplicas:
     def set_all(self, replica_ids: tuple[str, ...] | list[str], behaviour: str) -> None:
         for replica_id in replica_ids:
             self.set(replica_id, behaviour)
+
+    def script(self, replica_ids: tuple[str, ...] | list[str], respond: Callable[[Received], httpx.Response]) -> None:
+        """POSTs to these replicas are answered by `respond` (probes stay sane)."""
+        for replica_id in replica_ids:
+            self.scripts[host_for(replica_id)] = respond
 
     def count(self, replica_id: str) -> int:
         return self.requests[host_for(replica_id)]
@@ -173,6 +180,8 @@ class FakeReplicas:
         self.received.append(received)
         if self.on_request is not None:
             self.on_request(received)
+        if host in self.scripts:
+            return self.scripts[host](received)
         refused = self._refuse(request, behaviour)
         if refused is not None:
             return refused
@@ -278,6 +287,16 @@ class FakeReplicas:
         self.streams.append(stream)
         return httpx.Response(200, headers={"content-type": "text/event-stream", "x-multiserve-prompt-tokens": "3",
                                             **(headers or {})}, stream=stream)
+
+
+def raw_reply(chunks: list[bytes], progress: bool, error: httpx.HTTPError | None = None,
+              stall_after: int | None = None) -> httpx.Response:
+    """A reply whose body is `chunks` as given (then `error`, if set): a whole reply sent as progress, or a resumable
+    SSE stream; for scripts of replicas that misbehave."""
+    media = "application/x-multiserve-progress" if progress else "text/event-stream"
+    return httpx.Response(200, headers={"content-type": media, "x-multiserve-resumable": "1",
+                                        "x-multiserve-prompt-tokens": "3"},
+                          stream=ChunkStream(chunks, error, stall_after))
 
 
 def sse(event: dict[str, Any]) -> bytes:
