@@ -287,15 +287,15 @@ class ModelSpec(Frozen):
         return self
 
     def _embedding_problems(self) -> list[Problem]:
-        """What the embedding runtime does not do (it batches first come, first served, with no queue limits)."""
+        """What the embedding runtime does not do (its requests take turns in one queue, with no queue limits)."""
         if self.type != "embedding":
             return []
         unsupported = [("scheduling", self.policy.scheduling != "fcfs"),
                        ("max_queue_len", self.policy.max_queue_len is not None),
                        ("lanes", bool(self.policy.lanes)),
                        ("max_queue_wait_s", self.policy.max_queue_wait_s is not None)]
-        return [Problem(f"policy.{name}", "not supported for embedding models (they batch first come, first "
-                                          "served)") for name, given in unsupported if given]
+        return [Problem(f"policy.{name}", "not supported for embedding models (their requests take turns in "
+                                          "one queue)") for name, given in unsupported if given]
 
     def _launcher_problems(self) -> list[Problem]:
         problems = self._ray_problems()

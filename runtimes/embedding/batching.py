@@ -1,16 +1,29 @@
-"""Dynamic batching: which waiting inputs to encode now, and how to pad them.
+"""Dynamic batching: which waiting inputs to encode next, and how to pad them.
 
-Decide, then execute: `DynamicBatcher.schedule(now)` returns a plain `BatchPlan` (or None: keep waiting) and
-the engine runs it. A batch goes out once `max_batch_size` inputs wait or the oldest has waited
-`batch_window_s`; inputs are taken first come, first served, so one request's inputs may span batches.
-Within a batch, inputs are sorted by length and cut into length buckets (powers of two from
-`min_bucket_len`), each padded only to its own longest input and held under `max_batch_tokens` padded
-tokens, so a few long inputs do not make every short one pay for their padding.
+Decide, then execute: `DynamicBatcher.schedule(now)` returns the next forward pass as a plain `Bucket` (or None:
+keep waiting) and the engine runs it. Work is planned a *chunk* at a time: once `max_batch_size` inputs wait or
+the oldest has waited `batch_window_s`, the batcher takes up to `max_batch_size` inputs, and at most
+`max_batch_tokens` tokens counted at their length class (so the chunk's padded tokens never pass it; one input
+over it still runs, alone), and cuts them into length buckets (powers of two from `min_bucket_len`), each padded
+only to its own longest input, so a few long inputs do not make every short one pay for their padding. Each
+bucket is one forward pass, shortest first; the engine takes new requests between any two.
+
+Fairness: requests take turns, one input each, in a round that carries on from chunk to chunk (a request with
+inputs left goes to the back of the line). A request of many inputs thus shares each chunk with the requests that
+arrived while its previous chunk ran, instead of holding the replica until all its inputs are encoded: a one-word
+request waits for at most the rest of the chunk in flight, then goes in the next chunk (in its first pass, being
+the shortest).
+
+Turns keep a request's own inputs in input order, so a request alone is cut into the same chunks and buckets as
+when the queue was first come, first served (while `max_batch_size` inputs at the model's limit fit
+`max_batch_tokens`, as 64 of 256 tokens fit the default), and gets the same vectors bit for bit. In company its
+vectors may differ in the last bits (~1e-7): a vector depends on its pass's padded length (the attention's sums
+run over it), not on how many inputs share it (as measured on the CPU).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,15 +48,6 @@ class Bucket:
     @property
     def num_padded_tokens(self) -> int:
         return len(self.items) * self.padded_len
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    buckets: tuple[Bucket, ...]
-
-    @property
-    def num_inputs(self) -> int:
-        return sum(len(b.items) for b in self.buckets)
 
 
 def bucket_len(num_tokens: int, min_bucket_len: int) -> int:
@@ -75,7 +79,7 @@ def plan_buckets(items: Sequence[BatchItem], max_batch_tokens: int, min_bucket_l
 
 
 class DynamicBatcher:
-    """The queue of waiting inputs and the rule for when to encode them."""
+    """The queue of waiting inputs, the rule for when to encode them, and the chunk being encoded."""
 
     def __init__(self, max_batch_size: int, batch_window_s: float, max_batch_tokens: int,
                  min_bucket_len: int) -> None:
@@ -83,28 +87,65 @@ class DynamicBatcher:
         self.batch_window_s = batch_window_s
         self.max_batch_tokens = max_batch_tokens
         self.min_bucket_len = min_bucket_len
-        self.waiting: deque[BatchItem] = deque()
+        # Each request's inputs not yet in a chunk, in input order; the requests in turn order (first: next).
+        self._waiting: OrderedDict[str, deque[BatchItem]] = OrderedDict()
+        self._planned: deque[Bucket] = deque()  # the rest of the chunk in flight: its next passes
+        # Inputs not yet encoded, planned or not. Written by the engine thread only; /metrics reads it.
+        self.num_waiting = 0
 
     def add(self, items: Sequence[BatchItem]) -> None:
-        self.waiting.extend(items)
+        """Queue one request's inputs (in input order); it takes its first turn after those already waiting."""
+        for item in items:
+            self._waiting.setdefault(item.request_id, deque()).append(item)
+        self.num_waiting += len(items)
 
     def remove(self, request_id: str) -> None:
-        """Forget a request's waiting inputs (an aborted request)."""
-        self.waiting = deque(it for it in self.waiting if it.request_id != request_id)
+        """Forget a request's inputs not yet encoded (an aborted request), planned ones included."""
+        self.num_waiting -= len(self._waiting.pop(request_id, ()))
+        planned = list(self._planned)
+        self._planned.clear()
+        for bucket in planned:
+            kept = tuple(it for it in bucket.items if it.request_id != request_id)
+            self.num_waiting -= len(bucket.items) - len(kept)
+            if kept:  # still padded as planned: the other inputs' vectors do not depend on the abort
+                self._planned.append(Bucket(kept, bucket.padded_len))
 
     def wait_s(self, now: float) -> float | None:
-        """None when nothing waits; else how long to keep collecting before `schedule` gives a batch (<= 0: now)."""
-        if not self.waiting:
-            return None
-        if len(self.waiting) >= self.max_batch_size:
+        """None when nothing waits; else how long to keep collecting before `schedule` gives a pass (<= 0: now)."""
+        if self._planned:
             return 0.0
-        return self.waiting[0].arrival_time + self.batch_window_s - now
+        if not self._waiting:
+            return None
+        if self.num_waiting >= self.max_batch_size:
+            return 0.0
+        oldest = min(inputs[0].arrival_time for inputs in self._waiting.values())
+        return oldest + self.batch_window_s - now
 
-    def schedule(self, now: float) -> BatchPlan | None:
-        """The next batch when one is due (a full batch, or the window has closed); None otherwise."""
+    def schedule(self, now: float) -> Bucket | None:
+        """The next forward pass when one is due (the chunk in flight goes on, or a new one is due); else None."""
         wait = self.wait_s(now)
         if wait is None or wait > 0:
             return None
-        count = min(self.max_batch_size, len(self.waiting))
-        items = [self.waiting.popleft() for _ in range(count)]
-        return BatchPlan(plan_buckets(items, self.max_batch_tokens, self.min_bucket_len))
+        if not self._planned:
+            self._planned.extend(plan_buckets(self._take_turns(), self.max_batch_tokens, self.min_bucket_len))
+        bucket = self._planned.popleft()
+        self.num_waiting -= len(bucket.items)
+        return bucket
+
+    def _take_turns(self) -> list[BatchItem]:
+        """The next chunk's inputs: one per request in turn, up to `max_batch_size` inputs and `max_batch_tokens`
+        tokens counted at their length class (at least one input, however long)."""
+        taken: list[BatchItem] = []
+        num_tokens = 0
+        while self._waiting and len(taken) < self.max_batch_size:
+            request_id, inputs = next(iter(self._waiting.items()))
+            cost = bucket_len(len(inputs[0].token_ids), self.min_bucket_len)
+            if taken and num_tokens + cost > self.max_batch_tokens:
+                break  # this request keeps its turn: it leads the next chunk
+            taken.append(inputs.popleft())
+            num_tokens += cost
+            if inputs:
+                self._waiting.move_to_end(request_id)
+            else:
+                del self._waiting[request_id]
+        return taken

@@ -1,8 +1,10 @@
 """The synchronous embedding engine: requests in, one pooled vector per input out, encoded in dynamic batches.
 
-`step()` reads like the LLM engine's: schedule (the batcher's plan), run (one forward per length bucket),
-update (file vectors under their requests; finished requests come out). It knows nothing of HTTP; the
-async face (runtimes/embedding/async_engine.py) drives it from one thread.
+`step()` reads like the LLM engine's: schedule (the batcher's next forward pass), run it, update (file vectors
+under their requests; finished requests come out). One step is one forward pass, so the driver takes new requests
+between any two, and the batcher's turns let them in before a long request's next chunk
+(runtimes/embedding/batching.py). It knows nothing of HTTP; the async face (runtimes/embedding/async_engine.py)
+drives it from one thread.
 
 An input whose forward fails fails its request only (an output with an `error_id`): the rest of its bucket is
 encoded without it (runtimes/fault_isolation.py). The engine then encodes a known-good text; if that fails
@@ -153,22 +155,18 @@ class EmbeddingEngine:
     # ------------------------------------------------------------------------------------------ step
 
     def step(self) -> list[EmbeddingOutput]:
-        """Encode the due batch, if any; outputs of the requests it finished."""
-        plan = self.batcher.schedule(self.clock())
-        if plan is None:
+        """Run the due forward pass, if any; outputs of the requests it finished."""
+        bucket = self.batcher.schedule(self.clock())
+        if bucket is None:
             return []
-        done: list[tuple[Sequence[BatchItem], np.ndarray]] = []
+        outcome = run_isolating(lambda items: self._encode(Bucket(tuple(items), bucket.padded_len)), bucket.items)
         faults: dict[str, Exception] = {}
-        for bucket in plan.buckets:
-            outcome = run_isolating(lambda items: self._encode(Bucket(tuple(items), bucket.padded_len)),  # noqa: B023
-                                    bucket.items)
-            done += outcome.parts
-            for item, error in outcome.faults:
-                faults.setdefault(item.request_id, error)
+        for item, error in outcome.faults:
+            faults.setdefault(item.request_id, error)
         outputs = [self._fail(request_id, error) for request_id, error in faults.items()]
         if faults:
             self._self_check()
-        return outputs + self._update(done)
+        return outputs + self._update(outcome.parts)
 
     def _fail(self, request_id: str, error: Exception) -> EmbeddingOutput:
         """Drop a request whose input failed to encode (its other inputs too) and say so under an error id."""
@@ -229,6 +227,6 @@ class EmbeddingEngine:
             raise RuntimeError(f"embed() needs an idle engine; {len(self._requests)} request(s) are in flight")
         self.add_request("embed", token_ids, arrival_time=self.clock() - self.config.batch_window_s)
         outputs: list[EmbeddingOutput] = []
-        while not outputs:  # a request of more than max_batch_size inputs takes several steps
+        while not outputs:  # one step per forward pass: a request of several length buckets takes several
             outputs = self.step()
         return outputs[0].embeddings

@@ -27,9 +27,9 @@ class _EmbeddingEngineCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        waiting = GaugeMetricFamily(f"{PREFIX}_embedding_inputs_waiting", "Inputs waiting for a batch.",
+        waiting = GaugeMetricFamily(f"{PREFIX}_embedding_inputs_waiting", "Inputs waiting to be encoded.",
                                     labels=LABELS)
-        waiting.add_metric([self.model_name], float(len(self.engine.batcher.waiting)))
+        waiting.add_metric([self.model_name], float(self.engine.batcher.num_waiting))
         yield waiting
         stats = self.engine.stats
         counters = [

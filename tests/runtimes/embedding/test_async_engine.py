@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -57,3 +58,39 @@ def test_cancelled_call_aborts_and_errors_reach_their_caller(make_async):
     asyncio.run(main())
     assert engine.engine.stats.num_inputs == 1  # the cancelled request's inputs were never encoded
     assert not engine.engine.has_unfinished_requests()
+
+
+def test_a_small_request_sent_during_a_large_ones_pass_finishes_first(make_async):
+    """The engine thread takes new requests between forward passes: a one-word request that arrives while a large
+    request's first pass runs is answered before the large one."""
+    engine = make_async(max_batch_size=2, batch_window_s=0.0)
+    core = engine.engine
+    large = core.inputs.prepare(SENTENCES[:4] * 2).token_ids
+    small = core.inputs.prepare(["hi"]).token_ids
+    started, release = threading.Event(), threading.Event()
+    encode = core._encode
+
+    def first_pass_waits(bucket):
+        started.set()
+        assert release.wait(timeout=30), "the test never released the first pass"
+        return encode(bucket)
+
+    core._encode = first_pass_waits
+
+    async def main() -> list[str]:
+        finished: list[str] = []
+
+        async def run(name: str, ids) -> None:
+            await engine.embed(name, ids)
+            finished.append(name)
+
+        large_task = asyncio.create_task(run("large", large))
+        await asyncio.to_thread(started.wait, 30)  # the large request's first pass is running
+        small_task = asyncio.create_task(run("small", small))
+        await asyncio.sleep(0)  # its command is queued
+        core._encode = encode
+        release.set()
+        await asyncio.gather(large_task, small_task)
+        return finished
+
+    assert asyncio.run(main()) == ["small", "large"]

@@ -142,3 +142,49 @@ def test_the_default_dtype_is_half_precision_on_cuda_only():
     assert EmbeddingConfig(dtype="bfloat16").resolve_dtype(torch.device("cuda", 0)) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be auto, float32"):
         EmbeddingConfig(dtype="int8")
+
+
+def test_a_request_alone_gets_the_vectors_of_first_come_first_served_chunks_bit_for_bit(make_engine):
+    """Turns leave a lone request's cut as it was: chunks of max_batch_size inputs in input order, each cut into
+    length buckets (plan_buckets). Same passes, same vectors, to the bit."""
+    from runtimes.embedding.batching import BatchItem, plan_buckets
+
+    engine = make_engine(max_batch_size=8)
+    ids = mixed_inputs(engine.inputs, count=20)
+    expected = np.empty((20, 384), dtype=np.float32)
+    for start in range(0, 20, 8):
+        chunk = [BatchItem("r", i, ids[i], 0.0) for i in range(start, min(start + 8, 20))]
+        for bucket in plan_buckets(chunk, engine.config.max_batch_tokens, engine.config.min_bucket_len):
+            expected[[it.index for it in bucket.items]] = engine._encode(bucket)
+    np.testing.assert_array_equal(engine.embed(ids), expected)
+
+
+def test_a_small_request_finishes_between_a_large_ones_chunks(make_engine):
+    """A large request arrives first; a one-word request comes while its first chunk runs. The small one is
+    encoded in the next chunk's first pass, long before the large one ends, and neither's vectors change."""
+    engine = make_engine(max_batch_size=4, batch_window_s=0.0)
+    large = engine.inputs.prepare([long_text(60 + i) for i in range(12)], truncate_prompt_tokens=-1).token_ids
+    small = engine.inputs.prepare(["hi"]).token_ids
+    large_alone, small_alone = engine.embed(large), engine.embed(small)
+    passes: list[list[str]] = []
+    encode = engine._encode
+
+    def counting(bucket):
+        passes.append([item.request_id for item in bucket.items])
+        return encode(bucket)
+
+    engine._encode = counting
+    engine.add_request("large", large)
+    finished: list[str] = []
+    finished += [out.request_id for out in engine.step()]  # the large request's first chunk
+    engine.add_request("small", small)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished.append(out.request_id)
+            outputs[out.request_id] = out
+    assert finished == ["small", "large"]
+    assert passes.index(["small"]) == 1  # the pass right after the chunk it arrived during
+    assert len(passes) > 3  # the large one took several chunks, and the small one ran before most of them
+    np.testing.assert_array_equal(outputs["small"].embeddings, small_alone)  # its pass is its own, as alone
+    np.testing.assert_allclose(outputs["large"].embeddings, large_alone, atol=1e-5, rtol=0)  # rows in input order
