@@ -11,7 +11,15 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 
 from registry.errors import FieldProblems, Problem, pydantic_problems
-from registry.fields import MAX_BLOCK_SIZE, MAX_GIB, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, Frozen
+from registry.fields import (
+    MAX_BLOCK_SIZE,
+    MAX_GIB,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MAX_NUM_SEQS,
+    MAX_REQUEST_TOKENS,
+    Frozen,
+)
 
 
 class EngineSpec(Frozen):
@@ -52,7 +60,10 @@ class EmbeddingEngineSpec(Frozen):
     max_num_seqs: int | None = Field(default=None, ge=1, le=MAX_NUM_SEQS, strict=True)  # inputs in one batch
     max_model_len: int | None = Field(default=None, ge=1, le=MAX_MODEL_LEN, strict=True)  # below the model's own
     batch_window_s: float | None = Field(default=None, ge=0, le=1.0)  # how long a lone input waits for company
-    max_batch_tokens: int | None = Field(default=None, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)  # padded
+    # padded tokens of one chunk of work; requests take turns between chunks
+    max_batch_tokens: int | None = Field(default=None, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)
+    # one request's inputs' tokens, summed; more is refused with a 400 naming `input`
+    max_request_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUEST_TOKENS, strict=True)
 
 
 _KV_ONLY = frozenset(EngineSpec.model_fields) - frozenset(EmbeddingEngineSpec.model_fields)

@@ -17,6 +17,7 @@ MAX_BLOCK_SIZE = 256  # tokens per KV-cache block (and a power of two)
 MAX_NUM_SEQS = 4096  # sequences a replica runs at once
 MAX_NUM_BATCHED_TOKENS = 1 << 20  # tokens in one engine step
 MAX_MODEL_LEN = 1 << 21  # tokens of context (2M; the longest-context open models have 1M)
+MAX_REQUEST_TOKENS = 1 << 24  # tokens of one embedding request's inputs (OpenAI's 2,048 inputs of 8,192 tokens)
 MAX_GIB = 4096.0  # kv_cache_gib, memory_gib: 4 TiB, more than any single host has
 MAX_QUEUE_LEN = 1 << 20  # waiting requests per replica
 MAX_WAIT_S = 86_400.0  # queue waits and request timeouts: a day

@@ -135,10 +135,16 @@ class EmbeddingEngine:
             if not 0 < len(ids) <= self.max_model_len:
                 raise InvalidRequestError(f"input[{i}] has {len(ids)} tokens; this model takes 1 to "
                                           f"{self.max_model_len}", param="input")
+        num_tokens = sum(len(ids) for ids in token_ids)
+        if num_tokens > self.config.max_request_tokens:
+            raise InvalidRequestError(
+                f"input has {num_tokens} tokens in all ({len(token_ids)} inputs), over this model's limit of "
+                f"{self.config.max_request_tokens} tokens per request; split it into several requests",
+                param="input")
         arrival = self.clock() if arrival_time is None else arrival_time
         self.batcher.add([BatchItem(request_id, i, ids, arrival) for i, ids in enumerate(token_ids)])
         embeddings = np.empty((len(token_ids), self.hidden_size), dtype=np.float32)
-        self._requests[request_id] = _Request(embeddings, sum(len(ids) for ids in token_ids))
+        self._requests[request_id] = _Request(embeddings, num_tokens)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request: its waiting inputs are not encoded; vectors of a batch in flight are discarded."""

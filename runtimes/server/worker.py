@@ -51,7 +51,8 @@ def embedding_config(launch: ReplicaLaunch) -> EmbeddingConfig:
     if not isinstance(engine, EmbeddingEngineSpec):
         raise TypeError("an embedding model's launch carries LLM engine options")
     options: dict[str, Any] = {"max_batch_size": engine.max_num_seqs, "max_model_len": engine.max_model_len,
-                               "batch_window_s": engine.batch_window_s, "max_batch_tokens": engine.max_batch_tokens}
+                               "batch_window_s": engine.batch_window_s, "max_batch_tokens": engine.max_batch_tokens,
+                               "max_request_tokens": engine.max_request_tokens}
     return EmbeddingConfig(device=launch.device, **{k: v for k, v in options.items() if v is not None})
 
 

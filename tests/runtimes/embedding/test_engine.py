@@ -144,6 +144,18 @@ def test_the_default_dtype_is_half_precision_on_cuda_only():
         EmbeddingConfig(dtype="int8")
 
 
+def test_a_request_over_the_token_budget_is_refused_naming_input_the_limit_and_its_count(make_engine):
+    engine = make_engine(max_request_tokens=100)
+    with pytest.raises(InvalidRequestError, match=r"input has 120 tokens in all \(3 inputs\), over this model's "
+                                                  r"limit of 100 tokens per request") as info:
+        engine.add_request("big", [[7] * 40] * 3)
+    assert info.value.param == "input" and not engine.has_unfinished_requests()
+    engine.add_request("fits", [[7] * 50] * 2)  # exactly the budget
+    assert EmbeddingConfig().max_request_tokens == 1 << 17
+    with pytest.raises(ValueError, match="max_request_tokens must be >= 1"):
+        EmbeddingConfig(max_request_tokens=0)
+
+
 def test_a_request_alone_gets_the_vectors_of_first_come_first_served_chunks_bit_for_bit(make_engine):
     """Turns leave a lone request's cut as it was: chunks of max_batch_size inputs in input order, each cut into
     length buckets (plan_buckets). Same passes, same vectors, to the bit."""

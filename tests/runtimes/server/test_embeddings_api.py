@@ -133,6 +133,21 @@ def test_fields_out_of_range_or_unsupported_are_400_by_name(api, fields, param, 
     assert embed(api, "hi", stream=False)["data"]
 
 
+def test_a_request_over_the_token_budget_is_a_400_naming_input_the_limit_and_its_count(embedder):
+    budget = AsyncEmbeddingEngine(EmbeddingEngine(embedder.engine.loaded,
+                                                  EmbeddingConfig(device="cpu", max_request_tokens=20)))
+    try:
+        with TestClient(build_embedding_app(budget, NAME)) as client:
+            wait_until(lambda: client.get("/ready").status_code == 200, what="/ready")
+            error = embed(client, [[7] * 8] * 3, 400)["error"]
+            assert error == {"message": "input has 24 tokens in all (3 inputs), over this model's limit of 20 tokens "
+                                        "per request; split it into several requests",
+                             "type": "invalid_request_error", "param": "input", "code": "invalid_value"}
+            assert len(embed(client, [[7] * 10] * 2)["data"]) == 2  # exactly the budget
+    finally:
+        budget.shutdown()
+
+
 def test_other_errors(api):
     assert embed(api, "x", 404, model="gpt-4")["error"]["code"] == "model_not_found"
     assert embed(api, "x", 400, encoding_format="int8")["error"]["param"] == "encoding_format"
@@ -187,9 +202,15 @@ def test_embedding_options_from_the_registry():
                                                                          max_model_len=128)
     window = spec.model_copy(update={"engine": EmbeddingEngineSpec(batch_window_s=0.0)})
     assert embedding_config(replica_launch(window, 0)).batch_window_s == 0.0
+    budget = spec.model_copy(update={"engine": EmbeddingEngineSpec(max_request_tokens=4096)})
+    assert embedding_config(replica_launch(budget, 0)).max_request_tokens == 4096
     for engine, message in [({"window": 1}, "engine.window: unknown field"),
                             ({"block_size": 16}, "engine.block_size: not used by embedding models"),
-                            ({"batch_window_s": 5}, "engine.batch_window_s: Input should be less than or equal to 1")]:
+                            ({"batch_window_s": 5}, "engine.batch_window_s: Input should be less than or equal to 1"),
+                            ({"max_request_tokens": 0}, "engine.max_request_tokens: Input should be greater than or "
+                                                        "equal to 1"),
+                            ({"max_request_tokens": 1 << 25}, "engine.max_request_tokens: Input should be less than "
+                                                              "or equal to 16777216")]:
         with pytest.raises(ValidationError) as info:
             ModelSpec.model_validate({"name": "e", "type": "embedding", "source": {"path": "/m"}, "engine": engine})
         assert message in "\n".join(str(p) for p in validation_problems(info.value)), info.value
