@@ -66,25 +66,27 @@ def serving_registry(models_yaml: str, workdir: Path, ready_timeout_s: float = 6
                                    stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, process, ready_timeout_s, log_path)
+        wait_ready(url, process, ready_timeout_s, log_path)
         yield url
     finally:
         process.terminate()
         process.wait(120)
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> None:
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float, log_path: Path,
+               what: str = "the gateway") -> None:
+    """Until `url`/ready answers 200; raises with the end of `log_path` if `process` exits or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the gateway exited: {log_path.read_text()[-2000:]}")
+            raise RuntimeError(f"{what} exited: {log_path.read_text()[-2000:]}")
         try:
             if httpx.get(f"{url}/ready", timeout=2, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass  # not listening yet
         time.sleep(0.5)
-    raise RuntimeError(f"the gateway was not ready within {timeout_s} s: {log_path.read_text()[-2000:]}")
+    raise RuntimeError(f"{what} was not ready within {timeout_s} s: {log_path.read_text()[-2000:]}")
 
 
 def bench(url: str, model: str, workload: str, loads: Sequence[LoadSpec], num_requests: int, seed: int, tag: str,
