@@ -9,6 +9,8 @@ Tests run in file order on one gateway.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
 import statistics
 import subprocess
@@ -31,6 +33,9 @@ pytestmark = pytest.mark.slow
 
 BEHAVIOURS = ("hang", "trickle", "huge_headers", "huge_body", "extra_bytes", "drop_after_read", "no_length",
               "garbage")
+# replicas that misbehave inside the continuation protocol (they answer as if the gateway had launched them)
+PROTOCOL_BEHAVIOURS = ("progress_flood", "long_event", "endless_progress", "slow_endless_progress", "bad_token_line",
+                       "bad_choices", "progress_hang")
 REPLY = (b'{"id": "x", "object": "chat.completion", "choices": [], '
          b'"usage": {"prompt_tokens": 1, "completion_tokens": 2}}')
 REGISTRY = """\
@@ -39,6 +44,7 @@ gateway:
   port: {port}
   max_body_bytes: 1048576
   http: {{header_timeout_s: 1.0, body_timeout_s: 1.0}}
+  traffic: {{path: {traffic}}}
 models:
   - name: tiny-chat
     aliases: [tiny]
@@ -74,7 +80,7 @@ class FakeReplicas:
     def start(self) -> None:
         self.thread = threading.Thread(target=self.loop.run_forever, name="fake-replicas", daemon=True)
         self.thread.start()
-        for behaviour in BEHAVIOURS:
+        for behaviour in BEHAVIOURS + PROTOCOL_BEHAVIOURS:
             port = free_port()
             asyncio.run_coroutine_threadsafe(self._serve(behaviour, port), self.loop).result(10)
             self.ports[behaviour] = port
@@ -151,6 +157,51 @@ async def _misbehave(behaviour: str, reader: asyncio.StreamReader, writer: async
         await writer.drain()
         await reader.read()
     # drop_after_read: return, and the connection closes
+    else:
+        await _misbehave_in_protocol(behaviour, reader, writer)
+
+
+PROGRESS_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-multiserve-progress\r\nx-multiserve-resumable: 1\r\n"
+                 b"transfer-encoding: chunked\r\n\r\n")
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nx-multiserve-resumable: 1\r\n"
+               b"x-multiserve-prompt-tokens: 3\r\ntransfer-encoding: chunked\r\n\r\n")
+GOOD_EVENT = (b': multiserve-tokens 100\ndata: {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 7, '
+              b'"model": "m", "choices": [{"index": 0, "delta": {"content": "tok0"}, "finish_reason": null}]}\n\n')
+NUM_HANG_TOKENS = 10  # what progress_hang reports generating before it goes silent
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+async def _misbehave_in_protocol(behaviour: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    if behaviour == "progress_flood":  # a whole reply sent as progress, of 160 MiB, as fast as loopback carries it
+        writer.write(PROGRESS_HEAD + _chunk(b": multiserve-reply 200\n"))
+        piece = _chunk(b"0" * (1 << 20))
+        for _ in range(160):
+            writer.write(piece)
+            await writer.drain()
+    elif behaviour == "long_event":  # one SSE event of 16 MiB, never ended, in 2 KiB pieces
+        writer.write(STREAM_HEAD + _chunk(GOOD_EVENT) + _chunk(b'data: {"choices": [{"delta": {"content": "'))
+        piece = _chunk(b"a" * 2048)
+        for _ in range(8192):
+            writer.write(piece)
+            await writer.drain()
+    elif behaviour in ("endless_progress", "slow_endless_progress"):  # a progress line that never ends, then a close
+        writer.write(PROGRESS_HEAD + _chunk(b": multiserve-tokens 5,6,7"))
+        await writer.drain()
+        await asyncio.sleep(0.3 if behaviour == "endless_progress" else 3.0)
+    elif behaviour in ("bad_token_line", "bad_choices"):
+        bad = (b": multiserve-tokens zz\ndata: {}\n\n" if behaviour == "bad_token_line" else
+               b': multiserve-tokens 101\ndata: {"id": "chatcmpl-x", "created": 7, "choices": [1]}\n\n')
+        writer.write(STREAM_HEAD + _chunk(GOOD_EVENT) + _chunk(bad) + _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+    elif behaviour == "progress_hang":  # generates some tokens, then nothing more
+        ids = ",".join(str(100 + i) for i in range(NUM_HANG_TOKENS))
+        writer.write(PROGRESS_HEAD + _chunk(f": multiserve-tokens {ids}\n".encode()))
+        await writer.drain()
+        await reader.read()
 
 
 # ------------------------------------------------------------------------------------ the gateway
@@ -179,6 +230,7 @@ class Rig:
     health_watch: subprocess.Popen[str]
     # wall-clock spans in which a fake replica floods the gateway (its 64 MiB reply at loopback speed)
     floods: list[tuple[float, float]] = field(default_factory=list)
+    calm_samples: list[tuple[float, float]] = field(default_factory=list)  # (wall-clock end, ms) outside them
 
     def health_ms(self) -> tuple[list[float], list[float]]:
         """Stop the watcher; the times it measured outside the floods and during them (a non-200 answer fails
@@ -190,6 +242,8 @@ class Rig:
             end, took_ms = map(float, line.split())
             overlaps = any(end - took_ms / 1000 < stop + 0.05 and end > start - 0.05 for start, stop in self.floods)
             (flooded if overlaps else calm).append(took_ms)
+            if not overlaps:
+                self.calm_samples.append((end, took_ms))
         return calm, flooded
 
 
@@ -200,7 +254,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     fakes = FakeReplicas()
     fakes.start()
     port = free_port()
-    text = REGISTRY.format(port=port, model=model, fakes="".join(
+    text = REGISTRY.format(port=port, model=model, traffic=root / "traffic.jsonl", fakes="".join(
         FAKE.format(name=f"fake-{behaviour.replace('_', '-')}", port=p) for behaviour, p in fakes.ports.items()))
     try:
         with running_gateway(root, text, port, model) as gateway:
@@ -241,6 +295,8 @@ HOSTILE: list[tuple[str, str, object, int]] = [
     ("a float that overflows", COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', 400),
     ("a 5000-digit integer", COMPLETIONS, b'{"model": "tiny", "prompt": "x", "seed": 1' + b"0" * 5000 + b"}", 400),
     ("invalid utf-8", COMPLETIONS, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400),
+    ("utf-16", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'.decode().encode("utf-16"), 400),
+    ("utf-32", COMPLETIONS, b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'.decode().encode("utf-32"), 400),
     ("seed 2**64", COMPLETIONS, {**OK_CMPL, "seed": 2**64}, 400),
     ("seed below -2**63", COMPLETIONS, {**OK_CMPL, "seed": -(2**63) - 1}, 400),
     ("stop token outside the vocabulary", COMPLETIONS, {**OK_CMPL, "stop_token_ids": [999999999]}, 400),
@@ -324,6 +380,106 @@ def test_a_misbehaving_replica_costs_its_request_and_nothing_else(rig, behaviour
         assert http.post(COMPLETIONS, json=OK_CMPL).status_code == 200  # the rest of the gateway is unaffected
 
 
+def _process_usage(pid: int) -> tuple[float, int]:
+    """(CPU seconds so far, resident bytes) of process `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return cpu_s, int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss
+
+
+def _hostile_request(rig: Rig, behaviour: str, body: dict) -> tuple[httpx.Response, float, int]:
+    """The reply to `body` sent to the fake model of `behaviour`, with the CPU seconds the gateway spent meanwhile
+    and how far its resident memory grew above where it started (sampled every 10 ms)."""
+    pid = rig.gateway.process.pid
+    cpu_before, rss_before = _process_usage(pid)
+    peak, stop = [rss_before], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], _process_usage(pid)[1])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        response = httpx.post(f"{rig.gateway.url}{CHAT}", json={**body, "model": f"fake-{behaviour.replace('_', '-')}"},
+                              timeout=60)
+    finally:
+        stop.set()
+        sampler.join()
+    return response, _process_usage(pid)[0] - cpu_before, peak[0] - rss_before
+
+
+MAX_GROWTH_BYTES = 100 << 20  # per hostile reply
+MAX_CPU_S = 2.0
+
+
+def test_a_whole_reply_sent_as_progress_is_capped(rig):
+    before = rig.fakes.posts["progress_flood"]
+    wall_start = time.time()
+    response, cpu_s, growth = _hostile_request(rig, "progress_flood", OK_CHAT)
+    rig.floods.append((wall_start, time.time()))
+    print(f"160 MiB progress reply: {response.status_code}, gateway CPU {cpu_s:.2f} s, memory +{growth >> 20} MiB")
+    assert response.status_code == 502 and response.json()["error"]["code"] == "bad_upstream_reply", response.text
+    assert cpu_s < MAX_CPU_S and growth < MAX_GROWTH_BYTES, (cpu_s, growth)
+    assert rig.fakes.posts["progress_flood"] == before + 1
+
+
+def test_a_stream_event_that_never_ends_is_cut_off_with_an_error_event(rig):
+    response, cpu_s, growth = _hostile_request(rig, "long_event", {**OK_CHAT, "stream": True})
+    print(f"16 MiB unended event: gateway CPU {cpu_s:.2f} s, memory +{growth >> 20} MiB")
+    assert response.status_code == 200
+    events = [block.removeprefix("data: ") for block in response.text.split("\n\n") if block]
+    assert len(events) == 3 and "tok0" in events[0] and events[2] == "[DONE]", response.text[:500]
+    assert json.loads(events[1])["error"]["code"] == "bad_upstream_reply"
+    assert cpu_s < MAX_CPU_S and growth < MAX_GROWTH_BYTES, (cpu_s, growth)
+
+
+@pytest.mark.parametrize("behaviour", ["bad_token_line", "bad_choices"])
+def test_malformed_stream_events_end_the_stream_with_an_error_event_and_done(rig, behaviour):
+    response, _, _ = _hostile_request(rig, behaviour, {**OK_CHAT, "stream": True})
+    assert response.status_code == 200
+    events = [block.removeprefix("data: ") for block in response.text.split("\n\n") if block]
+    assert len(events) == 3 and "tok0" in events[0] and events[2] == "[DONE]", response.text[:500]
+    error = json.loads(events[1])["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "bad_upstream_reply"
+
+
+def test_a_reply_that_always_breaks_is_resent_within_the_budget(rig):
+    """A progress line that never ends, then a close, every time: no progress, so each continuation costs two of
+    the default budget of three: the request is sent twice, then the client gets a 503."""
+    before = rig.fakes.posts["endless_progress"]
+    response, _, _ = _hostile_request(rig, "endless_progress", OK_CHAT)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "reply_interrupted", response.text
+    assert rig.fakes.posts["endless_progress"] == before + 2
+
+
+def test_a_client_that_leaves_ends_the_chain_of_continuations(rig):
+    before = rig.fakes.posts["slow_endless_progress"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{rig.gateway.url}{CHAT}", json={**OK_CHAT, "model": "fake-slow-endless-progress"}, timeout=1.0)
+    time.sleep(8)  # the broken leg would have ended at 3 s, and its continuations followed
+    assert rig.fakes.posts["slow_endless_progress"] == before + 1
+
+
+def _traffic(rig: Rig, model: str) -> list[dict]:
+    path = rig.gateway.registry_path.parent / "traffic.jsonl"
+    return [record for record in map(json.loads, path.read_text().splitlines()) if record["model"] == model]
+
+
+def test_a_whole_reply_cut_short_is_charged_the_tokens_it_made(rig):
+    """A timeout (504, the fake's request_timeout_s of 3 s) and a client that leaves (499): both are counted the
+    tokens their replica reported generating, which a key's tokens_per_minute is charged (gateway/limits.py)."""
+    response, _, _ = _hostile_request(rig, "progress_hang", OK_CHAT)
+    assert response.status_code == 504, response.text
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{rig.gateway.url}{CHAT}", json={**OK_CHAT, "model": "fake-progress-hang"}, timeout=1.0)
+    _eventually(lambda: len(_traffic(rig, "fake-progress-hang")) == 2, "both traffic records")
+    records = {record["status"]: record for record in _traffic(rig, "fake-progress-hang")}
+    assert set(records) == {504, 499}
+    for record in records.values():
+        assert (record["output_tokens"], record["usage"]) == (NUM_HANG_TOKENS, "generated"), record
+
+
 def test_a_non_streamed_request_whose_client_leaves_is_aborted_on_the_replica(rig):
     replica = _tiny_replica(rig.gateway)
 
@@ -396,7 +552,10 @@ def test_health_stayed_fast_and_no_kv_block_is_left_in_use(rig):
     top = sorted(calm, reverse=True)[:5]
     print(f"/health over {len(calm)} samples: median {statistics.median(calm):.1f} ms, largest {top} ms; "
           f"{len(flooded)} during the flood, largest {max(flooded, default=0):.0f} ms")
-    assert max(calm) < 100, f"/health took up to {max(calm):.0f} ms: largest {top}, median {statistics.median(calm)}"
+    slow = [f"{time.strftime('%H:%M:%S', time.localtime(end))}.{int(end * 1000) % 1000:03d}: {took:.0f} ms"
+            for end, took in rig.calm_samples if took >= 100]
+    assert max(calm) < 100, f"/health took up to {max(calm):.0f} ms at {slow}; floods {rig.floods}; "\
+                            f"/health took up to {max(calm):.0f} ms: largest {top}, median {statistics.median(calm)}"
     assert max(flooded, default=0) < 1000, f"/health took {max(flooded):.0f} ms during the flood"
     # nothing of the abuse reached the gateway as an error of its own (a client leaving mid-body once did: a 500
     # and a traceback for Starlette's ClientDisconnect)
