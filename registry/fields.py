@@ -28,8 +28,9 @@ MAX_BODY_BYTES = 1 << 30  # a request body the gateway buffers
 # Bounded integer fields are `strict`: `true` or "3" for `replicas` is a mistake, not 1 or 3.
 
 ModelType = Literal["chat", "completion", "embedding"]
-# local: a worker process on this host; url: a server started elsewhere; ray: a worker started by a Ray actor
-Launcher = Literal["local", "url", "ray"]
+# local: a worker process on this host; url: a server started elsewhere; ray: a worker started by a Ray actor;
+# command: any OpenAI-compatible server this host starts from the model's `command:` (registry/command.py)
+Launcher = Literal["local", "url", "ray", "command"]
 Device = Literal["auto", "cpu", "cuda"]
 Isolation = Literal["mig", "mps", "timeslice", "exclusive"]
 Scheduling = Literal["fcfs", "multilevel"]

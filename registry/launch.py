@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
+from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
 from registry.fields import GIB, Alias, Device, Frozen, ModelName, ModelType
 from registry.schema import ModelSpec, Placement, QueueOptions, RayResources
@@ -45,6 +46,8 @@ class ReplicaLaunch(Frozen):
     placement: ReplicaPlacement = Field(default_factory=ReplicaPlacement)
     url: str | None = None  # launcher `url`: the replica already runs there
     ray: RayResources | None = None  # launcher `ray`: what its actor asks of its node
+    command: CommandSpec | None = None  # launcher `command`: the server it runs (registry/command.py)
+    served_name: str | None = None  # launcher `command`: the name its server answers to
 
     @field_validator("engine", mode="before")
     @classmethod
@@ -81,4 +84,5 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
         model=spec.name, index=index, type=spec.type, source=spec.source_ref(), aliases=tuple(spec.aliases),
         device=spec.device, engine=spec.engine, queue=queue, placement=placement or ReplicaPlacement(),
         url=spec.urls[index] if index < len(spec.urls) else None,
-        ray=(spec.ray or RayResources()) if spec.launcher == "ray" else None)
+        ray=(spec.ray or RayResources()) if spec.launcher == "ray" else None,
+        command=spec.command, served_name=spec.served_name if spec.launcher == "command" else None)

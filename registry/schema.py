@@ -31,6 +31,7 @@ from pydantic import (
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
 from registry import sources
+from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
 from registry.errors import FieldProblems, Problem, pydantic_problems
 from registry.fields import (
@@ -249,6 +250,7 @@ class ModelSpec(Frozen):
     # launcher `url`: one running OpenAI-compatible server per replica
     urls: list[HttpUrlStr] = Field(default=[], max_length=MAX_REPLICAS)
     ray: RayResources | None = None  # launcher `ray`: what each replica's actor asks of its node (default: 1 CPU)
+    command: CommandSpec | None = None  # launcher `command`: the server each replica runs (registry/command.py)
     device: Device = "auto"
     enabled: bool = True
     placement: Placement = Field(default_factory=Placement)
@@ -298,7 +300,7 @@ class ModelSpec(Frozen):
                                           "one queue)") for name, given in unsupported if given]
 
     def _launcher_problems(self) -> list[Problem]:
-        problems = self._ray_problems()
+        problems = self._ray_problems() + self._command_problems()
         if self.launcher != "url":
             if self.urls:
                 problems.append(Problem("urls", f"only used with launcher 'url' (launcher is {self.launcher!r})"))
@@ -313,6 +315,33 @@ class ModelSpec(Frozen):
             return [*problems, Problem("urls", f"launcher 'url' needs one URL per replica: replicas={self.replicas}, "
                                                f"got {len(self.urls)} url(s)")]
         return problems
+
+    def _command_problems(self) -> list[Problem]:
+        """A command replica runs a server that is not ours: none of our engine's options, and no time-slicing
+        (its arbiter is taken at each step of our engine); on a GPU its memory must be given, not estimated."""
+        if self.launcher != "command":
+            return [Problem("command", f"only used with launcher 'command' (launcher is {self.launcher!r})")] \
+                if self.command is not None else []
+        if self.command is None:
+            return [Problem("command", "launcher 'command' needs a command: {preset: vllm | sglang | llamacpp} or "
+                                       "{argv: [...]}")]
+        problems = []
+        if "engine" in self.model_fields_set:
+            problems.append(Problem("engine", "options of multiserve's own engine; a command replica takes its "
+                                              "server's options in command.args"))
+        if "placement" in self.model_fields_set and self.placement.isolation == "timeslice":
+            problems.append(Problem("placement.isolation", "timeslice needs multiserve's own engine (each engine "
+                                                           "step takes the device's lease); a command replica "
+                                                           "shares a GPU by mig, mps or exclusive"))
+        if self.device == "cuda" and self.placement.memory_gib is None:
+            problems.append(Problem("placement.memory_gib", "required for a command replica on a GPU: what one "
+                                                            "replica holds on its device (it is not estimated)"))
+        return problems
+
+    @property
+    def served_name(self) -> str:
+        """The name this model's replicas answer to: a command's `served_name`, else the model's own."""
+        return self.command.served_name if self.command is not None and self.command.served_name else self.name
 
     def _ray_problems(self) -> list[Problem]:
         if self.launcher != "ray":
