@@ -24,7 +24,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import Forwarder, ProxySettings
 from gateway.traffic import TrafficRecorder
 from gateway.upstream import ByScheme, HttpxUpstream
-from model_pool.launcher import LocalLauncher, UrlLauncher
+from model_pool.command_launcher import CommandLauncher
+from model_pool.launcher import Launcher, LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
 from model_pool.ray_launcher import RayCluster, RayLauncher, ray_problems
 from model_pool.ray_plan import RayPlacer
@@ -53,11 +54,17 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     # Connections to replicas are kept alive and pooled; no timeout here: each request sets its own.
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256), timeout=None)
     placer = placer or default_placer(lambda: store.registry, env)
-    launcher = LocalLauncher(log_dir=log_dir, env_drop=lambda: secret_env_names(store.registry.gateway))
+
+    def secrets() -> set[str]:  # asked at each launch: the names can change with the registry
+        return secret_env_names(store.registry.gateway)
+
+    launcher = LocalLauncher(log_dir=log_dir, env_drop=secrets)
     ray_cluster = ray_cluster or RayCluster(gateway_cfg.ray)
     ray_placer = ray_placer or RayPlacer(lambda: store.registry, ray_cluster)
-    pool = ModelPool({"local": launcher, "url": UrlLauncher(), "ray": RayLauncher(ray_cluster, ray_placer)}, http,
-                     pool_settings, placement_for=placer)
+    launchers: dict[str, Launcher] = {
+        "local": launcher, "url": UrlLauncher(), "ray": RayLauncher(ray_cluster, ray_placer),
+        "command": CommandLauncher(log_dir=log_dir, env_drop=secrets)}
+    pool = ModelPool(launchers, http, pool_settings, placement_for=placer)
     metrics = GatewayMetrics(pool)
     metrics.add_time_shares(placer.shares)
 

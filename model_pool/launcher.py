@@ -39,6 +39,9 @@ class ReplicaHandle(Protocol):
     async def stop(self, timeout_s: float) -> None:
         """Ask it to stop (SIGTERM), then kill it after `timeout_s`."""
 
+    def output_tail(self) -> str:
+        """The last of what its process wrote ("" when not ours to read): shown when it fails to start."""
+
 
 class Launcher(Protocol):
     async def start(self, launch: ReplicaLaunch) -> ReplicaHandle: ...
@@ -48,6 +51,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+TAIL_BYTES = 4096  # of a replica's output, shown when it fails to start
+
+
+def read_tail(path: Path | None) -> str:
+    """The last TAIL_BYTES of a replica's log file ("" without one)."""
+    if path is None:
+        return ""
+    try:
+        with path.open("rb") as log:
+            log.seek(max(log.seek(0, os.SEEK_END) - TAIL_BYTES, 0))
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -85,6 +103,9 @@ class ProcessHandle:
         """Hard kill (tests use it to simulate a crash)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
+
+    def output_tail(self) -> str:
+        return read_tail(self.log_path)
 
 
 class LocalLauncher:
@@ -136,6 +157,9 @@ class RemoteHandle:
 
     async def stop(self, timeout_s: float) -> None:
         return None
+
+    def output_tail(self) -> str:
+        return ""
 
 
 class UrlLauncher:

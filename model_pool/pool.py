@@ -179,8 +179,9 @@ class ModelPool:
                     kept = f"{old.replica_id} and {kept}"
                 group.rollout["state"] = "failed"
                 group.rollout["reason"] = (f"replica {new.replica_id} exited or was not ready within "
-                                           f"{self.settings.ready_timeout_s:g} s; {kept} their old settings")
-                log.error("rollout_failed", model=group.spec.name, replica=new.replica_id, surge=surge)
+                                           f"{new.ready_timeout_s:g} s; {kept} their old settings")
+                log.error("rollout_failed", model=group.spec.name, replica=new.replica_id, surge=surge,
+                          output=_output_tail(new))
                 return
             if surge:
                 await self._retire(group, old)
@@ -191,7 +192,7 @@ class ModelPool:
     async def _await_ready(self, replica: Replica) -> bool:
         """Probe `replica` until it is ready (True), or it exits or its ready timeout passes (False). The pool's
         other replicas are supervised meanwhile, as `tick` would (it waits for this rollout's lock)."""
-        deadline = self.clock() + self.settings.ready_timeout_s
+        deadline = self.clock() + replica.ready_timeout_s
         next_tick = self.clock() + self.settings.probe_interval_s
         while True:
             if replica.handle is None or replica.handle.exit_code() is not None:
@@ -219,6 +220,9 @@ class ModelPool:
             log.error("replica_launch_failed", replica=replica.replica_id, error=str(err))
             await self._on_crash(replica, None)
             return
+        replica.probe_path = spec.command.probe_path if spec.command is not None else "/ready"
+        replica.ready_timeout_s = (spec.command.ready_timeout_s if spec.command is not None
+                                   else self.settings.ready_timeout_s)
         replica.set_state(ReplicaState.STARTING, self.clock())
         self._schedule.launched_at[replica.replica_id] = self.clock()
         log.info("replica_launched", replica=replica.replica_id, url=replica.display_url)
@@ -314,7 +318,7 @@ class ModelPool:
         exited = None if handle is None else handle.exit_code()
         started = self._schedule.launched_at.get(replica.replica_id, now)
         if exited is not None or (replica.state == ReplicaState.STARTING
-                                  and now - started > self.settings.ready_timeout_s):
+                                  and now - started > replica.ready_timeout_s):
             await self._on_crash(replica, exited)
             return
         await self._probe(replica)
@@ -332,18 +336,20 @@ class ModelPool:
         replica.consecutive_failures += 1
         if len(recent) >= self.settings.max_crashes:
             replica.set_state(ReplicaState.FAILED, now)
-            log.error("replica_failed", replica=replica.replica_id, crashes=len(recent), exit_code=exit_code)
+            log.error("replica_failed", replica=replica.replica_id, crashes=len(recent), exit_code=exit_code,
+                      output=_output_tail(replica))
             return
         delay = Backoff(self.settings.restart_backoff_s, self.settings.restart_backoff_max_s).delay_s(len(recent))
         replica.restarts += 1
         replica.set_state(ReplicaState.UNHEALTHY, now)
         self._schedule.restart_at[replica.replica_id] = now + delay
-        log.warning("replica_crashed", replica=replica.replica_id, exit_code=exit_code, restart_in_s=delay)
+        log.warning("replica_crashed", replica=replica.replica_id, exit_code=exit_code, restart_in_s=delay,
+                    output=_output_tail(replica))
 
     async def _probe(self, replica: Replica) -> None:
         now = self.clock()
         try:
-            response = await self.http.get(f"{replica.base_url}/ready", headers=replica.auth_headers(),
+            response = await self.http.get(f"{replica.base_url}{replica.probe_path}", headers=replica.auth_headers(),
                                            timeout=self.settings.probe_timeout_s)
             ok = response.status_code == 200
         except httpx.HTTPError:
@@ -446,6 +452,11 @@ class ModelPool:
                        "ready_replicas": sum(r.state == ReplicaState.READY for r in g.replicas),
                        "engine": g.spec.engine.model_dump(mode="json"), "rollout": g.rollout or None}
                 for name, g in self.groups.items()}
+
+
+def _output_tail(replica: Replica) -> str:
+    """The last lines its process wrote, for the log line that says it failed ("" when there is none to read)."""
+    return "" if replica.handle is None else replica.handle.output_tail()
 
 
 def has_migration_target(group_replicas: Iterable[Replica], replica: Replica) -> bool:

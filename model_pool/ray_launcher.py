@@ -256,6 +256,9 @@ class RayHandle:
     def exit_code(self) -> int | None:
         return self._exit
 
+    def output_tail(self) -> str:
+        return ""  # on its node, in Ray's logs
+
     def watch(self, cluster: RayCluster) -> None:
         """Follow the worker: its exit status once it exits, ACTOR_LOST if the actor or its node dies first."""
         async def follow() -> None:

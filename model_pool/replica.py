@@ -44,6 +44,8 @@ class Replica:
     # once one can (the pool moves them then)
     migration_waiting: bool = False
     state_since: float = 0.0  # the pool's clock when `state` was last changed
+    probe_path: str = "/ready"  # what answers 200 once it serves (a command replica's server: its health path)
+    ready_timeout_s: float = 180.0  # not ready this long after its launch: a failed start (set at each launch)
     # streams relayed from this replica that can go on elsewhere: each callback asks its relay to move
     movable: set[Callable[[], None]] = field(default_factory=set)
 
