@@ -203,21 +203,23 @@ class Forwarder:
             group = self.pool.group(target.name)
             if group is None or target.type not in ENDPOINTS[endpoint][1]:
                 continue
-            content = body if target.name == payload["model"] else json.dumps({**payload, "model": target.name}
-                                                                               ).encode()
+            # the name its replicas answer to (a command replica's server may have its own; replies get ours back)
+            served = target.served_name
+            content = body if served == payload["model"] else json.dumps({**payload, "model": served}).encode()
             key = routing_key(target, request, payload)
             resume = None
             # A whole reply with logprobs cannot be continued: the first replica's are not in its progress.
             if endpoint != "embeddings" and payload.get("n", 1) == 1 and (stream or _no_logprobs(payload)):
                 options = payload.get("stream_options")
                 include_usage = isinstance(options, dict) and options.get("include_usage") is True
-                resume = _Resume(group, ENDPOINTS[endpoint][0], {**payload, "model": target.name}, include_usage)
+                resume = _Resume(group, ENDPOINTS[endpoint][0], {**payload, "model": served}, include_usage)
             # Every non-streamed generation is asked for as progress: its tokens are counted as they come, so one cut
             # short (a timeout, a client gone) is charged what it made; only those in `resume` can go on elsewhere.
             progress = endpoint != "embeddings" and not stream
             try:
-                response = await self._try_group(request, group, endpoint, content, stream,
-                                                 _Call(start, spec.name, key, deadline, resume, progress))
+                call = _Call(start, spec.name, key, deadline, resume, progress,
+                             None if served == target.name else _Rename(served, target.name))
+                response = await self._try_group(request, group, endpoint, content, stream, call)
             except ReplicaFailure as failure:
                 outcome.timed_out = failure.timeout
                 continue
@@ -280,7 +282,7 @@ class Forwarder:
             if not stream or response.status_code != 200:
                 data = await self._read_all(response, lease)
                 lease.succeeded()
-                return Response(data, status_code=response.status_code,
+                return Response(_renamed(data, call.rename), status_code=response.status_code,
                                 media_type=response.headers.get("content-type", "application/json"))
             chunks, first = await self._first_bytes(response, lease)
             handed_over = True
@@ -352,7 +354,7 @@ class Forwarder:
                 try:
                     chunk: bytes | None = leg.first
                     while chunk is not None:
-                        yield chunk if tracker is None else tracker.feed(chunk)
+                        yield _renamed(chunk if tracker is None else tracker.feed(chunk), call.rename)
                         chunk = await self._next(leg, call)
                     leg.lease.succeeded()
                     return
@@ -407,7 +409,7 @@ class Forwarder:
                                             else "answered 503 midway")
                     status, body = progress.reply_json()
                     leg.lease.succeeded()
-                    return Response(body, status_code=status, media_type="application/json")
+                    return Response(_renamed(body, call.rename), status_code=status, media_type="application/json")
                 except UpstreamMalformed as err:
                     await self._let_go(leg, err)
                     raise _malformed(call.model, err) from err
@@ -605,6 +607,25 @@ class _Call:
     deadline: float | None
     resume: _Resume | None = None  # set for a generation of one choice that can go on elsewhere
     progress: bool = False  # a non-streamed generation: asked for as progress, its tokens counted as they come
+    rename: _Rename | None = None  # its replicas answer to another name than the model's
+
+
+class _Rename:
+    """A reply's `"model"` field as the replica's server names it, back to the registry's name. Byte replacement is
+    safe: inside a JSON string value the quotes around such a pair would be escaped, so it matches only the field."""
+
+    def __init__(self, served: str, name: str) -> None:
+        old, new = json.dumps(served).encode(), json.dumps(name).encode()
+        self.pairs = [(b'"model":' + old, b'"model":' + new), (b'"model": ' + old, b'"model": ' + new)]
+
+    def apply(self, data: bytes) -> bytes:
+        for old, new in self.pairs:
+            data = data.replace(old, new)
+        return data
+
+
+def _renamed(data: bytes, rename: _Rename | None) -> bytes:
+    return data if rename is None else rename.apply(data)
 
 
 def routing_key(spec: ModelSpec, request: Request, payload: dict[str, Any]) -> str | None:

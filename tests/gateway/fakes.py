@@ -143,6 +143,7 @@ class FakeReplicas:
         self.requests: Counter[str] = Counter()  # host -> POSTs received (whatever the behaviour)
         self.probes: Counter[str] = Counter()  # host -> GET /ready received
         self.probe_auth: list[str | None] = []  # the Authorization header of each probe
+        self.probe_paths: dict[str, str] = {}  # host -> the path of its last probe
         self.received: list[Received] = []
         self.streams: list[ChunkStream] = []
         self.on_request: Callable[[Received], None] | None = None  # called as each POST arrives
@@ -170,7 +171,8 @@ class FakeReplicas:
     async def handler(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         behaviour = self.behaviours.get(host, "ok")
-        if request.url.path == "/ready":
+        if request.method == "GET":  # a probe: /ready, or a command replica's health path
+            self.probe_paths[host] = request.url.path
             self.probes[host] += 1
             self.probe_auth.append(request.headers.get("authorization"))
             return self._refuse(request, behaviour) or httpx.Response(200, json={"status": "ready"})
@@ -209,22 +211,22 @@ class FakeReplicas:
                                                        "param": None, "code": None}})
         if behaviour == "not_ready":
             return httpx.Response(503, json={"status": "loading"})
-        if behaviour == "request_fault" and request.url.path != "/ready":  # one request's fault, marked so
+        if behaviour == "request_fault" and request.method != "GET":  # one request's fault, marked so
             return httpx.Response(500, headers={"x-multiserve-error-scope": "request"}, json={"error": {
                 "message": "the engine failed while serving this request (error id err-1)",
                 "type": "internal_server_error", "param": None, "code": "request_failed"}})
-        if behaviour == "timeout_midbody" and request.url.path != "/ready":  # the head came, the body stalls
+        if behaviour == "timeout_midbody" and request.method != "GET":  # the head came, the body stalls
             return httpx.Response(200, headers={"content-type": "application/json"}, stream=ChunkStream(
                 [b'{"id": "chatcmpl-fake", '], httpx.ReadTimeout(f"{host}: body stalled", request=request)))
-        if behaviour == "overloaded" and request.url.path != "/ready":
+        if behaviour == "overloaded" and request.method != "GET":
             return httpx.Response(429, headers={"retry-after": "7"}, json={"error": {
                 "message": "the replica is overloaded", "type": "rate_limit_error", "param": None,
                 "code": "overloaded"}})
-        if behaviour == "context" and request.url.path != "/ready":
+        if behaviour == "context" and request.method != "GET":
             return httpx.Response(400, json={"error": {
                 "message": "this model's maximum context length is 512 tokens", "type": "invalid_request_error",
                 "param": "prompt", "code": "context_length_exceeded"}})
-        if behaviour == "error400" and request.url.path != "/ready":  # the request's fault, not the replica's
+        if behaviour == "error400" and request.method != "GET":  # the request's fault, not the replica's
             return httpx.Response(400, json={"error": {"message": "max_tokens: too large", "param": "max_tokens",
                                                        "type": "invalid_request_error", "code": None}})
         return None
@@ -350,6 +352,9 @@ class FakeHandle:
     def exit_code(self) -> int | None:
         return self.exit
 
+    def output_tail(self) -> str:
+        return f"output of pid {self.pid}\n"
+
     def crash(self, code: int = 1) -> None:
         self.exit = code
 
@@ -445,7 +450,8 @@ async def open_gateway(
     replicas, launcher = FakeReplicas(), FakeLauncher()
     pool_sleep, proxy_sleep = FakeSleep(clock), FakeSleep(clock)
     http = httpx.AsyncClient(transport=httpx.MockTransport(replicas.handler))
-    pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, pool_settings, clock=clock, sleep=pool_sleep)
+    pool = ModelPool({"local": launcher, "url": UrlLauncher(), "command": launcher}, http, pool_settings, clock=clock,
+                     sleep=pool_sleep)
     metrics = GatewayMetrics(pool)
     forwarder = Forwarder(pool, base.forwarder.resolve, base.forwarder.known_models, HttpxUpstream(http), metrics,
                           proxy_settings, sleep=proxy_sleep, clock=clock)
