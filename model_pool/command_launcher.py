@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model_pool.launcher import die_with_parent, free_port, read_tail
+from model_pool.launcher import ProcessHandle, die_with_parent, free_port
 from registry.command import DEFAULT_GPU_MEMORY_FRACTION, CommandSpec, default_threads
 from registry.launch import ReplicaLaunch
 from registry.sources import resolve_model_path
@@ -32,19 +32,11 @@ from runtimes.server.wire import REPLICA_TOKEN_ENV
 
 
 @dataclass
-class CommandHandle:
-    """A server the pool started: its URL, process (the leader of its own process group), output and API key."""
+class CommandHandle(ProcessHandle):
+    """A server the pool started: a process handle whose process leads a process group of its own."""
 
-    base_url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    token: str | None = field(default=None, repr=False)
     stop_grace_s: float = 30.0
     _group_reaped: bool = field(default=False, repr=False)
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
 
     def exit_code(self) -> int | None:
         code = self.process.poll()
@@ -65,14 +57,6 @@ class CommandHandle:
             self._signal_group(signal.SIGKILL)
             self._group_reaped = True
         await asyncio.to_thread(self.process.wait)
-
-    def kill(self) -> None:
-        """kill -9 of the server alone, as a crash would leave it (tests use it)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-
-    def output_tail(self) -> str:
-        return read_tail(self.log_path)
 
     def _signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
@@ -122,7 +106,8 @@ class CommandLauncher:
             process = subprocess.Popen(  # argv as the registry gave it: no shell
                 argv, env=self.environment(launch, token), stdout=out, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
-        return CommandHandle(f"http://{self.host}:{port}", process, log_path, token, _command_of(launch).stop_grace_s)
+        return CommandHandle(f"http://{self.host}:{port}", process, log_path, token,
+                             stop_grace_s=_command_of(launch).stop_grace_s)
 
 
 def _command_of(launch: ReplicaLaunch) -> CommandSpec:
