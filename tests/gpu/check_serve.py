@@ -19,24 +19,18 @@ process ran, or its pid is among the GPU's compute processes. Logs of failed run
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from model_pool.launcher import free_port
+from tests.gpu import serving
 from tests.gpu.common import Reporter, fmt, parse_args, timed
+from tests.gpu.serving import children, gpu_memory_used_mib, http, process, tail
 
 ARGS = parse_args(__doc__ or "")
 DEVICE = ARGS.device
-ROOT = Path(__file__).resolve().parents[2]
 LOGS = ARGS.out / "serve"
 READY_S = 60.0
 MIB = 1 << 20
@@ -52,98 +46,12 @@ def write_model(path: Path) -> Path:
     return write_gguf(model, path)
 
 
-def gpu_memory_used_mib() -> int | None:
-    if DEVICE != "cuda":
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-        return sum(int(line.strip()) for line in out.splitlines() if line.strip())
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-
-
-def gpu_pids() -> set[int]:
-    if DEVICE != "cuda":
-        return set()
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return set()
-    return {int(line) for line in out.split() if line.strip().isdigit()}
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    found.append(int(entry.name))
-    return found
-
-
 def on_device(pids: list[int], before_mib: int | None) -> dict[str, object]:
-    """Evidence that `pids` use the GPU: their pids listed by nvidia-smi (not across pid namespaces), or memory."""
-    if DEVICE != "cuda":
-        return {"ok": True}
-    now = gpu_memory_used_mib()
-    delta = None if now is None or before_mib is None else now - before_mib
-    listed = sorted(set(pids) & gpu_pids())
-    return {"ok": bool(listed) or (delta is not None and delta >= 200), "pids_listed": listed,
-            "memory_used_delta_mib": delta}
-
-
-def http(method: str, url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+    return serving.on_device(pids, before_mib) if DEVICE == "cuda" else {"ok": True}
 
 
 def wait_ready(base: str, proc: subprocess.Popen, log: Path) -> float:
-    with timed() as t:
-        deadline = time.monotonic() + READY_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"exited with {proc.returncode} before /ready: {tail(log)}")
-            with contextlib.suppress(OSError):
-                if http("GET", f"{base}/ready", timeout=2)[0] == 200:
-                    break
-            time.sleep(0.25)
-        else:
-            raise RuntimeError(f"not ready after {READY_S:.0f} s: {tail(log)}")
-    return t["s"]
-
-
-def tail(path: Path, chars: int = 1500) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-@contextlib.contextmanager
-def process(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    """Start `argv` (its output to `log`); on exit SIGTERM it and wait, SIGKILL after 30 s."""
-    with log.open("wb") as handle:
-        proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    return serving.wait_ready(base, proc, log, READY_S)
 
 
 def chat(base: str, model: str, stream: bool = False) -> dict[str, object]:
