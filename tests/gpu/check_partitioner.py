@@ -83,8 +83,7 @@ def check_mig_profiles() -> None:
     for gpu in inventory.devices:
         shipped, where = known_mig_profiles(gpu)
         if not gpu.mig_capable:
-            report("mig_profiles", True, f"gpu={gpu.index} {gpu.name} cannot do MIG", gpu=gpu.index,
-                   skipped=f"{gpu.name} cannot do MIG")
+            REP.skip("mig_profiles", f"gpu={gpu.index} {gpu.name} cannot do MIG", gpu=gpu.index)
             continue
         if not gpu.mig_mode:  # NVML lists profiles only with MIG on; the plan uses the shipped table then
             report("mig_profiles", bool(shipped), fmt(gpu=gpu.index, mig_mode="off", table=where), gpu=gpu.index,
@@ -171,8 +170,7 @@ def _clients(env: dict[str, str], percents: list[int], seconds: float) -> list[f
 
 def check_mps() -> None:
     if status()["mps"]["control_pids"]:
-        report("mps_thread_shares", True, "skipped: an MPS control daemon already runs here",
-               skipped="an MPS control daemon already runs here; not starting another")
+        REP.skip("mps_thread_shares", "an MPS control daemon already runs here; not starting another")
         return
     with tempfile.TemporaryDirectory() as pipe, tempfile.TemporaryDirectory() as log:
         uuid = smi("uuid")[0][0]

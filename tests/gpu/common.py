@@ -1,5 +1,6 @@
-"""What the GPU checks share: the device switch, one `PASS name ...` / `FAIL name ...` line per result on stdout,
-and the same result as a JSON line appended to `$OUT/<group>.jsonl` (tests/gpu/summarize.py gathers them).
+"""What the GPU checks share: the device switch, one `PASS name ...` / `FAIL name ...` line per result on stdout
+(`SKIP name reason` for one that cannot run here), and the same result as a JSON line appended to
+`$OUT/<group>.jsonl` (tests/gpu/summarize.py gathers them).
 
 Results are written as they happen, so a check stopped by its timeout still leaves what it had found. SIGTERM
 (what `timeout` sends first) raises SystemExit, so `finally` blocks still stop the processes and daemons a
@@ -66,17 +67,28 @@ class Reporter:
         self.path.write_text("")
         self.failed: list[str] = []
         self.passed = 0
+        self.skipped = 0
 
     def report(self, name: str, ok: bool, summary: str = "", **data: Any) -> None:
         full = f"{self.group}.{name}"
         print(f"{'PASS' if ok else 'FAIL'} {full}{' ' + summary if summary else ''}", flush=True)
-        record = {"name": full, "ok": bool(ok), "summary": summary, **data}
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record, default=_jsonable) + "\n")
+        self._write({"name": full, "ok": bool(ok), "summary": summary, **data})
         if ok:
             self.passed += 1
         else:
             self.failed.append(full)
+
+    def skip(self, name: str, reason: str, **data: Any) -> None:
+        """A check that cannot run here, and why: `SKIP name reason`; summarize.py lists it, with its reason, as
+        neither passed nor failed."""
+        full = f"{self.group}.{name}"
+        print(f"SKIP {full} {reason}", flush=True)
+        self._write({"name": full, "ok": True, "skipped": reason, "summary": reason, **data})
+        self.skipped += 1
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record, default=_jsonable) + "\n")
 
     def guarded(self, name: str, check: Callable[[], None]) -> None:
         """Run `check`; an exception is a failed result named `name` (the other checks still run)."""
@@ -87,7 +99,8 @@ class Reporter:
                         traceback=traceback.format_exc()[-6000:])
 
     def exit_code(self) -> int:
-        print(f"# {self.group}: {self.passed} passed, {len(self.failed)} failed", file=sys.stderr, flush=True)
+        print(f"# {self.group}: {self.passed} passed, {len(self.failed)} failed, {self.skipped} skipped",
+              file=sys.stderr, flush=True)
         return 1 if self.failed else 0
 
 

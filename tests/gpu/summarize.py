@@ -3,7 +3,8 @@
 Reads `$OUT/groups.jsonl` (one line per step run.sh ran: group, exit code, seconds, timeout) and each group's
 `$OUT/<group>.jsonl` (one result per line, see tests/gpu/common.py). A group that exited non-zero without
 reporting a failure (it crashed, or its timeout stopped it) counts as a failure `<group>.exit`, with the tail of
-its stderr. Prints one closing line; exits 1 if anything failed.
+its stderr. A result with a `skipped` reason (a check that cannot run here: no vLLM, no MIG) is neither passed nor
+failed. Prints a closing line, then `skipped <name>: <reason>` for each of those; exits 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -51,17 +52,20 @@ def main() -> int:
             why = "timed out" if step.get("rc") in (124, 137) else "not run" if step.get("rc") == 125 else "exited"
             rows.append({"name": f"{name}.exit", "ok": False, "summary": f"{why} (exit code {step.get('rc')})",
                          "stderr_tail": tail(out / f"{name}.stderr") or tail(out / f"{name}.log")})
-        groups[name] = {**step, "passed": sum(1 for r in rows if r.get("ok")),
-                        "failed": [r["name"] for r in rows if not r.get("ok")]}
+        groups[name] = {**step, "passed": sum(1 for r in rows if r.get("ok") and not r.get("skipped")),
+                        "failed": [r["name"] for r in rows if not r.get("ok")],
+                        "skipped": [r["name"] for r in rows if r.get("skipped")]}
         results += rows
     failed = [r["name"] for r in results if not r.get("ok")]
+    skipped = {r["name"]: r["skipped"] for r in results if r.get("skipped")}
     environment = json.loads((out / "environment.json").read_text()) if (out / "environment.json").exists() else {}
     device_csv = (out / "device.csv").read_text().strip().splitlines() if (out / "device.csv").exists() else []
     summary = {
         "ok": bool(results) and not failed,
         "device": args.device,
-        "passed": len(results) - len(failed),
+        "passed": len(results) - len(failed) - len(skipped),
         "failed": failed,
+        "skipped": skipped,
         "duration_s": args.duration_s,
         "budget_s": args.budget_s,
         "nvidia_smi": device_csv,
@@ -73,7 +77,9 @@ def main() -> int:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     duration = f" in {args.duration_s:.0f} s" if args.duration_s is not None else ""
-    print(f"{summary['passed']} passed, {len(failed)} failed{duration}; summary: {out / 'summary.json'}")
+    why = "".join(f"\nskipped {name}: {reason}" for name, reason in skipped.items())
+    print(f"{summary['passed']} passed, {len(failed)} failed, {len(skipped)} skipped{duration}; summary: "
+          f"{out / 'summary.json'}{why}")
     return 0 if summary["ok"] else 1
 
 
