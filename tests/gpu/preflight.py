@@ -20,7 +20,7 @@ THIRD_PARTY = ["torch", "triton", "transformers", "numpy", "tokenizers", "safete
 PROJECT = ["multiserve.cli", "gateway.server", "runtimes.server.worker", "runtimes.llm.engine",
            "runtimes.llm.attention.triton_paged", "partitioner.devices.nvml_backend", "tests.runtimes.llm.tiny"]
 VERSIONS = ["torch", "triton", "transformers", "numpy", "tokenizers", "safetensors", "pydantic", "uvicorn", "uvloop",
-            "nvidia-ml-py"]
+            "nvidia-ml-py", "vllm"]  # vllm: optional (check_vllm.py skips without it)
 
 
 def try_imports(modules: list[str]) -> dict[str, str]:
