@@ -254,7 +254,7 @@ def report_ready(rep: Reporter, base: str, ready_s: float, model_dir: Path, frac
 
 
 def replica_processes(pgid: int | None) -> list[int]:
-    """The replica's processes: its process group (the pool starts it in a session of its own) and what is under
+    """The replica's processes: its process group (the pool makes it the leader of a new one) and what is under
     its leader (vLLM's engine core)."""
     return [] if pgid is None else sorted({pgid, *group_members(pgid), *descendants(pgid)})
 
