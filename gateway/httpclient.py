@@ -97,10 +97,10 @@ class KeepAliveClient:
                 return connection
             connection.close()
         loop = asyncio.get_running_loop()
-        try:
-            _, connection = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, (host, port)), host, port), connect_s)
-        except asyncio.TimeoutError:  # nothing was written: `maybe_sent` is clear
+        try:  # a timeout scope: wait_for would drop a cancellation that comes as the connection does
+            async with asyncio.timeout(connect_s):
+                _, connection = await loop.create_connection(lambda: _Connection(self, (host, port)), host, port)
+        except TimeoutError:  # nothing was written: `maybe_sent` is clear
             raise UpstreamTimeout(f"connecting to {host}:{port} took over {connect_s:g} s",
                                   maybe_sent=False) from None
         except OSError as err:

@@ -140,8 +140,12 @@ class Forwarder:
             forwarding = self._forward_with_context_fallbacks(request, spec, endpoint, payload, body, stream, start)
             if timeout_s is None:
                 return await forwarding
-            try:  # the whole request: queueing, retries and (for streams) the first byte
-                return await asyncio.wait_for(forwarding, timeout_s)
+            # The whole request: queueing, retries and (for streams) the first byte. A timeout scope, not wait_for:
+            # on Python 3.11 wait_for drops a cancellation that comes as its awaitable finishes (the client's
+            # departure then went unnoticed, and the reply was read to its end for nobody).
+            try:
+                async with asyncio.timeout(timeout_s):
+                    return await forwarding
             except TimeoutError:
                 raise _timeout(spec.name, timeout_s) from None
 
@@ -458,10 +462,12 @@ class Forwarder:
         return next_leg
 
     async def _next(self, leg: _Leg, call: _Call) -> bytes | None:
-        """The next chunk (None at the end); TimeoutError at the request's deadline."""
+        """The next chunk (None at the end); TimeoutError at the request's deadline. (A timeout scope: wait_for
+        would drop a cancellation that comes as a chunk does, the client's departure among them.)"""
         if call.deadline is None:
             return await leg.pump.get()
-        return await asyncio.wait_for(leg.pump.get(), max(call.deadline - self.clock(), 0.0))
+        async with asyncio.timeout(max(call.deadline - self.clock(), 0.0)):
+            return await leg.pump.get()
 
     async def _continuation(self, request: Request, resume: _Resume, body: bytes, call: _Call,
                             headers: dict[str, str], tried: set[str], budget: ResumeBudget) -> _Leg | None:

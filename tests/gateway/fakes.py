@@ -115,10 +115,12 @@ class ChunkStream(httpx.AsyncByteStream):
         self.error = error
         self.stall_after = stall_after  # chunks sent before the stream goes silent for SLOW_S
         self.closed = False
+        self.sent = 0  # chunks handed out so far
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for i, chunk in enumerate(self.chunks):
             await asyncio.sleep(SLOW_S if i == self.stall_after else 0)
+            self.sent += 1
             yield chunk
         if self.error is not None:
             raise self.error
@@ -183,7 +185,10 @@ class FakeReplicas:
         if self.on_request is not None:
             self.on_request(received)
         if host in self.scripts:
-            return self.scripts[host](received)
+            scripted = self.scripts[host](received)
+            if isinstance(scripted.stream, ChunkStream):
+                self.streams.append(scripted.stream)
+            return scripted
         refused = self._refuse(request, behaviour)
         if refused is not None:
             return refused

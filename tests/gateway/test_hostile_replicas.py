@@ -271,3 +271,29 @@ def test_continuations_wait_for_a_replica_resume_wait_s_in_all_not_each(with_gat
         assert 5.0 <= sum(gw.proxy_sleep.delays) < 6.0  # each continuation's own 5 s would have made it 8
 
     with_gateway(scenario, proxy_settings=ProxySettings(resume_wait_s=5.0, max_resumes=10))
+
+
+def test_a_client_that_leaves_mid_progress_stops_the_reading_at_once(with_gateway):
+    """The client leaves while token lines pour in (one per loop turn): its cancellation must not be lost when it
+    comes just as a line does (asyncio.wait_for on Python 3.11 dropped it, and the gateway read the reply, minutes of
+    generation, to its end for nobody)."""
+    async def scenario(gw: FakeGateway) -> None:
+        lines = [f": multiserve-tokens {i}\n".encode() for i in range(5000)]
+        gw.replicas.script(ALPHA, lambda received: raw_reply(lines, progress=True))
+        for _ in range(10):
+            gw.replicas.streams.clear()
+            task = asyncio.create_task(gw.client.post("/v1/chat/completions", json=chat()))
+            while not gw.replicas.streams:
+                await asyncio.sleep(0)
+            for _ in range(50):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(20):
+                await asyncio.sleep(0)
+            [stream] = gw.replicas.streams
+            assert stream.closed and stream.sent < len(lines)  # let go of at once, not read to its end
+            assert all(r.outstanding == 0 for r in gw.pool.group("alpha").replicas)
+
+    with_gateway(scenario)
