@@ -8,7 +8,7 @@
 #    dependencies, makes tests/gpu/.venv (--system-site-packages, so the host's torch/triton/transformers serve)
 #    and installs them offline from tests/gpu/wheels (`make gpu-wheels` on a machine with PyPI). The project runs
 #    from the checkout (PYTHONPATH). Then every import the checks need is tried.
-# 2. the checks, each under its own timeout and all within GPU_CHECK_BUDGET_S (default 650 s): attention (Triton
+# 2. the checks, each under its own timeout and all within GPU_CHECK_BUDGET_S (default 470 s): attention (Triton
 #    kernels), model (parity with transformers), serve (worker and gateway on cuda), steptime (decode step time
 #    against the HBM floor), quant (the 4/8-bit weight-only matmul), partitioner (NVML/MPS, read-only), and last
 #    vllm (a vLLM server as a `launcher: command` replica; skipped, saying why, where vllm does not import; its
@@ -23,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
 start=$(date +%s)
-budget=${GPU_CHECK_BUDGET_S:-650}
+budget=${GPU_CHECK_BUDGET_S:-470}
 deadline=$((start + budget))
 device=${GPU_CHECK_DEVICE:-cuda}
 wheels=$root/tests/gpu/wheels
