@@ -243,7 +243,8 @@ def goal_check(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def start_servers(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], dict[str, str]]:
     backend_port, gateway_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    procs.append(spawn([sys.executable, "-m", "bench.measure.fake_backend", "--port", str(backend_port)],
+    protocol = ["--protocol"] if args.replica_protocol else []
+    procs.append(spawn([sys.executable, "-m", "bench.measure.fake_backend", "--port", str(backend_port), *protocol],
                        tmp / "backend.log"))
     wait_ready(f"http://127.0.0.1:{backend_port}/ready", procs[0], tmp / "backend.log")
     (tmp / "registry.yaml").write_text(REGISTRY.format(port=backend_port))
@@ -280,6 +281,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--client", choices=("httpx", "keepalive"), default="httpx",
                         help="the load generator's HTTP client (keepalive: gateway.httpclient, ~20x less CPU)")
     parser.add_argument("--stream-concurrency", type=int, nargs="*", default=[1], help="streaming scenarios")
+    parser.add_argument("--replica-protocol", action="store_true",
+                        help="the backend answers as a multiserve replica: token ids in streams, whole replies as "
+                             "progress (what the gateway then parses and checks)")
     parser.add_argument("--out", default="bench/results/gateway_overhead.jsonl",
                         help="JSON line appended here ('' to skip)")
     parser.add_argument("--profile-gateway", nargs="?", const="bench/results/gateway_overhead.prof", default=None,
