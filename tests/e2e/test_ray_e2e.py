@@ -179,7 +179,9 @@ def test_a_killed_actor_or_worker_loses_no_stream_and_comes_back(gateway, target
                     os.kill(_parent_of(replica["pid"]) if target == "actor" else replica["pid"], signal.SIGKILL)
                     return
 
+    broke = False  # a killed worker's running streams broke and went on elsewhere
     for _ in range(3):  # a round whose streams all finish between two polls (a quick machine) runs again
+        killed.clear()
         load_done = threading.Event()
         killer = threading.Thread(target=kill_when_busy, args=(load_done,))
         killer.start()
@@ -188,21 +190,35 @@ def test_a_killed_actor_or_worker_loses_no_stream_and_comes_back(gateway, target
         finally:
             load_done.set()
             killer.join()
-        if killed:
+        if not killed:
+            continue
+        [(victim, _)] = killed
+        back = _restarted(gateway, victim)
+        assert back["pid"] != victim["pid"]
+        if target == "actor":
             break
+        text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+        broke = 'multiserve_gateway_stream_migrations_total{cause="replica_failed",model="tiny-ray"}' in text
+        if broke:
+            break
+        # The engine's gauge said running, but the kill landed once every stream had been generated (the rest of
+        # them waiting in buffers on the way): nothing broke, so this round proved nothing. Again, with the
+        # replicas as they are now.
+        replicas = _replicas(gateway)
     assert killed, f"no replica's engine was seen running the streams in 3 rounds; failed polls: {missed[-5:]}"
-    [(victim, _)] = killed
+    if target == "worker":  # its running streams broke, and went on elsewhere
+        assert broke, "in 3 rounds no kill of a busy worker broke a stream"
+
+
+def _restarted(gateway: Gateway, victim: dict) -> dict:
+    """The killed replica once the pool noticed (the actor's exit, or its worker's) and a new one is ready."""
     deadline = time.monotonic() + 120
-    while True:  # the pool noticed (the actor's exit, or its worker's) and started a new one
+    while True:
         back = next(r for r in _replicas(gateway) if r["id"] == victim["id"])
         if back["restarts"] > victim["restarts"] and back["state"] == "ready":
-            break
+            return back
         assert time.monotonic() < deadline, back
         time.sleep(0.2)
-    assert back["pid"] != victim["pid"]
-    if target == "worker":  # its running streams broke, and went on elsewhere
-        text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
-        assert 'multiserve_gateway_stream_migrations_total{cause="replica_failed",model="tiny-ray"}' in text
 
 
 def test_ray_replicas_scale_1_3_1_through_the_admin_api(gateway):
