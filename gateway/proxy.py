@@ -132,7 +132,7 @@ class Forwarder:
         context.lane = choice.lane
         spec = self._target(request, payload, endpoint)
         stream = payload.get("stream") is True
-        request_context(request.scope).model = spec.name
+        context.model = spec.name
         status = "error"
         timeout_s = spec.policy.request_timeout_s
 
@@ -203,6 +203,9 @@ class Forwarder:
         chain = [spec] + [s for s in (self.resolve(f) for f in spec.fallbacks) if s is not None]
         outcome = _Outcome([])
         deadline = None if spec.policy.request_timeout_s is None else start + spec.policy.request_timeout_s
+        # Every non-streamed generation is asked for as progress: its tokens are counted as they come, so one cut
+        # short (a timeout, a client gone) is charged what it made; only those in `resume` can go on elsewhere.
+        progress = endpoint != "embeddings" and not stream
         for target in chain:
             group = self.pool.group(target.name)
             if group is None or target.type not in ENDPOINTS[endpoint][1]:
@@ -217,9 +220,6 @@ class Forwarder:
                 options = payload.get("stream_options")
                 include_usage = isinstance(options, dict) and options.get("include_usage") is True
                 resume = _Resume(group, ENDPOINTS[endpoint][0], {**payload, "model": served}, include_usage)
-            # Every non-streamed generation is asked for as progress: its tokens are counted as they come, so one cut
-            # short (a timeout, a client gone) is charged what it made; only those in `resume` can go on elsewhere.
-            progress = endpoint != "embeddings" and not stream
             try:
                 call = _Call(start, spec.name, key, deadline, resume, progress,
                              None if served == target.name else _Rename(served, target.name))
@@ -271,13 +271,14 @@ class Forwarder:
         if lane:
             headers["x-priority"] = lane
         resumable = call.resume is not None
-        if resumable or call.progress:
+        asks_ids = resumable or call.progress  # token ids: to go on elsewhere, or to count what a reply made
+        if asks_ids:
             headers[RESUMABLE_HEADER] = "1"
         lease = self.pool.lease(replica)
         handed_over = False
         try:
             response = await self._open(replica.base_url + ENDPOINTS[endpoint][0], content, headers, lease)
-            if (not stream and (resumable or call.progress) and response.status_code == 200
+            if (not stream and asks_ids and response.status_code == 200
                     and response.headers.get(RESUMABLE_HEADER) == "1"):
                 chunks, first = await self._first_bytes(response, lease)
                 handed_over = True
@@ -375,10 +376,9 @@ class Forwarder:
                     if tracker.finished:  # only the usage chunk and [DONE] were missing
                         yield tracker.ending(request_context(request.scope).prompt_tokens)
                         return
-                    next_leg = None
-                    if budget.spend(progressed=len(tracker.token_ids) > num_before):
-                        next_leg = await self._resume(request, leg, err, resume, tracker.continuation(resume.payload),
-                                                      len(tracker.token_ids), call, headers, tried, budget)
+                    next_leg = await self._resume(request, leg, err, resume, tracker.continuation(resume.payload),
+                                                  len(tracker.token_ids), call, headers, tried, budget,
+                                                  progressed=len(tracker.token_ids) > num_before)
                     if next_leg is None:
                         yield _error_event(_interrupted(model))
                         return
@@ -422,11 +422,10 @@ class Forwarder:
                     if call.resume is None:  # cannot go on elsewhere: try it afresh on another replica
                         raise ReplicaFailure(leg.replica, f"reply broke: {err!r}",
                                              timeout=isinstance(err, UpstreamTimeout)) from err
-                    next_leg = None
-                    if budget.spend(progressed=len(progress.token_ids) > num_before):
-                        next_leg = await self._resume(request, leg, err, call.resume,
-                                                      progress.continuation(call.resume.payload),
-                                                      len(progress.token_ids), call, headers, tried, budget)
+                    next_leg = await self._resume(request, leg, err, call.resume,
+                                                  progress.continuation(call.resume.payload), len(progress.token_ids),
+                                                  call, headers, tried, budget,
+                                                  progressed=len(progress.token_ids) > num_before)
                     if next_leg is None:
                         raise APIError(503, f"model {call.model!r}: the replica failed midway and no other could "
                                             f"finish the reply", code="reply_interrupted") from err
@@ -448,9 +447,13 @@ class Forwarder:
         await leg.close()
 
     async def _resume(self, request: Request, leg: _Leg, err: Exception, resume: _Resume, body: bytes, num_tokens: int,
-                      call: _Call, headers: dict[str, str], tried: set[str], budget: ResumeBudget) -> _Leg | None:
+                      call: _Call, headers: dict[str, str], tried: set[str], budget: ResumeBudget,
+                      progressed: bool) -> _Leg | None:
         """The continuation (`body`: after `num_tokens` generated) of what broke off on `leg`, opened on another
-        replica of the model (`_continuation`), counted and logged; None if none could take it."""
+        replica of the model (`_continuation`), counted and logged; None if the request's resumption budget is spent
+        (`progressed`: whether the broken leg made new tokens) or no replica could take it."""
+        if not budget.spend(progressed):
+            return None
         next_leg = await self._continuation(request, resume, body, call, headers, tried, budget)
         if next_leg is None:
             return None
