@@ -24,11 +24,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model_pool.launcher import ProcessHandle, die_with_parent, free_port
-from registry.command import DEFAULT_GPU_MEMORY_FRACTION, CommandSpec, default_threads
+from model_pool.launcher import ProcessHandle, die_with_parent, free_port, replica_env
+from registry.command import DEFAULT_GPU_MEMORY_FRACTION, CommandSpec
 from registry.launch import ReplicaLaunch
 from registry.sources import resolve_model_path
-from runtimes.server.wire import REPLICA_TOKEN_ENV
 
 
 @dataclass
@@ -84,12 +83,10 @@ class CommandLauncher:
     def environment(self, launch: ReplicaLaunch, token: str) -> dict[str, str]:
         """The gateway's environment less its secrets, the placement's device variables, and the API key: in the
         command's own variable, and in ours (a `multiserve worker` run as a command reads that one)."""
-        command = _command_of(launch)
-        drop = set(self.env_drop())
-        env = {**{k: v for k, v in os.environ.items() if k not in drop}, **launch.placement.env,
-               "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
-        if command.api_key_env is not None:
-            env[command.api_key_env] = token
+        env = replica_env(launch, token, self.env_drop())
+        key_env = _command_of(launch).api_key_env
+        if key_env is not None:
+            env[key_env] = token
         return env
 
     async def start(self, launch: ReplicaLaunch) -> CommandHandle:
@@ -108,6 +105,11 @@ class CommandLauncher:
                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
         return CommandHandle(f"http://{self.host}:{port}", process, log_path, token,
                              stop_grace_s=_command_of(launch).stop_grace_s)
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on: what a command replica gets for `{threads}` unless `threads` says."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _command_of(launch: ReplicaLaunch) -> CommandSpec:

@@ -56,6 +56,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 TAIL_BYTES = 4096  # of a replica's output, shown when it fails to start
 
 
+def replica_env(launch: ReplicaLaunch, token: str, drop: Iterable[str]) -> dict[str, str]:
+    """A replica process's environment on this host: the gateway's less the variables in `drop` (its secrets), the
+    placement's device variables, unbuffered output, and the launch token it must ask of every request."""
+    dropped = set(drop)
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **launch.placement.env,
+            "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
+
+
 def read_tail(path: Path | None) -> str:
     """The last TAIL_BYTES of a replica's log file ("" without one)."""
     if path is None:
@@ -126,10 +134,8 @@ class LocalLauncher:
 
     async def start(self, launch: ReplicaLaunch) -> ProcessHandle:
         port = free_port(self.host)
-        drop = set(self.env_drop())
         token = secrets.token_urlsafe(32)
-        env = {**{k: v for k, v in os.environ.items() if k not in drop}, **launch.placement.env,
-               "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
+        env = replica_env(launch, token, self.env_drop())
         log_path = None
         stdout: Any = subprocess.DEVNULL
         if self.log_dir is not None:

@@ -14,7 +14,6 @@ binary that is not on this host.
 
 from __future__ import annotations
 
-import os
 import shutil
 import string
 from dataclasses import dataclass
@@ -125,17 +124,13 @@ def _template_problems(item: str) -> list[str]:
     """What is wrong with one templated argument: a placeholder that is not one of PLACEHOLDERS, or a brace that
     opens nothing (write `{{` and `}}` for literal braces)."""
     try:
-        names = [name for _, name, _, _ in string.Formatter().parse(item) if name is not None]
+        fields = [(name, spec or conversion) for _, name, spec, conversion in string.Formatter().parse(item)
+                  if name is not None]
     except ValueError as err:
         return [f"{item!r} is not a valid template: {err} (write {{{{ and }}}} for literal braces)"]
     known = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
-    problems = [f"unknown placeholder {{{name}}} in {item!r}; known: {known}" for name in names
+    problems = [f"unknown placeholder {{{name}}} in {item!r}; known: {known}" for name, _ in fields
                 if name not in PLACEHOLDERS]
-    if any(spec or conversion for _, name, spec, conversion in string.Formatter().parse(item) if name is not None):
+    if any(formatted for _, formatted in fields):
         problems.append(f"{item!r}: a placeholder takes no conversion or format (plain {{name}} only)")
     return problems
-
-
-def default_threads() -> int:
-    """The CPUs this process may run on: what a command replica gets for `{threads}` unless `threads` says."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
