@@ -201,14 +201,15 @@ void write_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& key, 
   }
 }
 
-// A projection of decode_layers: its kernel by `bits` (0: dense fp32 weight, 4 or 8: packed blocks of that format).
+// A projection of decode_layers: its kernel by `kind` (0: dense fp32 weight; else the GGML type of the block format
+// whose panels `weight` holds).
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
-                   int64_t bits, int64_t in_features, int64_t packed_min_rows) {
-  if (bits != 0) {
+                   int64_t kind, int64_t in_features, int64_t out_features, int64_t packed_min_rows) {
+  if (kind != 0) {
     static const auto quant = c10::Dispatcher::singleton()
         .findSchemaOrThrow("multiserve_quant::quant_linear", "")
-        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
-    return quant.call(x, weight, bits, in_features);
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>();
+    return quant.call(x, weight, kind, in_features, out_features);
   }
   if (packed.has_value() && x.size(0) >= packed_min_rows) {
     static const auto pointwise = c10::Dispatcher::singleton()
@@ -221,12 +222,12 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const c10::opt
 }
 
 // x [B, H]: the step's embeddings, one token per sequence. Per layer l: norms[2l], norms[2l+1] (input and
-// post-attention RMSNorm weights); weights, packed, bits [4l .. 4l+3]: q|k|v, o, gate|up, down; k_caches[l], v_caches[l].
+// post-attention RMSNorm weights); weights, packed, kinds [4l .. 4l+3]: q|k|v, o, gate|up, down; k_caches[l], v_caches[l].
 // shape = (num_heads, num_kv_heads, head_dim, intermediate_size). Returns the last layer's (MLP output, residual),
 // the pair model.py's layers pass on, for the final norm.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms, at::TensorList weights,
-    const c10::List<c10::optional<at::Tensor>>& packed, at::IntArrayRef bits, at::TensorList k_caches,
+    const c10::List<c10::optional<at::Tensor>>& packed, at::IntArrayRef kinds, at::TensorList k_caches,
     at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, at::IntArrayRef shape, double eps, double scale, int64_t packed_min_rows) {
   check_rows(x, "x");
@@ -238,10 +239,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               static_cast<int64_t>(norms.size()) == 2 * num_layers &&
               static_cast<int64_t>(weights.size()) == 4 * num_layers &&
               static_cast<int64_t>(packed.size()) == 4 * num_layers &&
-              static_cast<int64_t>(bits.size()) == 4 * num_layers,
-              "decode_layers: per layer 2 norms, 4 weights (and packed, bits) and a K and V cache");
+              static_cast<int64_t>(kinds.size()) == 4 * num_layers,
+              "decode_layers: per layer 2 norms, 4 weights (and packed, kinds) and a K and V cache");
   TORCH_CHECK(rows.size(0) == tokens && slots.size(0) == tokens, "decode_layers: one new token per sequence");
   const int64_t in_features[4] = {hidden, q_size, hidden, intermediate};
+  const int64_t out_features[4] = {q_size + 2 * kv_size, hidden, 2 * intermediate, hidden};
   static const auto attention = c10::Dispatcher::singleton()
       .findSchemaOrThrow("multiserve_cpu::paged_decode_attention", "")
       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -252,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   for (int64_t l = 0; l < num_layers; ++l) {
     const auto proj = [&](int64_t i, const at::Tensor& in) {
       const int64_t w = 4 * l + i;
-      return project(in, weights[w], packed.get(w), bits[w], in_features[i], packed_min_rows);
+      return project(in, weights[w], packed.get(w), kinds[w], in_features[i], out_features[i], packed_min_rows);
     };
     if (l > 0) h = add_rms_norm(out, residual, norms[2 * l], eps);
     at::Tensor qkv = proj(0, h);  // [B, q + 2 kv]
@@ -280,7 +282,7 @@ TORCH_LIBRARY(multiserve_fused, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor?[] packed, "
-        "int[] bits, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor rows, Tensor block_tables, "
+        "int[] kinds, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor rows, Tensor block_tables, "
         "Tensor seq_lens, int[] shape, float eps, float scale, int packed_min_rows) -> (Tensor, Tensor)");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));

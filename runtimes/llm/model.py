@@ -21,11 +21,12 @@ from runtimes.llm import fused
 from runtimes.llm.attention import AttentionMetadata, paged_attention_ref
 from runtimes.llm.attention.cpu_paged import KERNEL_CACHE_DTYPES, decode_rows, paged_attention_cpu
 from runtimes.llm.config import ModelConfig, RopeScaling
-from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear, kernel_available
+from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
 
-# `decode_layers`' per-layer arguments: norm weights, projection weights, their packed copies, their kernels' bits
+# `decode_layers`' per-layer arguments: norm weights, projection weights, their packed copies, their kernels (0: dense
+# fp32, else the GGML type of a block format's panels)
 DecodeWeights = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None], list[int]]
 
 
@@ -311,28 +312,28 @@ class LlamaForCausalLM(nn.Module):
 
     @functools.cached_property
     def _decode_weights(self) -> DecodeWeights | None:
-        """`decode_layers`' per-layer arguments (norm weights; projection weights, packed copies and kernels), or
+        """`decode_layers`' per-layer arguments (norm weights; projection weights, packed copies and kinds), or
         None where a projection has no kernel there. Gathered on the first decode step (walking the modules costs
         ~0.5 ms) and again after `.to()` and the like (`_apply`)."""
         norms: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
         packed: list[torch.Tensor | None] = []
-        bits: list[int] = []
+        kinds: list[int] = []
         for layer in cast(list[DecoderLayer], self.layers):
             norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             attn, mlp = layer.self_attn, layer.mlp
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                if isinstance(proj, QuantLinear) and kernel_available():
+                if isinstance(proj, QuantLinear) and proj.panels:
                     weights.append(proj.qweight)
                     packed.append(None)
-                    bits.append(proj.fmt.bits)
+                    kinds.append(proj.fmt.ggml_id)
                 elif type(proj) in (nn.Linear, Linear) and proj.weight.dtype == torch.float32:
                     weights.append(proj.weight)
                     packed.append(getattr(proj, "packed", None))
-                    bits.append(0)
+                    kinds.append(0)
                 else:
                     return None
-        return norms, weights, packed, bits
+        return norms, weights, packed, kinds
 
     def _apply(self, fn, recurse=True):  # .to(), .float(), ...: new tensors
         self.__dict__.pop("_decode_weights", None)

@@ -1,7 +1,9 @@
 """`QuantLinear`: a projection whose weight stays in a block format (`formats`), multiplied on CPU by our kernel
 (`cpu_quant.cpp`: activations quantized per block to int8 on the fly, integer dot products, weights read once per
-call). The kernel is compiled on first use like the attention kernel; without a C++ compiler the layer falls back
-to dequantizing its weight for each call (correct, slow) and says so once in the log.
+call, one arithmetic per output element whatever the batch). The loader hands the kernel its weights once, repacked
+into panels of 16 output columns (`to_panels`); from then on the module's `qweight` buffer holds that layout
+(`panels` is True). The kernel is compiled on first use like the attention kernel; without a C++ compiler the
+weights stay in rows and the layer dequantizes them for each call (correct, slow), which the log says once.
 """
 
 from __future__ import annotations
@@ -23,27 +25,37 @@ _SOURCE = Path(__file__).with_name("cpu_quant.cpp")
 def kernel_available() -> bool:
     """Build (or reuse the cached build of) the kernel and register `torch.ops.multiserve_quant`; False, logged,
     when it cannot be built here (the layers then dequantize their weight for each call)."""
-    # -march=native picks AVX-512 VNNI / AVX-VNNI / AVX2 / scalar code for this machine
-    return try_build("multiserve_cpu_quant_multiserve_quant_native", _SOURCE, ["-march=native"])
+    # -march=native picks VNNI / AVX2 / scalar code for this machine; -ffp-contract=off: the kernel's float
+    # operations are exactly the ones written (no multiply-add fused in one inlined copy and not in another)
+    return try_build("multiserve_cpu_quant_multiserve_quant_native", _SOURCE, [*_FLAGS, "-march=native"])
+
+
+_FLAGS = ["-ffp-contract=off"]
 
 
 def build_kernel(namespace: str, march: str) -> None:
-    """Compile the kernel for `-march=<march>` and register its op as `torch.ops.<namespace>.quant_linear` (tests
-    build the AVX2 and the scalar code this way, whatever this machine's CPU prefers)."""
+    """Compile the kernel for `-march=<march>` and register its ops under `torch.ops.<namespace>` (tests build the
+    AVX2 and the scalar code this way, whatever this machine's CPU prefers)."""
     build(f"multiserve_cpu_quant_{namespace}_{march.replace('-', '_')}", _SOURCE,
-          [f"-march={march}", f"-DMULTISERVE_QUANT_NS={namespace}"])
+          [*_FLAGS, f"-march={march}", f"-DMULTISERVE_QUANT_NS={namespace}"])
 
 
-def quant_linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
-    """x `[M, K]` @ W.T for W `[N, packed_row_bytes]`, packed rows of `fmt`: on CUDA the Triton kernel (y in x's
-    dtype), on the CPU this one (y in fp32)."""
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, in_features: int, out_features: int,
+                 panels: bool = False) -> torch.Tensor:
+    """x `[M, K]` @ W.T: W `[N, packed_row_bytes]` in packed rows of `fmt`, or (`panels`) as `to_panels` made it.
+    On CUDA the Triton kernel (y in x's dtype), on the CPU ours (y in fp32)."""
+    if panels:
+        return torch.ops.multiserve_quant.quant_linear(x.float(), weight, fmt.ggml_id, in_features, out_features)
     if x.is_cuda:
         from runtimes.llm.quant.triton_matmul import quant_matmul
 
         return quant_matmul(x, weight, fmt, in_features)
-    if x.is_cpu and kernel_available():
-        return torch.ops.multiserve_quant.quant_linear(x.float(), weight, fmt.bits, in_features)
     return F.linear(x.float(), dequantize_rows(weight, fmt, in_features))
+
+
+def to_panels(rows: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
+    """Packed rows of `fmt` (CPU) -> the kernel's panels of 16 output columns (see cpu_quant.cpp)."""
+    return torch.ops.multiserve_quant.pack_panels(rows, fmt.ggml_id, in_features)
 
 
 class QuantLinear(nn.Module):
@@ -58,10 +70,18 @@ class QuantLinear(nn.Module):
                              f"({out_features}, {fmt.packed_row_bytes(in_features)}), got {tuple(qweight.shape)} "
                              f"{qweight.dtype}")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.panels = False
         self.register_buffer("qweight", qweight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.qweight, self.fmt, self.in_features)
+        return quant_linear(x, self.qweight, self.fmt, self.in_features, self.out_features, self.panels)
+
+    def pack_for_cpu(self) -> bool:
+        """Repack `qweight` into the CPU kernel's panels (once, after loading); False where there is no kernel."""
+        if not self.panels and self.qweight.is_cpu and kernel_available():
+            self.qweight = to_panels(self.qweight, self.fmt, self.in_features)
+            self.panels = True
+        return self.panels
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
@@ -76,13 +96,24 @@ class QuantEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: BlockFormat, qweight: torch.Tensor) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.fmt = num_embeddings, embedding_dim, fmt
+        self.panels = False
         self.register_buffer("qweight", qweight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels:
+            return torch.ops.multiserve_quant.panel_rows(self.qweight, ids.reshape(-1).long(), self.fmt.ggml_id,
+                                                         self.embedding_dim)
         return dequantize_rows(self.qweight.index_select(0, ids.reshape(-1)), self.fmt, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return quant_linear(hidden, self.qweight, self.fmt, self.embedding_dim)
+        return quant_linear(hidden, self.qweight, self.fmt, self.embedding_dim, self.num_embeddings, self.panels)
+
+    def pack_for_cpu(self) -> bool:
+        """As `QuantLinear.pack_for_cpu`; lookups then read the panels too (`panel_rows`)."""
+        if not self.panels and self.qweight.is_cpu and kernel_available():
+            self.qweight = to_panels(self.qweight, self.fmt, self.embedding_dim)
+            self.panels = True
+        return self.panels
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt.name}"

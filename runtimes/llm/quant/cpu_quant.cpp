@@ -1,58 +1,82 @@
-// Weight-quantized linear layers on CPU: y[M, N] = x[M, K] @ W[N, K]^T, W in 4- or 8-bit blocks of 32 values.
+// Weight-quantized linear layers on CPU: y[M, N] = x[M, K] @ W[N, K]^T, W in llama.cpp's 4- or 8-bit blocks of 32
+// values (Q4_0, Q4_1, Q8_0; the op's `kind` is the GGML type id: 2, 3 or 8).
 //
-// Weight layout (runtimes/llm/quant/formats.py packs GGUF's Q4_0, Q4_1 and Q8_0 into it at load), one row per output
-// feature, its K / 32 blocks padded to an even count nbp with zero blocks:
+// One kernel serves every batch: a decode step's few rows and a prefill's hundreds, with the same arithmetic for
+// each output element whatever M is, where the row sits in the batch and which thread computes it. That is what
+// makes a greedy request's tokens independent of its batch, and a prefill's KV equal to what decode steps compute.
+// Each element is, by definition (the scalar code below is this formula, and every vector path computes it):
 //
-//   [ values: nbp * 16 bytes (4-bit: byte j of a block = value j | value j+16 << 4) or nbp * 32 bytes (8-bit)
-//   | d: nbp float16 scales | c: nbp float16 offsets ]          w = d * u + c, u unsigned (0..15 or 0..255)
+//   acc = 0
+//   for b in blocks, in order:        idot = sum_k w_int[n, b, k] * p[m, b, k]             (exact, int32)
+//                                     acc  = fma(d[n, b] * dx[m, b], float(idot), acc)
+//                      Q4_1 only:     acc  = fma(c[n, b], dsum[m, b], acc)
+//   y[m, n] = acc
 //
-// (Q4_1: c is the block's min; Q4_0: c = -8 d; Q8_0 is stored as u = q + 128 with c = -128 d.) Activations are
-// quantized on the fly, per row and block of 32, to int8 p with scale dx (as ggml's q8_1), so a block's dot product
-// is an integer one plus an offset term:
+// where p are the activations quantized per row and block of 32 to int8 (scale dx = max |x| / 127, rounded to
+// nearest even, as ggml's q8_1), dsum = dx * sum(p) (one rounding), and w_int the weight's integers: Q4_1 u (0..15,
+// w = d u + c with c its min), Q4_0 u - 8, Q8_0 q (signed). Integer sums do not depend on their order, so the
+// vector code is free to form idot any way it likes; the float operations are a fixed sequence over the blocks, run
+// in vector lanes that each hold one output column (never a reduction across lanes). So the AVX2 code, the VNNI code
+// and the scalar code give bit-identical results, which the tests check across builds.
 //
-//   w . x  ~=  sum_b d_b dx_b (u . p)_b  +  sum_b c_b (dx_b sum(p)_b)
+// Weights are repacked at load (`pack_panels`) from the row layout (formats.py) into panels of 16 output columns:
+// per panel, per block of 32 inputs, a record of
 //
-// u . p is `vpdpbusd` (unsigned x signed bytes, summed in fours into int32 lanes): 512-bit with AVX-512 VNNI, 256-bit
-// with AVX-VNNI or AVX512-VL VNNI, else AVX2's maddubs + madd, else scalar code; the build targets the machine it
-// runs on (-march=native, cached per machine). 4-bit values are split into low and high nibbles in registers and
-// multiplied by the activations rearranged to match (each block's first and second halves, contiguous per block).
-// Each thread takes a range of weight rows and runs all activation rows against a weight row, a tile of them at a
-// time (8 with AVX-512 VNNI, else 4; the count a compile-time constant, see `with_rows`), while
-// it is in registers and L1: the weights are read from memory once per call whatever M is. For many activation
-// rows (a prefill) the weight rows go in blocks of ~128 KB: each tile passes over a block while it sits in L2, and
-// the tile's quantized activations stay in L1 (1.2x at 136 rows, measured here, bit for bit the same results). With AVX-512 a full tile
-// of eight rows ends with one transposed reduction and one vector of offset terms for all eight (`finish_tile`).
-// Activations are quantized with AVX2 where there is AVX2 (bit-identical to the scalar rounding), rows in parallel.
+//   values: 4-bit: 4 chunks of 64 bytes; chunk j, byte 4c + i (column c, i < 4) holds u[4j + i] in its low nibble
+//           and u[16 + 4j + i] in its high one (GGUF's own nibble pairs: the byte is the row's byte 4j + i);
+//           8-bit: 8 chunks of 64 bytes; chunk j, byte 4c + i = q[4j + i], signed
+//   d:      16 float16 scales          c: 16 float16 offsets (Q4_1 only)
+//
+// so that 32 bytes hold four consecutive inputs of eight columns: with the four matching activation bytes
+// broadcast to every column, `vpmaddubsw` + `vpmaddwd` (or one `vpdpbusd` with VNNI) give eight columns' partial
+// sums at once, one per int32 lane. 4-bit values are unsigned and activations signed, as vpmaddubsw wants; eight of
+// its 16-bit pair sums (|.| <= 2 * 15 * 127) add up without overflow within a block, so one vpmaddwd per block
+// widens them. 8-bit weights are signed: vpmaddubsw takes |q| and the activations with q's signs (vpsignb).
+//
+// A tile is up to TILE rows x 8 columns: the unpacked weight vector serves every row of the tile, a broadcast
+// activation the tile's columns; float accumulators stay in registers over all blocks. Threads take ranges of
+// panels; within a range the panels go in groups small enough to stay in L2 while every tile of rows passes over
+// them, so each weight is read from memory once per call whatever M is, and a many-row call is compute-bound.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
+#define MULTISERVE_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MULTISERVE_VNNI 1
+#define MULTISERVE_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define MULTISERVE_VNNI 1
+#define MULTISERVE_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define MULTISERVE_VNNI512 1  // the 512-bit path, which scales by `spread`; the others scale by `d`
 #endif
 
 namespace {
 
-constexpr int64_t QK = 32;
-// activation rows per pass over a weight row (their sums stay in registers)
-#if defined(MULTISERVE_VNNI512)
-constexpr int64_t TILE = 8;
-#else
-constexpr int64_t TILE = 4;
-#endif
+constexpr int64_t QK = 32;     // values per block
+constexpr int64_t PANEL = 16;  // output columns per panel
+constexpr int64_t TILE = 4;    // activation rows per tile
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
+
+int64_t value_bytes(int64_t kind) { return kind == Q8_0 ? PANEL * QK : PANEL * QK / 2; }
+// bytes of one (panel, block) record: values, scales, and for Q4_1 offsets
+int64_t record_bytes(int64_t kind) { return value_bytes(kind) + 2 * PANEL * (kind == Q4_1 ? 2 : 1); }
+
+void check_kind(int64_t kind) {
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "kind must be a GGML type id of Q4_0 (2), Q4_1 (3) or "
+              "Q8_0 (8), got ", kind);
+}
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -80,31 +104,22 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-// The activation rows quantized per block, in the layout the weights need: for 8-bit weights each block's 32 values
-// in order (`q`); for 4-bit ones the first 16 values of each block (`lo`) and the last 16 (`hi`), so that a vector of
-// packed weight bytes and a vector of `lo` (or `hi`) bytes cover the same blocks. Padding blocks are zero.
-struct Activations {
-  int64_t nb, nbp;
-  std::vector<int8_t> q, lo, hi;  // [M, nbp * 32] or 2 x [M, nbp * 16]
-  std::vector<float> d, dsum;     // [M, nbp]: scale, scale * sum of the block's int8 values
-  std::vector<float> spread;      // [M, nbp * lanes]: each block's scale repeated over the int32 lanes its dot
-                                  // product fills (4-bit: 4, 8-bit: 8), to multiply whole vectors by
-  std::vector<float> dsum_t;      // [nb, M]: dsum transposed, a block's values for a tile of rows side by side
-  int64_t rows = 0;               // M
-};
+// ------------------------------------------------------------------------------------------------ activations
 
-// A block's scale: its largest |value| / 127.
-inline float block_scale(const float* src) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(src[i]));
-  return amax / 127.f;
-}
+// x quantized per row and block: q [M, K] int8, and per block [M, nb] its scale dx, dsum = dx * sum(q), and
+// eight times sum(q) (Q4_0's offset, subtracted from the unsigned dot product).
+struct Activations {
+  int64_t rows, K, nb;
+  std::vector<int8_t> q;
+  std::vector<float> dx, dsum;
+  std::vector<int32_t> sum8;
+};
 
 // A block of 32 values as int8 at scale d (rounded to nearest, ties to even, as nearbyint does), into q; returns
 // their sum.
 inline int32_t quantize_block(const float* src, float d, int8_t* q) {
   const float inv = d > 0.f ? 1.f / d : 0.f;
-#if defined(__AVX2__)
+#if defined(MULTISERVE_AVX2)
   const __m256 scale = _mm256_set1_ps(inv);
   __m256i v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + 8 * i), scale));
@@ -128,324 +143,151 @@ inline int32_t quantize_block(const float* src, float d, int8_t* q) {
 #endif
 }
 
-Activations quantize_activations(const float* x, int64_t M, int64_t K, bool four_bit) {
-  const int64_t nb = K / QK, nbp = nb + (nb & 1);
-  [[maybe_unused]] const int64_t lanes = four_bit ? 4 : 8;
-  Activations a{nb, nbp, {}, {}, {}, {}, std::vector<float>(M * nbp, 0.f), {}, {}, M};
-#if defined(MULTISERVE_VNNI512)
-  a.spread.assign(M * nbp * lanes, 0.f);
-  if (M >= TILE) a.dsum_t.assign(nb * M, 0.f);
-#else
-  a.d.assign(M * nbp, 0.f);
-#endif
-  if (four_bit) {
-    a.lo.assign(M * nbp * QK / 2, 0);
-    a.hi.assign(M * nbp * QK / 2, 0);
-  } else {
-    a.q.assign(M * nbp * QK, 0);
-  }
-  // rows are independent: a few per thread
-  at::parallel_for(0, M, 4, [&](int64_t m_begin, int64_t m_end) {
-    alignas(32) int8_t block[QK];
-    for (int64_t m = m_begin; m < m_end; ++m) {
+Activations quantize_activations(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  Activations a{M, K, nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+                std::vector<int32_t>(M * nb)};
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {  // rows are independent
+    for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < nb; ++b) {
         const float* src = x + m * K + b * QK;
-        const float d = block_scale(src);
-        const int32_t total = quantize_block(src, d, block);
-        const int64_t at = m * nbp + b;
-        if (four_bit) {
-          std::memcpy(a.lo.data() + at * QK / 2, block, QK / 2);
-          std::memcpy(a.hi.data() + at * QK / 2, block + QK / 2, QK / 2);
-        } else {
-          std::memcpy(a.q.data() + at * QK, block, QK);
-        }
-        a.dsum[at] = d * static_cast<float>(total);
-#if defined(MULTISERVE_VNNI512)
-        std::fill_n(a.spread.data() + at * lanes, lanes, d);
-        if (M >= TILE) a.dsum_t[b * M + m] = a.dsum[at];
-#else
-        a.d[at] = d;
-#endif
+        float amax = 0.f;
+        for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(src[i]));
+        const float d = amax / 127.f;
+        const int32_t total = quantize_block(src, d, a.q.data() + m * K + b * QK);
+        a.dx[m * nb + b] = d;
+        a.dsum[m * nb + b] = d * static_cast<float>(total);
+        a.sum8[m * nb + b] = 8 * total;
       }
     }
   });
   return a;
 }
 
-// sum_b c_b * dsum_b over a row's blocks (the offset terms).
-inline float offsets(const uint16_t* c, const float* dsum, int64_t nb) {
-  float total = 0.f;
-  for (int64_t b = 0; b < nb; ++b) total += half_to_float(c[b]) * dsum[b];
-  return total;
+// ------------------------------------------------------------------------------------------------ tiles
+
+// y[r * ldy + j] for r < R, j < cols (<= 8): rows m0.. of `a` against the eight columns at `half` (0 or 1) of one
+// panel, whose records start at `panel`.
+#if defined(MULTISERVE_AVX2)
+
+inline __m256i bcast4(const int8_t* p) {  // four activation bytes into every int32 lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead weight rows are prefetched
-
-#if defined(__AVX2__)
-inline float hsum(__m256 v) {  // the sum of a vector's eight lanes
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+inline void store_cols(float* y, __m256 v, int64_t cols) {
+  if (cols == 8) {
+    _mm256_storeu_ps(y, v);
+    return;
+  }
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  std::memcpy(y, tmp, cols * sizeof(float));
 }
+
+template <int64_t KIND, int64_t R>
+void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, float* y, int64_t ldy, int64_t cols) {
+  const int64_t rec = record_bytes(KIND), vb = value_bytes(KIND), nb = a.nb, K = a.K;
+  const int8_t* xq = a.q.data() + m0 * K;
+  __m256 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+#if !defined(MULTISERVE_VNNI)
+  const __m256i ones = _mm256_set1_epi16(1);
 #endif
-
-#if defined(MULTISERVE_VNNI512)
-
-// Lanes 4k..4k+3 <- element k: one block's scale over the four int32 lanes its 16 bytes sum into.
-inline __m512 spread4(__m128 v) {
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
-}
-
-inline __m128 halves4(const uint16_t* p) {  // four float16 -> float
-  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-// acc + the offset terms c_b * dsum_b of a row's nb blocks, sixteen at a time.
-inline __m512 add_offsets(__m512 acc, const uint16_t* c, const float* dsum, int64_t nb) {
-  int64_t b = 0;
-  for (; b + 16 <= nb; b += 16) {
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + b))),
-                          _mm512_loadu_ps(dsum + b), acc);
-  }
-  if (b < nb) {
-    const __mmask16 left = static_cast<__mmask16>((1u << (nb - b)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(left, c + b)), _mm512_maskz_loadu_ps(left, dsum + b),
-                          acc);
-  }
-  return acc;
-}
-
-// A full tile's results: y[r * ys] = (the sum of acc[r]'s sixteen lanes) + sum_b c_b dsum_b for r < 8. The eight
-// vectors are folded into one in three shuffle-and-add steps, and the offset terms of the eight rows are one vector
-// of multiply-adds over the blocks (dsum transposed), instead of a horizontal sum and an offsets pass per row.
-inline void finish_tile(const __m512* acc, const uint16_t* c, const Activations& a, int64_t m0, float* y, int64_t ys) {
-  __m512 pairs[4];  // 128-bit lanes 0-1: partial sums of row 2i, lanes 2-3: of row 2i + 1
-  for (int i = 0; i < 4; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  // 128-bit lane j: four partial sums of row j (lo) or of row 4 + j (hi)
-  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(pairs[2], pairs[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(pairs[2], pairs[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  __m512 sums = _mm512_add_ps(_mm512_unpacklo_ps(lo, hi), _mm512_unpackhi_ps(lo, hi));
-  sums = _mm512_add_ps(sums, _mm512_shuffle_ps(sums, sums, _MM_SHUFFLE(1, 0, 3, 2)));  // lane 4j: row j, 4j+1: 4+j
-  const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0);
-  __m256 total = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, sums));
-  const float* dsum_t = a.dsum_t.data() + m0;
-  for (int64_t b0 = 0; b0 < a.nb; b0 += 16) {
-    const int64_t count = std::min<int64_t>(16, a.nb - b0);
-    alignas(64) float cf[16];
-    _mm512_store_ps(cf, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), c + b0)));
-    for (int64_t j = 0; j < count; ++j) {
-      total = _mm256_fmadd_ps(_mm256_set1_ps(cf[j]), _mm256_loadu_ps(dsum_t + (b0 + j) * a.rows), total);
-    }
-  }
-  alignas(32) float out[8];
-  _mm256_store_ps(out, total);
-  for (int r = 0; r < 8; ++r) y[r * ys] = out[r];
-}
-
-// y[r * ys] = w . x[m0 + r] for r < rows, one 4-bit weight row: four blocks per 512-bit step (64 bytes of values),
-// a last pair of blocks in 256-bit registers.
-template <int64_t rows>
-void row4(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t ys) {
-  const int64_t nbp = a.nbp;
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(w + nbp * 16);
-  const uint16_t* c = d + nbp;
-  const __m512i mask = _mm512_set1_epi8(0x0f);
-  __m512 acc[TILE];
-  __m256 tail[TILE];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps(), tail[r] = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 4 <= nbp; b += 4) {
-    const __m512i v = _mm512_loadu_si512(w + b * 16);
-    const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-    const __m512 wd = spread4(halves4(d + b));
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t at = (m0 + r) * nbp + b;
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(a.lo.data() + at * 16));
-      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(a.hi.data() + at * 16));
-      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(a.spread.data() + at * 4));
-      acc[r] = _mm512_fmadd_ps(scaled, wd, acc[r]);
-    }
-  }
-  if (b < nbp) {  // two blocks left
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    const float d0 = half_to_float(d[b]), d1 = half_to_float(d[b + 1]);
-    const __m256 wd = _mm256_setr_ps(d0, d0, d0, d0, d1, d1, d1, d1);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t at = (m0 + r) * nbp + b;
-      __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
-                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + at * 16)));
-      dot = _mm256_dpbusd_epi32(dot, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + at * 16)));
-      const __m256 scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(a.spread.data() + at * 4));
-      tail[r] = _mm256_fmadd_ps(scaled, wd, tail[r]);
-    }
-  }
-  if constexpr (rows == TILE) {
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(tail[r]));
-    return finish_tile(acc, c, a, m0, y, ys);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    y[r * ys] = _mm512_reduce_add_ps(add_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb)) + hsum(tail[r]);
-  }
-}
-
-// The same for an 8-bit weight row: two blocks per 512-bit step.
-template <int64_t rows>
-void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t ys) {
-  const int64_t nbp = a.nbp;
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(w + nbp * 32);
-  const uint16_t* c = d + nbp;
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[TILE];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nbp; b += 2) {
-    const __m512i v = _mm512_loadu_si512(w + b * 32);
-    const __m128 wd2 = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(d + b)));
-    const __m512 wd = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(wd2));
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t at = (m0 + r) * nbp + b;
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(a.q.data() + at * 32));
-      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(a.spread.data() + at * 8));
-      acc[r] = _mm512_fmadd_ps(scaled, wd, acc[r]);
-    }
-  }
-  if constexpr (rows == TILE) return finish_tile(acc, c, a, m0, y, ys);
-  for (int64_t r = 0; r < rows; ++r) {
-    y[r * ys] = _mm512_reduce_add_ps(add_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb));
-  }
-}
-
-#elif defined(__AVX2__)
-
-inline __m256i dot_us(__m256i acc, __m256i u, __m256i s) {  // acc + four-byte sums of u * s (u unsigned)
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = panel + b * rec + half * 32;
+    const int8_t* xb = xq + b * QK;
+    __m256i dot[R];  // int32 lanes (VNNI, and 8-bit weights), else int16 pair sums
+    for (int64_t r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    if constexpr (KIND == Q8_0) {
+      for (int64_t j = 0; j < 8; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64));
+        const __m256i u = _mm256_abs_epi8(v);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256i s = _mm256_sign_epi8(bcast4(xb + r * K + 4 * j), v);
+#if defined(MULTISERVE_VNNI)
+          dot[r] = MULTISERVE_DPBUSD(dot[r], u, s);
 #else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
 #endif
-}
-
-// The sum of acc's lanes plus the offset terms c_b * dsum_b of a row's nb blocks, eight at a time.
-inline float sum_with_offsets(__m256 acc, const uint16_t* c, const float* dsum, int64_t nb) {
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b))),
-                          _mm256_loadu_ps(dsum + b), acc);
-  }
-  return hsum(acc) + offsets(c + b, dsum + b, nb - b);
-}
-
-// 4-bit weight row: two blocks per 256-bit step. (maddubs saturates pairs at 16 bits: 15 * 127 * 2 fits.)
-template <int64_t rows>
-void row4(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t ys) {
-  const int64_t nbp = a.nbp;
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(w + nbp * 16);
-  const uint16_t* c = d + nbp;
-  const __m256i mask = _mm256_set1_epi8(0x0f);
-  const __m256i idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  __m256 acc[TILE];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nbp; b += 2) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 16));
-    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-    const __m128 wd = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(d + b)));
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t at = (m0 + r) * nbp + b;
-      __m256i dot = dot_us(_mm256_setzero_si256(), lo,
-                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.lo.data() + at * 16)));
-      dot = dot_us(dot, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.hi.data() + at * 16)));
-      const __m128 s = _mm_mul_ps(wd, _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-                                          a.d.data() + at))));
-      acc[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), idx), _mm256_cvtepi32_ps(dot),
-                               acc[r]);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) y[r * ys] = sum_with_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb);
-}
-
-// 8-bit weight row: one block per 256-bit step. maddubs would saturate (255 * 127 * 2 > 32767), so without VNNI
-// both operands are widened to 16 bits and multiplied with madd.
-template <int64_t rows>
-void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t ys) {
-  const int64_t nbp = a.nbp;
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(w + nbp * 32);
-  const uint16_t* c = d + nbp;
-  __m256 acc[TILE];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nbp; ++b) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-    const float wd = half_to_float(d[b]);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
-    const __m256i v_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(v));
-    const __m256i v_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1));
-#endif
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t at = (m0 + r) * nbp + b;
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + at * 32));
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-      const __m256i dot = dot_us(_mm256_setzero_si256(), v, p);
-#else
-      const __m256i p_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(p));
-      const __m256i p_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(p, 1));
-      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(v_lo, p_lo), _mm256_madd_epi16(v_hi, p_hi));
-#endif
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * a.d[at]), _mm256_cvtepi32_ps(dot), acc[r]);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) y[r * ys] = sum_with_offsets(acc[r], c, a.dsum.data() + (m0 + r) * nbp, a.nb);
-}
-
-#else
-
-void row_scalar(const uint8_t* w, int bits, const Activations& a, int64_t m0, int64_t rows, float* y, int64_t ys) {
-  const int64_t nbp = a.nbp, value_bytes = bits == 4 ? 16 : 32;
-  const uint16_t* d = reinterpret_cast<const uint16_t*>(w + nbp * value_bytes);
-  const uint16_t* c = d + nbp;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = (m0 + r) * nbp;
-    float total = 0.f;
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const uint8_t* u = w + b * value_bytes;
-      int32_t dot = 0;
-      if (bits == 4) {
-        const int8_t* lo = a.lo.data() + (row + b) * 16;
-        const int8_t* hi = a.hi.data() + (row + b) * 16;
-        for (int i = 0; i < 16; ++i) dot += int32_t(u[i] & 0x0f) * lo[i] + int32_t(u[i] >> 4) * hi[i];
-      } else {
-        const int8_t* p = a.q.data() + (row + b) * 32;
-        for (int i = 0; i < 32; ++i) dot += int32_t(u[i]) * p[i];
+        }
       }
-      total += half_to_float(d[b]) * a.d[row + b] * float(dot);
+    } else {
+      const __m256i mask = _mm256_set1_epi8(0x0f);
+      for (int64_t j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256i s_lo = bcast4(xb + r * K + 4 * j), s_hi = bcast4(xb + r * K + 16 + 4 * j);
+#if defined(MULTISERVE_VNNI)
+          dot[r] = MULTISERVE_DPBUSD(MULTISERVE_DPBUSD(dot[r], lo, s_lo), hi, s_hi);
+#else
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, s_lo),
+                                                             _mm256_maddubs_epi16(hi, s_hi)));
+#endif
+        }
+      }
+#if !defined(MULTISERVE_VNNI)
+      for (int64_t r = 0; r < R; ++r) dot[r] = _mm256_madd_epi16(dot[r], ones);
+#endif
     }
-    y[r * ys] = total + offsets(c, a.dsum.data() + row, a.nb);
+    const uint16_t* dp = reinterpret_cast<const uint16_t*>(panel + b * rec + vb) + half * 8;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp)));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * nb + b;
+      __m256i idot = dot[r];
+      if constexpr (KIND == Q4_0) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(a.sum8[at]));
+      const __m256 s = _mm256_mul_ps(d, _mm256_set1_ps(a.dx[at]));
+      acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(idot), acc[r]);
+    }
+    if constexpr (KIND == Q4_1) {
+      const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + PANEL)));
+      for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.dsum[(m0 + r) * nb + b]), acc[r]);
+    }
   }
+  for (int64_t r = 0; r < R; ++r) store_cols(y + r * ldy, acc[r], cols);
 }
 
-template <int64_t rows>
-void row4(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t ys) {
-  row_scalar(w, 4, a, m0, rows, y, ys);
-}
+#else  // scalar: the definition itself
 
-template <int64_t rows>
-void row8(const uint8_t* w, const Activations& a, int64_t m0, float* y, int64_t ys) {
-  row_scalar(w, 8, a, m0, rows, y, ys);
+template <int64_t KIND, int64_t R>
+void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, float* y, int64_t ldy, int64_t cols) {
+  const int64_t rec = record_bytes(KIND), vb = value_bytes(KIND), nb = a.nb, K = a.K;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t m = m0 + r;
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t c = half * 8 + j;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* w = panel + b * rec;
+        const int8_t* p = a.q.data() + m * K + b * QK;
+        int32_t idot = 0;
+        for (int64_t k = 0; k < QK; ++k) {
+          int32_t wi;
+          if constexpr (KIND == Q8_0) {
+            wi = static_cast<int8_t>(w[(k / 4) * 64 + c * 4 + k % 4]);
+          } else {
+            const int64_t kk = k % 16;
+            const uint8_t byte = w[(kk / 4) * 64 + c * 4 + kk % 4];
+            wi = k < 16 ? (byte & 0x0f) : (byte >> 4);
+            if constexpr (KIND == Q4_0) wi -= 8;
+          }
+          idot += wi * p[k];
+        }
+        const uint16_t* dp = reinterpret_cast<const uint16_t*>(w + vb);
+        acc = std::fma(half_to_float(dp[c]) * a.dx[m * nb + b], static_cast<float>(idot), acc);
+        if constexpr (KIND == Q4_1) acc = std::fma(half_to_float(dp[PANEL + c]), a.dsum[m * nb + b], acc);
+      }
+      y[r * ldy + j] = acc;
+    }
+  }
 }
 
 #endif
 
-// f(std::integral_constant<int64_t, rows>{}) for 1 <= rows <= TILE: the row functions take their number of activation
-// rows as a constant, so the compiler keeps each row's accumulator in a register (with a run-time count they went
-// through the stack: measured here at one row, ~30% slower)
+// f(std::integral_constant<int64_t, rows>{}) for 1 <= rows <= TILE: the tile's row count is a compile-time constant,
+// so each row's accumulators stay in registers.
 template <int64_t N = TILE, typename F>
 inline void with_rows(int64_t rows, F&& f) {
   if constexpr (N == 1) {
@@ -457,43 +299,130 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t bits, int64_t in_features) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x must be a 2-D fp32 CPU tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
-              "weight must be a contiguous 2-D uint8 tensor of packed blocks");
-  const int64_t K = in_features, M = x.size(0), N = weight.size(0), nb = K / QK, nbp = nb + (nb & 1);
-  TORCH_CHECK(K % QK == 0 && x.size(1) == K, "in_features must be a multiple of 32 and match x");
-  TORCH_CHECK(weight.size(1) == nbp * (bits == 4 ? 20 : 36), "weight rows must hold the packed blocks of K values");
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const Activations a = quantize_activations(xc.data_ptr<float>(), M, K, bits == 4);
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  const int64_t row_bytes = weight.size(1);
-  float* y = out.data_ptr<float>();
-  // Weight rows in blocks small enough to stay in L2 while every tile of activation rows passes over them: the
-  // tile's quantized activations then stay in L1, and each weight row comes from memory once per call.
-  const int64_t block_rows = std::max<int64_t>(16, (128 << 10) / row_bytes);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += block_rows) {
-      const int64_t n1 = std::min(end, n0 + block_rows);
+template <int64_t KIND>
+void run(const Activations& a, const uint8_t* panels, int64_t num_panels, int64_t N, float* y) {
+  const int64_t M = a.rows, panel_bytes = a.nb * record_bytes(KIND);
+  // panels per group: ~128 KB, which stays in L2 while every tile of rows passes over it
+  const int64_t group = std::max<int64_t>(1, (128 << 10) / panel_bytes);
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = begin; p0 < end; p0 += group) {
+      const int64_t p1 = std::min(end, p0 + group);
       for (int64_t m = 0; m < M; m += TILE) {
         with_rows(std::min(TILE, M - m), [&](auto rows) {
-          for (int64_t n = n0; n < n1; ++n) {
-#if defined(__AVX2__)
-            if (m == 0 && n + PREFETCH_ROWS < end) {  // first pass: rows come from L3 or memory
-              const char* next = reinterpret_cast<const char*>(w + (n + PREFETCH_ROWS) * row_bytes);
-              for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-            }
-#endif
-            if (bits == 4) {
-              row4<decltype(rows)::value>(w + n * row_bytes, a, m, y + m * N + n, N);
-            } else {
-              row8<decltype(rows)::value>(w + n * row_bytes, a, m, y + m * N + n, N);
+          for (int64_t p = p0; p < p1; ++p) {
+            for (int half = 0; half < 2; ++half) {
+              const int64_t n = p * PANEL + half * 8, cols = std::min<int64_t>(8, N - n);
+              if (cols <= 0) break;
+              tile<KIND, decltype(rows)::value>(panels + p * panel_bytes, a, m, half, y + m * N + n, N, cols);
             }
           }
         });
+      }
+    }
+  });
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t kind, int64_t in_features,
+                        int64_t out_features) {
+  check_kind(kind);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x must be a 2-D fp32 CPU tensor");
+  const int64_t K = in_features, M = x.size(0), N = out_features, nb = K / QK;
+  const int64_t num_panels = (N + PANEL - 1) / PANEL;
+  TORCH_CHECK(K % QK == 0 && x.size(1) == K, "in_features must be a multiple of 32 and match x");
+  TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+              panels.size(0) == num_panels && panels.size(1) == nb * record_bytes(kind),
+              "panels must be the contiguous uint8 [", num_panels, ", ", nb * record_bytes(kind),
+              "] that pack_panels makes for ", N, " x ", K);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const Activations a = quantize_activations(xc.data_ptr<float>(), M, K);
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  if (kind == Q4_0) {
+    run<Q4_0>(a, w, num_panels, N, y);
+  } else if (kind == Q4_1) {
+    run<Q4_1>(a, w, num_panels, N, y);
+  } else {
+    run<Q8_0>(a, w, num_panels, N, y);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------ layouts
+
+// The row layout (formats.py: per row its values, then nbp float16 scales d, then nbp float16 offsets c, the block
+// count nbp padded to even; 4-bit: GGUF's bytes, 8-bit: u = q + 128) -> panels.
+at::Tensor pack_panels(const at::Tensor& rows, int64_t kind, int64_t in_features) {
+  check_kind(kind);
+  const int64_t K = in_features, N = rows.size(0), nb = K / QK, nbp = nb + (nb & 1);
+  const bool four_bit = kind != Q8_0;
+  const int64_t row_value_bytes = four_bit ? QK / 2 : QK, rec = record_bytes(kind), vb = value_bytes(kind);
+  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32");
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.is_contiguous() &&
+              rows.size(1) == nbp * (row_value_bytes + 4), "rows must be contiguous packed uint8 rows of ", K,
+              " values");
+  const int64_t num_panels = (N + PANEL - 1) / PANEL, row_bytes = rows.size(1);
+  at::Tensor out = at::zeros({num_panels, nb * rec}, rows.options());
+  const uint8_t* src = rows.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, num_panels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < PANEL && p * PANEL + c < N; ++c) {
+        const uint8_t* row = src + (p * PANEL + c) * row_bytes;
+        const uint16_t* d = reinterpret_cast<const uint16_t*>(row + nbp * row_value_bytes);
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* r = dst + (p * nb + b) * rec;
+          const uint8_t* values = row + b * row_value_bytes;
+          for (int64_t k = 0; k < row_value_bytes; ++k) {
+            // 4-bit: row byte 4j + i (values 4j + i and 16 + 4j + i); 8-bit: value 4j + i, u - 128 = q
+            r[(k / 4) * 64 + c * 4 + k % 4] = four_bit ? values[k] : static_cast<uint8_t>(values[k] ^ 0x80);
+          }
+          uint16_t* scales = reinterpret_cast<uint16_t*>(r + vb);
+          scales[c] = d[b];
+          if (kind == Q4_1) scales[PANEL + c] = d[nbp + b];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Rows `ids` of the weight held as panels, dequantized to fp32 [len(ids), K] (a tied embedding's lookups): the
+// values formats.dequantize_rows gives from the row layout, d u + c.
+at::Tensor panel_rows(const at::Tensor& panels, const at::Tensor& ids, int64_t kind, int64_t in_features) {
+  check_kind(kind);
+  const int64_t K = in_features, nb = K / QK, rec = record_bytes(kind), vb = value_bytes(kind);
+  TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
+              panels.size(1) == nb * rec, "panels must be contiguous uint8 panels of ", K, " inputs");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be a 1-D int64 tensor");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t count = idc.size(0), limit = panels.size(0) * PANEL;
+  const int64_t* id = idc.data_ptr<int64_t>();
+  at::Tensor out = at::empty({count, K}, panels.options().dtype(at::kFloat));
+  const uint8_t* base = panels.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  for (int64_t i = 0; i < count; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < limit, "id ", id[i], " out of range");
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = id[i] / PANEL, c = id[i] % PANEL;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* r = base + (p * nb + b) * rec;
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(r + vb);
+        const float d = half_to_float(scales[c]);
+        float* out_row = y + i * K + b * QK;
+        if (kind == Q8_0) {
+          for (int64_t k = 0; k < QK; ++k) {
+            out_row[k] = d * static_cast<float>(static_cast<int8_t>(r[(k / 4) * 64 + c * 4 + k % 4]));
+          }
+          continue;
+        }
+        const float offset = kind == Q4_1 ? half_to_float(scales[PANEL + c]) : -8.f * d;
+        for (int64_t k = 0; k < QK / 2; ++k) {
+          const uint8_t byte = r[(k / 4) * 64 + c * 4 + k % 4];
+          out_row[k] = d * static_cast<float>(byte & 0x0f) + offset;
+          out_row[k + QK / 2] = d * static_cast<float>(byte >> 4) + offset;
+        }
       }
     }
   });
@@ -509,6 +438,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, int64_t b
 #define MULTISERVE_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 
 MULTISERVE_LIBRARY(MULTISERVE_QUANT_NS, m) {
-  m.def("quant_linear(Tensor x, Tensor weight, int bits, int in_features) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor panels, int kind, int in_features, int out_features) -> Tensor");
+  m.def("pack_panels(Tensor rows, int kind, int in_features) -> Tensor");
+  m.def("panel_rows(Tensor panels, Tensor ids, int kind, int in_features) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
+  m.impl("pack_panels", c10::DispatchKey::CPU, TORCH_FN(pack_panels));
+  m.impl("panel_rows", c10::DispatchKey::CPU, TORCH_FN(panel_rows));
 }

@@ -10,11 +10,12 @@ GGUF stores a block as its float16 scale d (Q4_1: and float16 min m) followed by
 
 (In a 4-bit block, byte j holds value j in its low nibble and value j + 16 in its high one.)
 
-The kernel (`cpu_quant.cpp`) reads one packed layout for all three, `w = d * u + c` with u unsigned: a row's values
-first (4-bit: 16 bytes a block, as GGUF's; 8-bit: u = q + 128, 32 bytes), then its float16 scales d, then its
-float16 offsets c (Q4_1: m; Q4_0: -8 d; Q8_0: -128 d), the block count padded to even with zero blocks. `pack`
-converts GGUF blocks to it (numpy, vectorized, exact); other GGUF types are requantized first (gguf-py's
-quantizer and dequantizer, llama.cpp's own reference code).
+The loader keeps one packed row layout for all three, `w = d * u + c` with u unsigned: a row's values first (4-bit:
+16 bytes a block, as GGUF's; 8-bit: u = q + 128, 32 bytes), then its float16 scales d, then its float16 offsets c
+(Q4_1: m; Q4_0: -8 d; Q8_0: -128 d), the block count padded to even with zero blocks. The Triton kernel reads it as
+it is; the CPU kernel (`cpu_quant.cpp`) gets it repacked once into panels of 16 output columns. `pack` converts
+GGUF blocks to it (numpy, vectorized, exact); other GGUF types are requantized first (gguf-py's quantizer and
+dequantizer, llama.cpp's own reference code).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from registry.schema import ModelSpec
 from registry.sources import resolve_model_path
@@ -22,7 +24,7 @@ from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
 
 FORMATS = [Q8_0, Q4_0, Q4_1]
 CPU = torch.device("cpu")
-# Instruction sets the kernel has code for: this machine's best (AVX-512 VNNI here), AVX2 without VNNI, scalar.
+# Instruction sets the kernel has code for: this machine's best (VNNI where it has it), AVX2 without VNNI, scalar.
 VARIANTS = {"native": "multiserve_quant", "haswell": "multiserve_quant_avx2", "x86-64": "multiserve_quant_scalar"}
 
 
@@ -43,7 +45,7 @@ def test_packing_keeps_every_value(fmt, width):
 
 def _integer_reference(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, width: int) -> torch.Tensor:
     """What the kernel computes, in float64: activations quantized per block of 32 to int8 (round half to even of
-    x / (amax / 127)), exact integer dot products with the weights' unsigned values, scaled, plus offset terms."""
+    x / (amax / 127)), exact integer dot products with the weights' values, scaled, plus offset terms."""
     nb = width // 32
     blocks = x.reshape(x.shape[0], nb, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
@@ -63,21 +65,77 @@ def kernel_namespace(request):
     return namespace
 
 
+def _panels(namespace: str, rows: int, width: int, fmt: BlockFormat, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    packed = torch.from_numpy(pack(_blocks(rows, width, fmt, seed), fmt))
+    return packed, getattr(torch.ops, namespace).pack_panels(packed, fmt.ggml_id, width)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-# every count of rows left after whole tiles (TILE is 8 with AVX-512 VNNI, 4 otherwise); 4096 wide, the 70 weight
-# rows span two or three of the kernel's ~128 KB blocks of rows
-@pytest.mark.parametrize("width, rows", [(96, 1), (64, 2), (64, 3), (64, 4), (576, 5), (64, 6), (128, 15), (256, 33),
-                                         (4096, 11)])
-def test_the_kernel_computes_its_integer_formula(kernel_namespace, fmt, width, rows):
-    packed = torch.from_numpy(pack(_blocks(70, width, fmt, seed=width), fmt))
+# every count of rows left after whole tiles of 4; output columns that fill whole panels of 16, half of one, and
+# leave a ragged last one; 4096 wide: the panels of a thread span several of the kernel's ~128 KB groups
+@pytest.mark.parametrize("width, rows, cols", [(96, 1, 70), (64, 2, 16), (64, 3, 8), (64, 4, 3), (576, 5, 70),
+                                               (64, 6, 33), (128, 15, 70), (256, 33, 70), (4096, 11, 70)])
+def test_the_kernel_computes_its_integer_formula(kernel_namespace, fmt, width, rows, cols):
+    packed, panels = _panels(kernel_namespace, cols, width, fmt, seed=width)
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] = 0  # a block of zeros: scale 0
     op = getattr(torch.ops, kernel_namespace).quant_linear
-    got = op(x, packed, fmt.bits, width)
+    got = op(x, panels, fmt.ggml_id, width, cols)
     expected = _integer_reference(x, packed, fmt, width)
+    assert got.shape == (rows, cols)
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item())
     dense = x @ dequantize_rows(packed, fmt, width).T  # and close to the unquantized product: ~1/127 per block
     assert (got - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_every_instruction_set_gives_the_same_bits(fmt):
+    """The kernel's float operations are one fixed sequence per output element (integer dot products, whose order
+    does not matter, then a multiply-add per block): the AVX2 code, this machine's best and the scalar definition
+    agree bit for bit."""
+    results = []
+    for name, namespace in VARIANTS.items():
+        if name != "native":
+            build_kernel(namespace, name)
+        _, panels = _panels(namespace, 40, 576, fmt, seed=3)
+        x = torch.randn(9, 576, generator=torch.Generator().manual_seed(9)) * 2
+        results.append(getattr(torch.ops, namespace).quant_linear(x, panels, fmt.ggml_id, 576, 40))
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+@settings(max_examples=40, deadline=None)
+@given(fmt=st.sampled_from(FORMATS), batch=st.integers(1, 37), data=st.data())
+def test_a_row_gets_the_same_bits_in_any_batch(fmt, batch, data):
+    """Batch invariance: a row's output is identical alone and at any position of any batch (tiles of 4 rows,
+    remainders of 1-3, threads over panels), so a greedy request's tokens do not depend on what runs beside it."""
+    assert kernel_available()
+    _, panels = _panels("multiserve_quant", 50, 192, fmt, seed=1)
+    seed = data.draw(st.integers(0, 2**16))
+    x = torch.randn(batch, 192, generator=torch.Generator().manual_seed(seed)) * 4
+    together = torch.ops.multiserve_quant.quant_linear(x, panels, fmt.ggml_id, 192, 50)
+    row = data.draw(st.integers(0, batch - 1))
+    alone = torch.ops.multiserve_quant.quant_linear(x[row : row + 1], panels, fmt.ggml_id, 192, 50)
+    assert torch.equal(alone[0], together[row])
+    start = data.draw(st.integers(0, row))  # a slice of the batch that still holds the row, at another position
+    part = torch.ops.multiserve_quant.quant_linear(x[start : row + 1], panels, fmt.ggml_id, 192, 50)
+    assert torch.equal(part[-1], together[row])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_panels_keep_every_value_and_serve_lookups(fmt):
+    """A tied embedding's lookups read the panels: the same values as the rows they were packed from."""
+    assert kernel_available()
+    packed, panels = _panels("multiserve_quant", 37, 96, fmt)
+    assert panels.shape == (3, 3 * (544 if fmt is Q8_0 else 320 if fmt is Q4_1 else 288))
+    ids = torch.tensor([0, 36, 15, 16, 5, 5])
+    got = torch.ops.multiserve_quant.panel_rows(panels, ids, fmt.ggml_id, 96)
+    assert torch.equal(got, dequantize_rows(packed[ids], fmt, 96))
+    with pytest.raises(RuntimeError, match="id 48 out of range"):
+        torch.ops.multiserve_quant.panel_rows(panels, torch.tensor([48]), fmt.ggml_id, 96)
+    with pytest.raises(RuntimeError, match=r"panels must be the contiguous uint8 \[3, "):
+        torch.ops.multiserve_quant.quant_linear(torch.zeros(1, 96), panels[:2], fmt.ggml_id, 96, 37)
+    with pytest.raises(RuntimeError, match="kind must be a GGML type id of Q4_0"):
+        torch.ops.multiserve_quant.pack_panels(packed, 4, 96)
 
 
 def _logits(loaded, ids: list[int]) -> torch.Tensor:
