@@ -48,7 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -110,10 +110,27 @@ inline float half_to_float(uint16_t h) {
 // eight times sum(q) (Q4_0's offset, subtracted from the unsigned dot product).
 struct Activations {
   int64_t rows, K, nb;
-  std::vector<int8_t> q;
-  std::vector<float> dx, dsum;
-  std::vector<int32_t> sum8;
+  std::unique_ptr<int8_t[]> q;  // (not zero-filled first: every byte is written)
+  std::unique_ptr<float[]> dx, dsum;
+  std::unique_ptr<int32_t[]> sum8;
 };
+
+// The largest |value| of a block of 32 (exact, in any order).
+inline float block_amax(const float* src) {
+#if defined(MULTISERVE_AVX2)
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_and_ps(_mm256_loadu_ps(src), abs);
+  for (int i = 1; i < 4; ++i) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(src + 8 * i), abs));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(src[i]));
+  return amax;
+#endif
+}
 
 // A block of 32 values as int8 at scale d (rounded to nearest, ties to even, as nearbyint does), into q; returns
 // their sum.
@@ -145,16 +162,14 @@ inline int32_t quantize_block(const float* src, float d, int8_t* q) {
 
 Activations quantize_activations(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QK;
-  Activations a{M, K, nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-                std::vector<int32_t>(M * nb)};
+  Activations a{M, K, nb, std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * nb]),
+                std::unique_ptr<float[]>(new float[M * nb]), std::unique_ptr<int32_t[]>(new int32_t[M * nb])};
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {  // rows are independent
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < nb; ++b) {
         const float* src = x + m * K + b * QK;
-        float amax = 0.f;
-        for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(src[i]));
-        const float d = amax / 127.f;
-        const int32_t total = quantize_block(src, d, a.q.data() + m * K + b * QK);
+        const float d = block_amax(src) / 127.f;
+        const int32_t total = quantize_block(src, d, a.q.get() + m * K + b * QK);
         a.dx[m * nb + b] = d;
         a.dsum[m * nb + b] = d * static_cast<float>(total);
         a.sum8[m * nb + b] = 8 * total;
@@ -189,7 +204,7 @@ inline void store_cols(float* y, __m256 v, int64_t cols) {
 template <int64_t KIND, int64_t R>
 void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, float* y, int64_t ldy, int64_t cols) {
   const int64_t rec = record_bytes(KIND), vb = value_bytes(KIND), nb = a.nb, K = a.K;
-  const int8_t* xq = a.q.data() + m0 * K;
+  const int8_t* xq = a.q.get() + m0 * K;
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
 #if !defined(MULTISERVE_VNNI)
@@ -200,7 +215,9 @@ void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, floa
     const int8_t* xb = xq + b * QK;
     __m256i dot[R];  // int32 lanes (VNNI, and 8-bit weights), else int16 pair sums
     for (int64_t r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    // (not unrolled: unrolled, GCC regroups the integer sums into a tree and spills most of its terms)
     if constexpr (KIND == Q8_0) {
+#pragma GCC unroll 1
       for (int64_t j = 0; j < 8; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64));
         const __m256i u = _mm256_abs_epi8(v);
@@ -215,6 +232,7 @@ void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, floa
       }
     } else {
       const __m256i mask = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 1
       for (int64_t j = 0; j < 4; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64));
         const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
@@ -261,7 +279,7 @@ void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, floa
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* w = panel + b * rec;
-        const int8_t* p = a.q.data() + m * K + b * QK;
+        const int8_t* p = a.q.get() + m * K + b * QK;
         int32_t idot = 0;
         for (int64_t k = 0; k < QK; ++k) {
           int32_t wi;
@@ -303,7 +321,7 @@ template <int64_t KIND>
 void run(const Activations& a, const uint8_t* panels, int64_t num_panels, int64_t N, float* y) {
   const int64_t M = a.rows, panel_bytes = a.nb * record_bytes(KIND);
   // panels per group: ~128 KB, which stays in L2 while every tile of rows passes over it
-  const int64_t group = std::max<int64_t>(1, (128 << 10) / panel_bytes);
+  const int64_t group = std::max<int64_t>(1, (64 << 10) / panel_bytes);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = begin; p0 < end; p0 += group) {
       const int64_t p1 = std::min(end, p0 + group);
