@@ -1,10 +1,10 @@
-"""CPU attention per layer on SmolLM2's head shapes (9 query heads, 3 KV heads, head_dim 64), fp32, paged KV.
+"""CPU attention per layer on SmolLM2's head shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16), fp32,
+paged KV: the kernel as it is (`cpu_paged.paged_attention_cpu`, every row) against the path before it took prefill rows.
 
-Side by side in one run, interleaved, median of `--repeats` rounds of best-of-5 calls:
-- prefill and chunked prefill: `reference.prefill_attention_ref` (SDPA on its fused CPU kernel: `is_causal` for a
-  whole prompt, an additive float mask for a chunk after cached tokens) against the same gathered keys and values
-  through SDPA with a boolean mask on 3-D tensors, the form the reference used before (SDPA's unfused math path);
-- decode: the C++ kernel (`cpu_paged.paged_attention_cpu`) against the reference's batched SDPA path.
+The path before: the C++ decode kernel of commit `--before` (built from git under another op namespace) for decode
+rows, `reference.prefill_attention_ref` (SDPA on its fused CPU kernel) for prefill rows. Both arms run side by side
+in one process, alternating within every round; median of `--repeats` rounds of best-of-5 calls; both arms' outputs
+are checked equal to 1e-5 first.
 
     python -m bench.measure.cpu_attention
 """
@@ -13,18 +13,33 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tempfile
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from bench.measure.timing import best_time
-from runtimes.llm.attention.cpu_paged import load_kernel, paged_attention_cpu
+from runtimes.cpu_extension import build
+from runtimes.llm.attention.cpu_paged import decode_rows, load_kernel, paged_attention_cpu
 from runtimes.llm.attention.metadata import AttentionMetadata
-from runtimes.llm.attention.reference import paged_attention_ref, prefill_attention_ref
+from runtimes.llm.attention.reference import prefill_attention_ref
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+# the last commit whose kernel served decode rows only (prefill rows went to SDPA), and its build flags
+BEFORE = "5695711"
+BEFORE_FLAGS = ["-march=native", "-mprefer-vector-width=512"]
+
+CASES = {
+    "decode b=1, ctx 600": ([1], [600]),
+    "decode b=32, ctx 64-250": ([1] * 32, [64 + 6 * i for i in range(32)]),
+    "prefill 1 x 1,400": ([1400], [1400]),
+    "prefill 32 x 28-34": ([28 + i % 7 for i in range(32)], [28 + i % 7 for i in range(32)]),
+    "chunk 128 after 600": ([128], [728]),
+    "mixed: 8 decodes (ctx 600) + chunk 128": ([1] * 8 + [128], [600] * 8 + [728]),
+}
 
 
 def _case(query_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -43,65 +58,49 @@ def _case(query_lens: list[int], seq_lens: list[int]) -> tuple[torch.Tensor, tor
     return query, k_cache, v_cache, AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
 
 
-def _bool_mask_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                       scale: float, out: torch.Tensor) -> None:
-    """The baseline: the same prefill rows through SDPA with a boolean causal mask on 3-D tensors."""
-    start = 0
-    for i, q_len in enumerate(meta.query_lens_host):
-        s_len = meta.seq_lens_host[i]
-        table = meta.block_tables[i][: -(-s_len // BLOCK_SIZE)].long()
-        k = k_cache.index_select(0, table).flatten(0, 1)[:s_len].transpose(0, 1)  # [KVH, s, D]
-        v = v_cache.index_select(0, table).flatten(0, 1)[:s_len].transpose(0, 1)
-        visible = torch.arange(s_len)[None, :] <= torch.arange(s_len - q_len, s_len)[:, None]
-        o = F.scaled_dot_product_attention(query[start : start + q_len].transpose(0, 1), k, v, attn_mask=visible,
-                                           scale=scale, enable_gqa=True)
-        out[start : start + q_len] = o.transpose(0, 1)
-        start += q_len
+def load_before(rev: str) -> None:
+    """Build `rev`'s cpu_paged.cpp with its ops under `multiserve_cpu_before` (cached like any kernel build)."""
+    source = subprocess.run(["git", "show", f"{rev}:runtimes/llm/attention/cpu_paged.cpp"], check=True,
+                            capture_output=True, text=True).stdout
+    renamed = source.replace("TORCH_LIBRARY(multiserve_cpu,", "TORCH_LIBRARY(multiserve_cpu_before,")
+    assert renamed != source, f"{rev}'s kernel registers no multiserve_cpu library"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cpu_paged_before.cpp"
+        path.write_text(renamed)
+        build("multiserve_cpu_paged_before", path, BEFORE_FLAGS)
+
+
+def attention_before(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+    """The path before: decode rows by the old kernel, prefill rows by SDPA."""
+    out = torch.empty(query.shape, dtype=query.dtype)
+    decode = decode_rows(meta)
+    if decode is not None:
+        torch.ops.multiserve_cpu_before.paged_decode_attention(query, k_cache, v_cache, decode.rows,
+                                                               decode.block_tables, decode.seq_lens, scale, out)
+    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--before", default=BEFORE, help="the commit whose decode kernel the old path runs")
     args = parser.parse_args(argv)
     load_kernel()
+    load_before(args.before)
     scale = HEAD_DIM**-0.5
-    prefill = {"prompt 600": ([600], [600]), "chunk 128 after 600": ([128], [728]),
-               "chunk 32 after 600": ([32], [632])}
-    decode = {"decode b=32, ctx 64-256": ([1] * 32, [64 + 6 * i for i in range(32)]),
-              "decode b=8, ctx 600": ([1] * 8, [600] * 8)}
-    rows = [_prefill_row(name, *lens, scale, args.repeats) for name, lens in prefill.items()]
-    rows += [_decode_row(name, *lens, scale, args.repeats) for name, lens in decode.items()]
     print(f"torch threads: {torch.get_num_threads()}, {args.repeats} rounds of best-of-5, medians, ms per layer\n")
-    print("| case | baseline | ms | ours | ms | ours ÷ baseline |\n|---|---|---|---|---|---|")
-    for name, base_name, ours_name, ms in rows:
-        print(f"| {name} | {base_name} | {ms['baseline']:.3f} | {ours_name} | {ms['ours']:.3f} | "
-              f"**{ms['ours'] / ms['baseline']:.2f}** |")
+    print(f"| case | before ({args.before}: old decode kernel + SDPA prefill) | now (one kernel) | now ÷ before |\n"
+          "|---|---|---|---|")
+    for name, (query_lens, seq_lens) in CASES.items():
+        query, k_cache, v_cache, meta = _case(query_lens, seq_lens)
+        torch.testing.assert_close(paged_attention_cpu(query, k_cache, v_cache, meta, scale),
+                                   attention_before(query, k_cache, v_cache, meta, scale), atol=1e-5, rtol=1e-5)
+        ms = _time({"before": partial(attention_before, query, k_cache, v_cache, meta, scale),
+                    "now": partial(paged_attention_cpu, query, k_cache, v_cache, meta, scale)}, args.repeats)
+        print(f"| {name} | {ms['before']:.3f} | {ms['now']:.3f} | **{ms['now'] / ms['before']:.2f}** |", flush=True)
     return 0
-
-
-Row = tuple[str, str, str, dict[str, float]]
-
-
-def _prefill_row(name: str, query_lens: list[int], seq_lens: list[int], scale: float, repeats: int) -> Row:
-    query, k_cache, v_cache, meta = _case(query_lens, seq_lens)
-    out, expected = torch.empty_like(query), torch.empty_like(query)
-    _bool_mask_prefill(query, k_cache, v_cache, meta, scale, expected)
-    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)  # the same attention, only faster
-    arms: dict[str, Callable[[], object]] = {
-        "baseline": partial(_bool_mask_prefill, query, k_cache, v_cache, meta, scale, out),
-        "ours": partial(prefill_attention_ref, query, k_cache, v_cache, meta, scale, out)}
-    return name, "SDPA, boolean mask (before)", "prefill_attention_ref", _time(arms, repeats)
-
-
-def _decode_row(name: str, query_lens: list[int], seq_lens: list[int], scale: float, repeats: int) -> Row:
-    query, k_cache, v_cache, meta = _case(query_lens, seq_lens)
-    torch.testing.assert_close(paged_attention_cpu(query, k_cache, v_cache, meta, scale),
-                               paged_attention_ref(query, k_cache, v_cache, meta, scale), atol=1e-5, rtol=1e-5)
-    arms: dict[str, Callable[[], object]] = {
-        "baseline": partial(paged_attention_ref, query, k_cache, v_cache, meta, scale),
-        "ours": partial(paged_attention_cpu, query, k_cache, v_cache, meta, scale)}
-    return name, "reference (gather + SDPA)", "C++ decode kernel", _time(arms, repeats)
 
 
 def _time(arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache: metadata, a PyTorch reference path, a CPU decode kernel and Triton kernels."""
+"""Attention over a paged KV cache: metadata, a PyTorch reference path, a CPU kernel and Triton kernels."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ log = structlog.get_logger(__name__)
 def select_attention(name: str, device: torch.device) -> Callable:
     """The attention function for a backend name (auto | torch | cpu | triton) on `device`.
 
-    auto: Triton on CUDA; on CPU the C++ decode kernel, or the reference when it cannot be built (no
+    auto: Triton on CUDA; on CPU the C++ kernel, or the reference when it cannot be built (no
     compiler), with a warning. Naming `cpu` or `triton` explicitly fails loudly instead.
     """
     if name == "triton" or (name == "auto" and device.type == "cuda"):

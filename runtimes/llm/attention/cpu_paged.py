@@ -1,9 +1,16 @@
-"""Paged attention on CPU: a small C++ decode kernel (`cpu_paged.cpp`), the PyTorch reference for the rest.
+"""Paged attention on CPU: a small C++ kernel (`cpu_paged.cpp`) for every query row of a step, decode or prefill.
 
-The reference path copies every decode sequence's blocks into a padded tensor and SDPA reads that copy
-again; at batch 32 that copy and the padding cost as much as the attention itself. The kernel walks
-each sequence's block table and reads every cached key and value once (fp32 queries over an fp32 or fp16 cache,
-any head_dim, GQA). Rows with several new tokens (prefill, chunked prefill) and other dtypes go to the reference.
+The kernel walks each sequence's block table and reads every cached key and value row once per block of query rows
+(fp32 queries over an fp32 or fp16 cache, any head_dim, GQA); the PyTorch reference instead copies the blocks into a
+padded tensor that SDPA reads again. Other dtypes go to the reference.
+
+One routine computes every row, whatever the step: a row's output for a head is a fixed sequence of float operations
+on its query, its length and the cached keys and values, never on the chunk it came in, the batch around it or the
+threads (cpu_paged.cpp says which sequence). So a token's attention is the same bit for bit whether it was decoded or
+prefilled (whole, chunked, or re-prefilled with its generated tokens when a request resumes) and whatever else is in
+the batch, which a greedy request needs for its tokens not to depend on either. (SDPA for prefill rows next to a
+decode kernel computes the same attention rounded differently.) `paged_decode_attention`, the fused decode step's op,
+runs the same routine.
 
 The kernel is compiled on first use with torch's extension loader (about 15 s on 2 cores, then cached:
 runtimes/cpu_extension.py); `load_kernel()` raises when there is no C++
@@ -20,7 +27,7 @@ import torch
 
 from runtimes.cpu_extension import build
 from runtimes.llm.attention.metadata import AttentionMetadata
-from runtimes.llm.attention.reference import paged_attention_ref, prefill_attention_ref
+from runtimes.llm.attention.reference import paged_attention_ref
 
 _SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 
@@ -28,11 +35,11 @@ _SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 @functools.cache
 def load_kernel() -> None:
     """Build (or reuse the cached build of) the kernel and register `torch.ops.multiserve_cpu`."""
-    # AVX-512 where the CPU has it, with 512-bit vectors preferred (6-8% faster here than GCC's default 256)
-    build("multiserve_cpu_paged", _SOURCE, ["-march=native", "-mprefer-vector-width=512"])
+    # -ffp-contract=off: every fma in the kernel is written out, so no inlined copy of a routine rounds differently
+    build("multiserve_cpu_paged", _SOURCE, ["-march=native", "-ffp-contract=off"])
 
 
-# the cache types the CPU kernels take (this decode attention, and the fused KV write and decode_layers in
+# the cache types the CPU kernels take (this attention, and the fused KV write and decode_layers in
 # runtimes/llm/cpu_fused.cpp); their queries and keys are fp32
 KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)
 
@@ -45,7 +52,8 @@ class DecodeRows:
 
 
 def decode_rows(meta: AttentionMetadata) -> DecodeRows | None:
-    """The decode sequences' rows, tables and lengths, derived once per step (None: no decode rows)."""
+    """The decode sequences' rows, tables and lengths, as `paged_decode_attention` takes them (the fused decode step,
+    runtimes/llm/cpu_fused.cpp), derived once per step (None: no decode rows)."""
     if "cpu.decode" in meta.derived:
         return meta.derived["cpu.decode"]
     seqs = [i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1]
@@ -67,15 +75,13 @@ def paged_attention_cpu(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    """Drop-in for `paged_attention_ref` on CPU: decode rows by the kernel, prefill rows by the reference."""
+    """Drop-in for `paged_attention_ref` on CPU: every row by the kernel (fp32 queries over an fp32 or fp16 cache),
+    other dtypes by the reference. Reads only the metadata's tensors."""
     if not (query.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KERNEL_CACHE_DTYPES
             and query.device.type == "cpu"):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale)
     load_kernel()
     out = torch.empty(query.shape, dtype=query.dtype)
-    decode = decode_rows(meta)
-    if decode is not None:
-        torch.ops.multiserve_cpu.paged_decode_attention(query, k_cache, v_cache, decode.rows, decode.block_tables,
-                                                        decode.seq_lens, scale, out)
-    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out)
+    torch.ops.multiserve_cpu.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                             meta.block_tables, scale, out)
     return out
