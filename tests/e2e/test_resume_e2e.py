@@ -1,7 +1,8 @@
 """No broken streams: a replica killed mid-generation, or drained with migration, and every stream goes on on the
 other replica, on the same client connection, with the text the undisturbed run gives; a non-streamed request is
-finished there too, as one whole reply (real gateway, real workers, the official openai client; the module's own
-`gateway` from tests/e2e/conftest.py: two tiny-chat replicas)."""
+finished there too, as one whole reply (real gateway, real workers, the official openai client; two tiny-chat
+replicas as in tests/e2e/conftest.py, on the default engine: the GGUF's own Q4_1 blocks on the int8 kernel, where the
+continuation, which prefills the tokens a stream had, must equal what decoding them gave)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,28 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 import openai
+import pytest
 
-from tests.e2e.conftest import ADMIN_TOKEN, Gateway
+from model_pool.launcher import free_port
+from tests.e2e.conftest import ADMIN_TOKEN, REGISTRY, Gateway, running_gateway
+from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 MAX_TOKENS = 300
 ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    root = tmp_path_factory.mktemp("gateway")
+    model = write_gguf(hf_model(TinySpec(max_position_embeddings=512), seed=2), root / "tiny-Q4_1.gguf", "Q4_1")
+    port = free_port()
+    with running_gateway(root, REGISTRY.format(port=port, model=model), port, model) as gw:
+        yield gw
 
 
 @dataclass
