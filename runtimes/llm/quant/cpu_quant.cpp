@@ -181,8 +181,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K) {
 
 // ------------------------------------------------------------------------------------------------ tiles
 
-// y[r * ldy + j] for r < R, j < cols (<= 8): rows m0.. of `a` against the eight columns at `half` (0 or 1) of one
-// panel, whose records start at `panel`.
+// Tiles write y[r * ldy + j]: rows m0.. of `a` against columns of one panel, whose records start at `panel`.
 #if defined(MULTISERVE_AVX2)
 
 inline __m256i bcast4(const int8_t* p) {  // four activation bytes into every int32 lane
@@ -201,81 +200,114 @@ inline void store_cols(float* y, __m256 v, int64_t cols) {
   std::memcpy(y, tmp, cols * sizeof(float));
 }
 
-template <int64_t KIND, int64_t R>
-void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, float* y, int64_t ldy, int64_t cols) {
+// j = 0..count-1 through f: unrolled for a small tile, rolled for a large one (unrolled, GCC regroups a large tile's
+// integer sums into a tree and spills most of its terms to the stack: 54 against 72 GMAC/s at 512 rows).
+template <int64_t count, bool unroll, typename F>
+inline void steps(F&& f) {
+  if constexpr (unroll) {
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < count; ++j) f(j);
+  } else {
+#pragma GCC unroll 1
+    for (int64_t j = 0; j < count; ++j) f(j);
+  }
+}
+
+// R rows x H halves (8 columns each) of one panel, from half h0 on; `cols` of the last half are written.
+template <int64_t KIND, int64_t R, int64_t H>
+void tile(const uint8_t* panel, const Activations& a, int64_t m0, int h0, float* y, int64_t ldy, int64_t cols) {
+  constexpr bool small = R * H <= 4;
   const int64_t rec = record_bytes(KIND), vb = value_bytes(KIND), nb = a.nb, K = a.K;
   const int8_t* xq = a.q.get() + m0 * K;
-  __m256 acc[R];
-  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R][H];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
 #if !defined(MULTISERVE_VNNI)
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* w = panel + b * rec + half * 32;
+    const uint8_t* w = panel + b * rec + h0 * 32;
     const int8_t* xb = xq + b * QK;
-    __m256i dot[R];  // int32 lanes (VNNI, and 8-bit weights), else int16 pair sums
-    for (int64_t r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-    // (not unrolled: unrolled, GCC regroups the integer sums into a tree and spills most of its terms)
+    __m256i dot[R][H];  // int32 lanes (VNNI, and 8-bit weights), else int16 pair sums
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < H; ++h) dot[r][h] = _mm256_setzero_si256();
     if constexpr (KIND == Q8_0) {
-#pragma GCC unroll 1
-      for (int64_t j = 0; j < 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64));
-        const __m256i u = _mm256_abs_epi8(v);
-        for (int64_t r = 0; r < R; ++r) {
-          const __m256i s = _mm256_sign_epi8(bcast4(xb + r * K + 4 * j), v);
-#if defined(MULTISERVE_VNNI)
-          dot[r] = MULTISERVE_DPBUSD(dot[r], u, s);
-#else
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
-#endif
+      steps<8, small>([&](int64_t j) {
+        __m256i v[H], u[H];
+        for (int64_t h = 0; h < H; ++h) {
+          v[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64 + h * 32));
+          u[h] = _mm256_abs_epi8(v[h]);
         }
-      }
+        for (int64_t r = 0; r < R; ++r) {
+          const __m256i x = bcast4(xb + r * K + 4 * j);
+          for (int64_t h = 0; h < H; ++h) {
+            const __m256i sx = _mm256_sign_epi8(x, v[h]);
+#if defined(MULTISERVE_VNNI)
+            dot[r][h] = MULTISERVE_DPBUSD(dot[r][h], u[h], sx);
+#else
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], sx), ones));
+#endif
+          }
+        }
+      });
     } else {
       const __m256i mask = _mm256_set1_epi8(0x0f);
-#pragma GCC unroll 1
-      for (int64_t j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64));
-        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      steps<4, small>([&](int64_t j) {
+        __m256i lo[H], hi[H];
+        for (int64_t h = 0; h < H; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 64 + h * 32));
+          lo[h] = _mm256_and_si256(v, mask);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
         for (int64_t r = 0; r < R; ++r) {
           const __m256i s_lo = bcast4(xb + r * K + 4 * j), s_hi = bcast4(xb + r * K + 16 + 4 * j);
+          for (int64_t h = 0; h < H; ++h) {
 #if defined(MULTISERVE_VNNI)
-          dot[r] = MULTISERVE_DPBUSD(MULTISERVE_DPBUSD(dot[r], lo, s_lo), hi, s_hi);
+            dot[r][h] = MULTISERVE_DPBUSD(MULTISERVE_DPBUSD(dot[r][h], lo[h], s_lo), hi[h], s_hi);
 #else
-          dot[r] = _mm256_add_epi16(dot[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, s_lo),
-                                                             _mm256_maddubs_epi16(hi, s_hi)));
+            dot[r][h] = _mm256_add_epi16(dot[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], s_lo),
+                                                                     _mm256_maddubs_epi16(hi[h], s_hi)));
 #endif
+          }
+        }
+      });
+#if !defined(MULTISERVE_VNNI)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t h = 0; h < H; ++h) dot[r][h] = _mm256_madd_epi16(dot[r][h], ones);
+#endif
+    }
+    const uint16_t* dp = reinterpret_cast<const uint16_t*>(panel + b * rec + vb) + h0 * 8;
+    for (int64_t h = 0; h < H; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + h * 8)));
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * nb + b;
+        __m256i idot = dot[r][h];
+        if constexpr (KIND == Q4_0) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(a.sum8[at]));
+        const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(a.dx[at]));
+        acc[r][h] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(idot), acc[r][h]);
+      }
+      if constexpr (KIND == Q4_1) {
+        const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + PANEL + h * 8)));
+        for (int64_t r = 0; r < R; ++r) {
+          acc[r][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.dsum[(m0 + r) * nb + b]), acc[r][h]);
         }
       }
-#if !defined(MULTISERVE_VNNI)
-      for (int64_t r = 0; r < R; ++r) dot[r] = _mm256_madd_epi16(dot[r], ones);
-#endif
-    }
-    const uint16_t* dp = reinterpret_cast<const uint16_t*>(panel + b * rec + vb) + half * 8;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp)));
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * nb + b;
-      __m256i idot = dot[r];
-      if constexpr (KIND == Q4_0) idot = _mm256_sub_epi32(idot, _mm256_set1_epi32(a.sum8[at]));
-      const __m256 s = _mm256_mul_ps(d, _mm256_set1_ps(a.dx[at]));
-      acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(idot), acc[r]);
-    }
-    if constexpr (KIND == Q4_1) {
-      const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + PANEL)));
-      for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(a.dsum[(m0 + r) * nb + b]), acc[r]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) store_cols(y + r * ldy, acc[r], cols);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t h = 0; h < H; ++h) store_cols(y + r * ldy + h * 8, acc[r][h], h + 1 < H ? 8 : cols);
+  }
 }
 
 #else  // scalar: the definition itself
 
-template <int64_t KIND, int64_t R>
-void tile(const uint8_t* panel, const Activations& a, int64_t m0, int half, float* y, int64_t ldy, int64_t cols) {
+template <int64_t KIND, int64_t R, int64_t H>
+void tile(const uint8_t* panel, const Activations& a, int64_t m0, int h0, float* y, int64_t ldy, int64_t cols) {
   const int64_t rec = record_bytes(KIND), vb = value_bytes(KIND), nb = a.nb, K = a.K;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
-    for (int64_t j = 0; j < cols; ++j) {
-      const int64_t c = half * 8 + j;
+    for (int64_t j = 0; j < (H - 1) * 8 + cols; ++j) {
+      const int64_t c = h0 * 8 + j;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* w = panel + b * rec;
@@ -328,10 +360,15 @@ void run(const Activations& a, const uint8_t* panels, int64_t num_panels, int64_
       for (int64_t m = 0; m < M; m += TILE) {
         with_rows(std::min(TILE, M - m), [&](auto rows) {
           for (int64_t p = p0; p < p1; ++p) {
-            for (int half = 0; half < 2; ++half) {
-              const int64_t n = p * PANEL + half * 8, cols = std::min<int64_t>(8, N - n);
-              if (cols <= 0) break;
-              tile<KIND, decltype(rows)::value>(panels + p * panel_bytes, a, m, half, y + m * N + n, N, cols);
+            constexpr int64_t R = decltype(rows)::value;
+            const uint8_t* panel = panels + p * panel_bytes;
+            const int64_t n = p * PANEL, left = N - n;
+            if (R <= 2 && left > 8) {  // a few rows: both halves at once, twice the independent sums in flight
+              tile<KIND, R, 2>(panel, a, m, 0, y + m * N + n, N, std::min<int64_t>(8, left - 8));
+              continue;
+            }
+            for (int half = 0; half < 2 && half * 8 < left; ++half) {
+              tile<KIND, R, 1>(panel, a, m, half, y + m * N + n + half * 8, N, std::min<int64_t>(8, left - half * 8));
             }
           }
         });
