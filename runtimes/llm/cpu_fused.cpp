@@ -11,7 +11,7 @@
 //
 // Each is written as the reference computes it, in the same order, and built with -ffp-contract=off, so its results
 // equal the reference path's to float rounding: with AVX-512 the norm's sum of squares (in double) is taken sixteen
-// at a time and silu's exp is a polynomial within 2 ulp of expf (`exp16`).
+// at a time and silu's exp is a polynomial within 2 ulp of expf (`exp16`; `exp8` with AVX2).
 //
 // decode_layers runs the whole layer stack in one call: the ops above, the projections (dense fp32, oneDNN's packed
 // copy, or our block-format kernel `multiserve_quant::quant_linear`) and the paged decode attention kernel
@@ -30,7 +30,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -75,6 +75,27 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(y, k);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The same eight at a time with AVX2: 2^k is put together in the exponent bits, so x is clamped to [-87.3, 88.3],
+// where k stays in float's normal range (-126..127) and exp(x) is within 2 ulp as above.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 #endif
 
@@ -154,6 +175,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
         const __m512 gate = _mm512_loadu_ps(g + i);
         const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
         _mm512_storeu_ps(op + r * n + i, _mm512_mul_ps(silu, _mm512_loadu_ps(g + n + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.f);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 gate = _mm256_loadu_ps(g + i);
+        const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate))));
+        _mm256_storeu_ps(op + r * n + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + n + i)));
       }
 #endif
       for (; i < n; ++i) op[r * n + i] = g[i] / (1.f + std::exp(-g[i])) * g[n + i];
