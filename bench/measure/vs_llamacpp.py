@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-json", type=parse_engine_json, default=dict(ENGINE),
                         help=f"JSON merged over the worker's engine options {json.dumps(ENGINE)}")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for both servers")
+    parser.add_argument("--prompt-words", type=int, default=0,
+                        help="a long prompt instead: this many words of filler text, a different one for every "
+                             "request (it starts with the request's number), so no prefix cache serves it; "
+                             "measures prefill (TTFT)")
     parser.add_argument("--out", type=Path, default=None, help="write every run's numbers here (JSON)")
     return parser
 
@@ -129,9 +133,10 @@ def llama_slots(streams: Sequence[int]) -> int:
     return max(LLAMA_SLOTS, *streams)
 
 
-def llama_command(binary: Path, gguf: Path, port: int, threads: int, streams: Sequence[int]) -> list[str]:
+def llama_command(binary: Path, gguf: Path, port: int, threads: int, streams: Sequence[int],
+                  slot_tokens: int = LLAMA_CTX // LLAMA_SLOTS) -> list[str]:
     slots = llama_slots(streams)
-    ctx = max(LLAMA_CTX, slots * (LLAMA_CTX // LLAMA_SLOTS))
+    ctx = max(LLAMA_CTX, slots * slot_tokens)
     return [str(binary), "-m", str(gguf), "-c", str(ctx), "-np", str(slots), "-t", str(threads),
             "--host", "127.0.0.1", "--port", str(port)]
 
@@ -223,7 +228,8 @@ def make_servers(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[st
         "multiserve": Server("multiserve", worker_command(gguf, ms_port, args.engine_json),
                              f"http://127.0.0.1:{ms_port}", "/ready", log_dir / "multiserve.log",
                              {**env, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}),
-        "llama.cpp": Server("llama.cpp", llama_command(args.server, gguf, ll_port, args.threads, args.streams),
+        "llama.cpp": Server("llama.cpp", llama_command(args.server, gguf, ll_port, args.threads, args.streams,
+                                                       slot_tokens(args)),
                             f"http://127.0.0.1:{ll_port}", "/health", log_dir / "llama.cpp.log", env),
     }
 
@@ -232,17 +238,26 @@ def make_servers(args: argparse.Namespace, gguf: Path, log_dir: Path) -> dict[st
 
 
 async def closed_loop(target: Target, streams: int, num_requests: int, max_tokens: int,
-                      cpu: Callable[[], dict[str, float]] = dict, prompt: str = PROMPT,
+                      cpu: Callable[[], dict[str, float]] = dict, prompt: str | Callable[[int], str] = PROMPT,
                       transport: httpx.AsyncBaseTransport | None = None,
                       ) -> tuple[list[RequestResult], float, dict[str, float]]:
     """One warm-up request, then `num_requests` requests with exactly `streams` in flight until all are sent;
-    (results, wall seconds, what `cpu()` (CPU seconds by process) grew by over those requests)."""
+    (results, wall seconds, what `cpu()` (CPU seconds by process) grew by over those requests). `prompt` is the
+    same text for every request, or request number (0 for the warm-up) -> its text."""
+    text = prompt if callable(prompt) else (lambda _: prompt)
+    sent = 0
+
+    def next_prompt() -> str:
+        nonlocal sent
+        sent += 1
+        return text(sent - 1)
+
     # No keep-alive: llama-server may close an idle connection just as the next request reuses it (seen as
     # "Server disconnected without sending a response"); a loopback connect per request costs both sides ~0.1 ms.
     limits = httpx.Limits(max_connections=streams + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits, timeout=REQUEST_TIMEOUT_S, trust_env=False,
                                  transport=transport) as http:
-        warmup = await send_streaming(http, target, prompt, max_tokens)
+        warmup = await send_streaming(http, target, next_prompt(), max_tokens)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request to {target.url} failed ({warmup.status}): {warmup.error}")
         results: list[RequestResult] = []
@@ -252,7 +267,7 @@ async def closed_loop(target: Target, streams: int, num_requests: int, max_token
             nonlocal remaining
             while remaining > 0:
                 remaining -= 1
-                results.append(await send_streaming(http, target, prompt, max_tokens))
+                results.append(await send_streaming(http, target, next_prompt(), max_tokens))
 
         cpu_before, start = cpu(), time.perf_counter()
         await asyncio.gather(*(stream() for _ in range(min(streams, num_requests))))
@@ -392,6 +407,28 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     return None
 
 
+FILLER = ("the", "keeper", "climbed", "the", "stairs", "at", "dusk", "and", "lit", "the", "lamp", "while", "the",
+          "waves", "broke", "on", "the", "rocks", "below", "and", "the", "gulls", "circled", "over", "the", "harbour")
+
+
+def slot_tokens(args: argparse.Namespace) -> int:
+    """llama.cpp's context per slot: 512 tokens, or room for a long prompt (~1.3 tokens a filler word) and the
+    output."""
+    return max(LLAMA_CTX // LLAMA_SLOTS, 2 * args.prompt_words + args.output_tokens + 64)
+
+
+def prompt_for(args: argparse.Namespace, run: str) -> str | Callable[[int], str]:
+    """The fixed prompt, or with `--prompt-words` one of that length per request, unique to the run and request."""
+    if not args.prompt_words:
+        return PROMPT
+
+    def text(number: int) -> str:
+        words = [FILLER[(number + i) % len(FILLER)] for i in range(args.prompt_words)]
+        return f"Request {run} {number}. Summarise: " + " ".join(words)
+
+    return text
+
+
 # --- main -----------------------------------------------------------------------------------------------------------
 
 
@@ -406,7 +443,8 @@ def measure(args: argparse.Namespace, servers: dict[str, Server]) -> list[dict[s
                     bar.set_postfix_str(f"{name} streams={streams} repeat {repeat}")
                     results, wall_s, cpu_s = asyncio.run(closed_loop(
                         targets[name], streams, args.requests_per_stream * streams, args.output_tokens,
-                        lambda: {other: server.cpu_seconds() for other, server in servers.items()}))
+                        lambda: {other: server.cpu_seconds() for other, server in servers.items()},
+                        prompt_for(args, f"{name} {streams} {repeat}")))
                     run = {"server": name, "streams": streams, "repeat": repeat,
                            **run_stats(results, wall_s, args.output_tokens), "server_cpu_s": cpu_s}
                     runs.append(run)
