@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -244,13 +245,10 @@ async def closed_loop(target: Target, streams: int, num_requests: int, max_token
     """One warm-up request, then `num_requests` requests with exactly `streams` in flight until all are sent;
     (results, wall seconds, what `cpu()` (CPU seconds by process) grew by over those requests). `prompt` is the
     same text for every request, or request number (0 for the warm-up) -> its text."""
-    text = prompt if callable(prompt) else (lambda _: prompt)
-    sent = 0
+    numbers = itertools.count()
 
     def next_prompt() -> str:
-        nonlocal sent
-        sent += 1
-        return text(sent - 1)
+        return prompt(next(numbers)) if callable(prompt) else prompt
 
     # No keep-alive: llama-server may close an idle connection just as the next request reuses it (seen as
     # "Server disconnected without sending a response"); a loopback connect per request costs both sides ~0.1 ms.

@@ -25,7 +25,7 @@ from registry.sources import resolve_model_path
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.gguf_file import GGUFFile
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
-from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
+from runtimes.llm.quant.cpu import BlockWeight
 from runtimes.llm.quant.formats import BlockFormat
 from runtimes.llm.quant.weights import (
     FUSED_INTO,
@@ -112,7 +112,7 @@ def load_state_dict(
         if dtype == torch.float32:
             pack_cpu_weights(model)
         for module in model.modules():  # block-format weights: into the CPU kernel's panels, one at a time
-            if isinstance(module, (QuantLinear, QuantEmbedding)):
+            if isinstance(module, BlockWeight):
                 module.pack_for_cpu()
     return model.eval().requires_grad_(False)
 

@@ -19,6 +19,7 @@ from runtimes.cpu_extension import build, try_build
 from runtimes.llm.quant.formats import BlockFormat, dequantize_rows
 
 _SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+_FLAGS = ["-ffp-contract=off"]
 
 
 @functools.cache
@@ -28,9 +29,6 @@ def kernel_available() -> bool:
     # -march=native picks VNNI / AVX2 / scalar code for this machine; -ffp-contract=off: the kernel's float
     # operations are exactly the ones written (no multiply-add fused in one inlined copy and not in another)
     return try_build("multiserve_cpu_quant_multiserve_quant_native", _SOURCE, [*_FLAGS, "-march=native"])
-
-
-_FLAGS = ["-ffp-contract=off"]
 
 
 def build_kernel(namespace: str, march: str) -> None:
@@ -58,10 +56,33 @@ def to_panels(rows: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.T
     return torch.ops.multiserve_quant.pack_panels(rows, fmt.ggml_id, in_features)
 
 
-class QuantLinear(nn.Module):
-    """A bias-free projection with its weight in a block format. The blocks are a buffer (state dicts carry them)."""
+class BlockWeight(nn.Module):
+    """A weight kept in a block format: `qweight` holds its packed rows, or once `pack_for_cpu` has run, the CPU
+    kernel's panels (`panels`). The blocks are a buffer (state dicts carry them)."""
 
     qweight: torch.Tensor
+    fmt: BlockFormat
+    panels = False
+
+    def shape(self) -> tuple[int, int]:
+        """(output rows, values per row)."""
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T on whichever kernel holds the blocks."""
+        rows, width = self.shape()
+        return quant_linear(x, self.qweight, self.fmt, width, rows, self.panels)
+
+    def pack_for_cpu(self) -> bool:
+        """Repack `qweight` into the CPU kernel's panels (once, after loading); False where there is no kernel."""
+        if not self.panels and self.qweight.is_cpu and kernel_available():
+            self.qweight = to_panels(self.qweight, self.fmt, self.shape()[1])
+            self.panels = True
+        return self.panels
+
+
+class QuantLinear(BlockWeight):
+    """A bias-free projection with its weight in a block format."""
 
     def __init__(self, in_features: int, out_features: int, fmt: BlockFormat, qweight: torch.Tensor) -> None:
         super().__init__()
@@ -70,34 +91,29 @@ class QuantLinear(nn.Module):
                              f"({out_features}, {fmt.packed_row_bytes(in_features)}), got {tuple(qweight.shape)} "
                              f"{qweight.dtype}")
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        self.panels = False
         self.register_buffer("qweight", qweight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.qweight, self.fmt, self.in_features, self.out_features, self.panels)
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
 
-    def pack_for_cpu(self) -> bool:
-        """Repack `qweight` into the CPU kernel's panels (once, after loading); False where there is no kernel."""
-        if not self.panels and self.qweight.is_cpu and kernel_available():
-            self.qweight = to_panels(self.qweight, self.fmt, self.in_features)
-            self.panels = True
-        return self.panels
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
 
 
-class QuantEmbedding(nn.Module):
-    """An embedding table kept in a block format: a lookup dequantizes the rows it returns; `project` multiplies by
-    the table as a (tied) LM head."""
-
-    qweight: torch.Tensor
+class QuantEmbedding(BlockWeight):
+    """An embedding table kept in a block format: a lookup dequantizes the rows it returns (from the panels too,
+    `panel_rows`); `project` multiplies by the table as a (tied) LM head."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, fmt: BlockFormat, qweight: torch.Tensor) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.fmt = num_embeddings, embedding_dim, fmt
-        self.panels = False
         self.register_buffer("qweight", qweight)
+
+    def shape(self) -> tuple[int, int]:
+        return self.num_embeddings, self.embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.panels:
@@ -106,14 +122,7 @@ class QuantEmbedding(nn.Module):
         return dequantize_rows(self.qweight.index_select(0, ids.reshape(-1)), self.fmt, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return quant_linear(hidden, self.qweight, self.fmt, self.embedding_dim, self.num_embeddings, self.panels)
-
-    def pack_for_cpu(self) -> bool:
-        """As `QuantLinear.pack_for_cpu`; lookups then read the panels too (`panel_rows`)."""
-        if not self.panels and self.qweight.is_cpu and kernel_available():
-            self.qweight = to_panels(self.qweight, self.fmt, self.embedding_dim)
-            self.panels = True
-        return self.panels
+        return self.matmul(hidden)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.fmt.name}"

@@ -33,8 +33,8 @@
 // its 16-bit pair sums (|.| <= 2 * 15 * 127) add up without overflow within a block, so one vpmaddwd per block
 // widens them. 8-bit weights are signed: vpmaddubsw takes |q| and the activations with q's signs (vpsignb).
 //
-// A tile is up to TILE rows x 8 columns: the unpacked weight vector serves every row of the tile, a broadcast
-// activation the tile's columns; float accumulators stay in registers over all blocks. Threads take ranges of
+// A tile is up to TILE rows x 8 columns (one or two rows: 16): the unpacked weight vector serves every row of the
+// tile, a broadcast activation the tile's columns; float accumulators stay in registers over all blocks. Threads take ranges of
 // panels; within a range the panels go in groups small enough to stay in L2 while every tile of rows passes over
 // them, so each weight is read from memory once per call whatever M is, and a many-row call is compute-bound.
 
@@ -352,7 +352,7 @@ inline void with_rows(int64_t rows, F&& f) {
 template <int64_t KIND>
 void run(const Activations& a, const uint8_t* panels, int64_t num_panels, int64_t N, float* y) {
   const int64_t M = a.rows, panel_bytes = a.nb * record_bytes(KIND);
-  // panels per group: ~128 KB, which stays in L2 while every tile of rows passes over it
+  // panels per group: ~64 KB, which stays in L2 beside a prefill's activations while every tile of rows passes
   const int64_t group = std::max<int64_t>(1, (64 << 10) / panel_bytes);
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = begin; p0 < end; p0 += group) {
