@@ -3,6 +3,12 @@
 Free blocks wait in an LRU queue (an insertion-ordered dict: O(1) pop from the front, O(1) removal
 from the middle). A block that held a full, hashed prefix keeps its hash while it waits there, so a
 later request can revive it; it is evicted only when the queue hands it out for new data.
+
+Beside the hash index, blocks are also indexed by their parent's prefix hash with the tokens whose KV they hold
+(full cached blocks, and the partly filled last block of a finished or preempted request): a request whose next
+block matches none in full can still copy the KV of its longest common token prefix with one of them
+(`KVCacheManager.find_partial`), so a repeated prompt or a conversation's next turn reuses every computed token,
+not only whole blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # prefix hash -> block id
+        # parent prefix hash -> {block id: the tokens (after that prefix) whose KV the block holds}, newest last
+        self._children: dict[int, dict[int, tuple[int, ...]]] = {}
+        self._parent: dict[int, int] = {}  # block id -> its key in _children
         self.num_evictions = 0
 
     @property
@@ -51,6 +60,7 @@ class BlockPool:
                     del self._cached[old]
                 self.block_hash[block_id] = None
                 self.num_evictions += 1
+            self._forget_child(block_id)
             self.ref_cnt[block_id] = 1
             block_ids.append(block_id)
         return block_ids
@@ -72,15 +82,41 @@ class BlockPool:
             if count == 1:
                 self._free[block_id] = None
 
-    def cache(self, block_id: int, block_hash: int) -> None:
-        """Register a full block under its prefix hash (first writer wins on duplicates)."""
+    def cache(self, block_id: int, block_hash: int, parent: int | None = None,
+              tokens: tuple[int, ...] = ()) -> None:
+        """Register a full block under its prefix hash (first writer wins on duplicates), and, given its parent's
+        hash and its tokens, as a child that later prefixes can copy a part of."""
         if self.block_hash[block_id] is not None:
             return
         if block_hash not in self._cached:
             self._cached[block_hash] = block_id
             self.block_hash[block_id] = block_hash
+            if parent is not None:
+                self.add_child(block_id, parent, tokens)
+
+    def add_child(self, block_id: int, parent: int, tokens: tuple[int, ...]) -> None:
+        """Index a block whose first `len(tokens)` slots hold the KV of `tokens` after the prefix `parent`. The
+        caller guarantees those slots are final: the block is full and cached, or partial and no longer written
+        (its request is gone); the entry lasts until the block is handed out again."""
+        self._forget_child(block_id)
+        self._children.setdefault(parent, {})[block_id] = tokens
+        self._parent[block_id] = parent
+
+    def children(self, parent: int) -> dict[int, tuple[int, ...]]:
+        """The indexed blocks after the prefix `parent`, oldest first (do not modify)."""
+        return self._children.get(parent, {})
+
+    def _forget_child(self, block_id: int) -> None:
+        parent = self._parent.pop(block_id, None)
+        if parent is not None:
+            siblings = self._children[parent]
+            del siblings[block_id]
+            if not siblings:
+                del self._children[parent]
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._cached.values()):
             self.block_hash[block_id] = None
         self._cached.clear()
+        self._children.clear()
+        self._parent.clear()

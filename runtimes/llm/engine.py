@@ -112,6 +112,7 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, kv_dtype, device)
         sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))  # noise drawn where the logits are
         self.runner = ModelRunner(loaded.model, kv_caches, config.block_size, device, sampler)
+        self.kv.copy_prefix = self.runner.copy_block_prefix  # prefix hits that end inside a block
         if new_graph is not None:
             started = time.perf_counter()
             self.runner.graphs = DecodeGraphs(loaded.model, kv_caches, config.block_size,
@@ -398,7 +399,7 @@ class LLMEngine:
         one is dropped then (its requests run those tokens again). None: nothing to run."""
         suspended = self._take_suspended()
         if suspended is not None:
-            due = self.scheduler.waiting.urgent_head() is not None
+            due = self.scheduler.urgent_head() is not None
             urgent = self.scheduler.schedule_urgent()
             held = {item.request.request_id for item in suspended.plan.scheduled}
             if displaced := {r.request_id for r in urgent.preempted} & held:

@@ -3,11 +3,18 @@
 Prefix keys are chained hashes of full blocks: `hash((parent_hash, block_token_ids))`, rooted in the
 request's cache namespace (the model, or a request group for `n > 1`), so equal token prefixes share
 blocks and different models or groups never collide.
+
+Past the last whole block that matches, a request may match part of one more: the longest common token prefix with
+a block indexed under the same parent (a full cached block, or the partly filled last block a finished or preempted
+request left). Those tokens' KV is copied into the request's own new block (`copy_prefix`, the engine's KV copy), so
+a prompt sent again computes only its last token, and a conversation's next turn only its new tokens. The copy is
+exact: a token's KV depends only on the tokens up to it, and the kernels compute it with the same bits in any batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from runtimes.llm.block_pool import BlockPool
@@ -24,10 +31,25 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class PartialHit:
+    """The KV of the first `num_tokens` slots of block `source` serves the request's next block."""
+
+    source: int
+    num_tokens: int
+
+
+# (source block, destination block, tokens): copy the KV of the first `tokens` slots in every layer
+CopyPrefix = Callable[[int, int, int], None]
+
+MAX_PARTIAL_CANDIDATES = 64  # the newest blocks after one prefix compared with a request's next block
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, copy_prefix: CopyPrefix | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
+        self.copy_prefix = copy_prefix  # None: only whole blocks are reused
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # request id -> its blocks already in the cache index
         self.stats = PrefixCacheStats()
@@ -73,17 +95,51 @@ class KVCacheManager:
             hits.append(block_id)
         return hits  # stats are counted by the caller, once per request (first admission)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
-        """Make room for `num_new_tokens` more tokens (after any `computed_blocks` prefix hits).
+    def find_partial(self, request: Request, num_hit_blocks: int) -> PartialHit | None:
+        """After `num_hit_blocks` whole-block hits (`get_computed_blocks`), the indexed block sharing the longest
+        token prefix with the request's next block, short of its last token (always computed); None when no such
+        block shares a token, or when KV cannot be copied."""
+        if self.copy_prefix is None or request.cache_namespace is None:
+            return None
+        bs = self.block_size
+        start = num_hit_blocks * bs
+        wanted = request.token_ids[start : min(start + bs, request.num_tokens - 1)]
+        if not wanted:
+            return None
+        self._update_hashes(request, start)
+        parent = self._parent_hash(request, num_hit_blocks)
+        best: PartialHit | None = None
+        for block_id, tokens in itertools.islice(reversed(self.pool.children(parent).items()), MAX_PARTIAL_CANDIDATES):
+            n = 0
+            for a, b in zip(wanted, tokens, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n and (best is None or n > best.num_tokens):
+                best = PartialHit(block_id, n)
+                if n == len(wanted):
+                    break
+        return best
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+                       partial: PartialHit | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens (after any `computed_blocks` prefix hits and a `partial` one,
+        whose KV is copied into the first new block here).
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         table = self.block_tables.get(request.request_id)
         num_held = 0 if table is None else len(table)
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        if partial is not None and (num_held or self.copy_prefix is None):
+            raise ValueError("a partial prefix hit only starts a request's block table, and needs a KV copy")
+        num_computed = (request.num_computed_tokens + len(computed_blocks) * self.block_size
+                        + (0 if partial is None else partial.num_tokens))
         num_needed = self.blocks_for(num_computed + num_new_tokens) - num_held - len(computed_blocks)
-        # Hit blocks that sit unreferenced in the free queue stop being allocatable once touched.
+        # Hit blocks that sit unreferenced in the free queue stop being allocatable once touched, and so does a
+        # partial hit's source while it is copied.
         revived = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        if partial is not None and self.pool.ref_cnt[partial.source] == 0:
+            revived += 1
         if num_needed > self.pool.num_free_blocks - revived:
             return False
         if table is None:
@@ -91,8 +147,16 @@ class KVCacheManager:
         if computed_blocks:
             self.pool.touch(computed_blocks)
             table.extend(computed_blocks)
+        if partial is not None:
+            self.pool.touch([partial.source])  # not handed out as the destination below
         if num_needed > 0:
             table.extend(self.pool.allocate(num_needed))
+        if partial is not None:
+            assert self.copy_prefix is not None
+            try:
+                self.copy_prefix(partial.source, table[len(computed_blocks)], partial.num_tokens)
+            finally:
+                self.pool.free([partial.source])
         return True
 
     def commit(self, request: Request) -> None:
@@ -109,14 +173,30 @@ class KVCacheManager:
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
-        self._update_hashes(request, num_full * self.block_size)
+        bs = self.block_size
+        self._update_hashes(request, num_full * bs)
         for i in range(start, num_full):
-            self.pool.cache(table[i], request.block_hashes[i])
+            self.pool.cache(table[i], request.block_hashes[i], self._parent_hash(request, i),
+                            tuple(request.token_ids[i * bs : (i + 1) * bs]))
         self._num_registered[request.request_id] = num_full
 
+    def _parent_hash(self, request: Request, block_index: int) -> int:
+        """The prefix hash before the request's block `block_index` (its hashes cover the blocks before it)."""
+        return request.block_hashes[block_index - 1] if block_index else hash(request.cache_namespace)
+
     def free(self, request: Request) -> None:
-        """Release every block of the request; tail blocks first so they are evicted first (LRU)."""
+        """Release every block of the request; tail blocks first so they are evicted first (LRU). A partly filled
+        last block is indexed with the tokens it holds, for `find_partial` (nothing writes it any more)."""
         table = self.block_tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
-        if table:
-            self.pool.free(reversed(table))
+        if not table:
+            return
+        bs = self.block_size
+        computed = request.num_computed_tokens
+        last = computed // bs
+        if (self.copy_prefix is not None and request.cache_namespace is not None and computed % bs
+                and last < len(table) and self.pool.ref_cnt[table[last]] == 1):
+            self._update_hashes(request, last * bs)
+            self.pool.add_child(table[last], self._parent_hash(request, last),
+                                tuple(request.token_ids[last * bs : computed]))
+        self.pool.free(reversed(table))

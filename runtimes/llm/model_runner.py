@@ -103,6 +103,15 @@ class ModelRunner:
         return self._sample(hidden, sampling)
 
     @torch.inference_mode()
+    def copy_block_prefix(self, source: int, destination: int, num_tokens: int) -> None:
+        """Copy the KV of block `source`'s first `num_tokens` slots into block `destination`, in every layer (a
+        prefix-cache hit that ends inside a block). On CUDA it is queued on the current stream, so it lands after the
+        steps before it and before the step that reads it."""
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[destination, :num_tokens] = k_cache[source, :num_tokens]
+            v_cache[destination, :num_tokens] = v_cache[source, :num_tokens]
+
+    @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
                device_ids: torch.Tensor | None = None) -> PendingStep | None:
         """Start a decode step of one new token per request, each sampled from its logits alone (`sampler.on_device`),

@@ -112,7 +112,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         preempted: list[Request] = []
-        if self.running and self.waiting.urgent_head() is not None:
+        if self.running and self.urgent_head() is not None:
             out = SchedulerOutput()
             self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
             if out.scheduled:
@@ -127,10 +127,19 @@ class Scheduler:
         fit. It may displace background work as `schedule` does (`preempted`): a stopped step that holds such a
         request finishes without it."""
         out = SchedulerOutput()
-        if self.waiting.urgent_head() is None:
+        if self.urgent_head() is None:
             return out
         self._admit_waiting(out, self.max_num_batched_tokens, {}, urgent_only=True)
         return self._planned(out, urgent=True) if out.scheduled else out
+
+    def urgent_head(self) -> Request | None:
+        """The waiting request due a step of its own (the policy's `urgent_head`), unless that step would take the
+        last seat (`max_num_seqs`) while ordinary admission would give it to another request (normal work owed its
+        minimum share, say): taking every seat that frees would starve that one."""
+        head = self.waiting.urgent_head()
+        if head is not None and len(self.running) + 1 >= self.max_num_seqs and self.waiting.peek() is not head:
+            return None
+        return head
 
     def plan_ahead(self, requests: list[Request], ahead: int) -> SchedulerOutput | None:
         """A decode step of one token for each of `requests` (running; the engine checks that nothing else waits),
@@ -194,13 +203,15 @@ class Scheduler:
                        urgent_only: bool = False) -> int:
         admitted: list[Request] = []  # never displaced again in the same step (no preempt/admit ping-pong)
         while budget > 0:
-            request = self.waiting.urgent_head() if urgent_only else self.waiting.peek()
+            request = self.urgent_head() if urgent_only else self.waiting.peek()
             if request is None:
                 break
             hits = self.kv.get_computed_blocks(request)
-            num_computed = len(hits) * self.kv.block_size
+            partial = self.kv.find_partial(request, len(hits))
+            num_computed = len(hits) * self.kv.block_size + (0 if partial is None else partial.num_tokens)
             num_new = self._chunk(request, request.num_tokens - num_computed, budget)
-            if len(self.running) >= self.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
+            if (len(self.running) >= self.max_num_seqs
+                    or not self.kv.allocate_slots(request, num_new, hits, partial)):
                 # The policy may let an urgent arrival displace less urgent running work (never FCFS); in a step
                 # of its own, less of it (only work that runs on idle capacity anyway).
                 victim = self.waiting.urgent_victim(request, [r for r in self.running if r not in admitted],

@@ -405,6 +405,35 @@ def test_an_urgent_step_that_cannot_fit_admits_nothing_in_the_step_that_displace
     assert chat.status == RequestStatus.WAITING
 
 
+@pytest.mark.parametrize("max_num_seqs", [2, 3])
+def test_an_urgent_step_does_not_take_the_last_seat_from_normal_work_owed_its_share(max_num_seqs):
+    """With one seat left, the interactive arrival's step of its own would take it from the normal request that
+    ordinary admission owes it to (below its minimum share), every time a seat frees: so the step is an ordinary one,
+    and the normal request gets the seat. With a seat for each, the arrival's own step comes first as usual."""
+    from runtimes.llm.kv_cache_manager import KVCacheManager
+    from runtimes.llm.request import Request
+    from runtimes.llm.scheduler import Scheduler
+
+    scheduler = Scheduler(KVCacheManager(32, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                          max_model_len=256, policy=MultiLevelPolicy(MultiLevelConfig(normal_min_share=0.5)))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def request(name: str, lane: int, at: float) -> Request:
+        return Request(name, [5, 6, 7], params, 8, at, priority=lane, cache_namespace=None)
+
+    scheduler.add_request(request("chat0", INTERACTIVE, 0.0))
+    plan = scheduler.schedule()
+    scheduler.update(plan, {"chat0": 9})  # normal's share of scheduled tokens is 0 now
+    scheduler.add_request(request("doc", NORMAL, 1.0))
+    scheduler.add_request(request("chat1", INTERACTIVE, 2.0))
+    plan = scheduler.schedule()
+    admitted = [item.request.request_id for item in plan.scheduled if item.request.request_id != "chat0"]
+    if max_num_seqs == 2:
+        assert not plan.urgent and admitted == ["doc"]
+    else:
+        assert plan.urgent and admitted == ["chat1"]
+
+
 def test_other_lanes_take_short_prompt_chunks_while_interactive_traffic_is_about(make_policy):
     policy, clock = make_policy(busy_chunk_tokens=32, busy_window_s=10.0)
     batch, chat = Item("batch", BACKGROUND, 0.0), Item("chat", INTERACTIVE, 1.0)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from runtimes.llm.block_pool import BlockPool
-from runtimes.llm.kv_cache_manager import KVCacheManager
+from runtimes.llm.kv_cache_manager import KVCacheManager, PartialHit
 from runtimes.llm.request import Request
 from runtimes.llm.sampling_params import SamplingParams
 
@@ -345,3 +345,163 @@ def test_free_releases_everything(make_request: Callable[..., Request]) -> None:
     assert all_ref_counts_zero(kv.pool)
     kv.free(requests[0])  # freeing a request without blocks is a no-op
     assert kv.num_free_blocks == 32
+
+
+# --- KVCacheManager: hits that end inside a block (KV copied) ------------------------------------------
+
+
+class FakeKV:
+    """What each slot of each block holds: the token whose KV was written there (the copy the engine would do)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, dict[int, int]] = {}
+        self.copies: list[tuple[int, int, int]] = []
+
+    def write(self, kv: KVCacheManager, request: Request, start: int, stop: int) -> None:
+        table = kv.block_table(request.request_id)
+        for pos in range(start, stop):
+            self.slots.setdefault(table[pos // kv.block_size], {})[pos % kv.block_size] = request.token_ids[pos]
+
+    def copy(self, source: int, destination: int, num_tokens: int) -> None:
+        self.copies.append((source, destination, num_tokens))
+        held = self.slots.get(source, {})
+        self.slots[destination] = {slot: held[slot] for slot in range(num_tokens)}
+
+    def tokens_of(self, kv: KVCacheManager, request: Request, stop: int) -> list[int | None]:
+        table = kv.block_table(request.request_id)
+        return [self.slots.get(table[p // kv.block_size], {}).get(p % kv.block_size) for p in range(stop)]
+
+
+def admit(kv: KVCacheManager, fake: FakeKV, request: Request) -> int:
+    """The scheduler's admission of a whole prompt with both kinds of hits, then its computation; returns the tokens
+    served from the cache."""
+    hits = kv.get_computed_blocks(request)
+    partial = kv.find_partial(request, len(hits))
+    cached = len(hits) * kv.block_size + (0 if partial is None else partial.num_tokens)
+    assert kv.allocate_slots(request, request.num_tokens - cached, hits, partial)
+    fake.write(kv, request, cached, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    kv.commit(request)
+    return cached
+
+
+def decode(kv: KVCacheManager, fake: FakeKV, request: Request, token: int) -> None:
+    """One sampled token appended, then computed in the next step."""
+    request.token_ids.append(token)
+    assert kv.allocate_slots(request, 1)
+    fake.write(kv, request, request.num_computed_tokens, request.num_tokens)
+    request.num_computed_tokens += 1
+    kv.commit(request)
+
+
+@pytest.fixture
+def fake() -> FakeKV:
+    return FakeKV()
+
+
+def test_a_prompt_sent_again_reuses_all_but_its_last_token(make_request: Callable[..., Request], fake: FakeKV) -> None:
+    kv = KVCacheManager(16, BS, fake.copy)
+    first = make_request(range(10))  # [0..3] [4..7] full, [8, 9] partial
+    assert admit(kv, fake, first) == 0
+    again = make_request(range(10))
+    assert kv.find_partial(again, 2) is None  # `first` still runs: its partial block is being written
+    kv.free(first)
+    again = make_request(range(10))
+    assert admit(kv, fake, again) == 9  # two whole blocks and token 8; token 9 is computed (its logits are needed)
+    assert fake.tokens_of(kv, again, 10) == list(range(10))
+    source, destination, count = fake.copies[-1]
+    assert count == 1 and destination == kv.block_table(again.request_id)[2] != source
+
+
+def test_a_conversation_turn_reuses_the_last_turn_up_to_its_last_computed_token(
+    make_request: Callable[..., Request], fake: FakeKV,
+) -> None:
+    kv = KVCacheManager(16, BS, fake.copy)
+    turn = make_request(range(6))
+    admit(kv, fake, turn)
+    decode(kv, fake, turn, 100)
+    turn.token_ids.append(101)  # sampled, then the request finished: 101 has no KV
+    kv.free(turn)
+    nxt = make_request([*range(6), 100, 101, 7, 8])  # block 1 [4, 5, 100, 101] was never full: no whole-block hit
+    assert len(kv.get_computed_blocks(nxt)) == 1
+    assert kv.find_partial(nxt, 1).num_tokens == 3
+    assert admit(kv, fake, nxt) == 7
+    assert fake.tokens_of(kv, nxt, 10) == nxt.token_ids
+
+
+def test_a_full_block_serves_the_prefix_it_shares(make_request: Callable[..., Request], fake: FakeKV) -> None:
+    kv = KVCacheManager(16, BS, fake.copy)
+    admit(kv, fake, make_request(range(8)))  # still running: its full blocks are cached and final
+    other = make_request([0, 1, 2, 3, 4, 5, 9, 9, 9])
+    assert admit(kv, fake, other) == 6
+    assert fake.tokens_of(kv, other, 9) == other.token_ids
+
+
+def test_the_longest_shared_prefix_wins(make_request: Callable[..., Request], fake: FakeKV) -> None:
+    kv = KVCacheManager(32, BS, fake.copy)
+    for tail in ([7, 1, 1, 1], [7, 8, 9, 1], [7, 8, 1, 1]):
+        admit(kv, fake, make_request([0, 1, 2, 3, *tail]))
+    probe = make_request([0, 1, 2, 3, 7, 8, 9, 5, 5])
+    hit = kv.find_partial(probe, len(kv.get_computed_blocks(probe)))
+    assert hit is not None and hit.num_tokens == 3
+    assert kv.find_partial(make_request([0, 1, 2, 3, 6, 6]), 1) is None  # nothing shares its first token
+
+
+def test_the_source_at_the_front_of_the_free_queue_is_not_handed_out_as_the_destination(
+    make_request: Callable[..., Request], fake: FakeKV,
+) -> None:
+    kv = KVCacheManager(4, BS, fake.copy)
+    a = make_request(range(6))  # blocks 0, 1 ([4, 5] partial)
+    admit(kv, fake, a)
+    c = make_request([50])
+    admit(kv, fake, c)  # block 2
+    kv.free(a)  # queue: 3, 1, 0
+    d = make_request([60])
+    admit(kv, fake, d)  # block 3
+    kv.free(d)  # queue: 1 (a's partial block, the source), 0 (a hit), 3
+    again = make_request(range(7))
+    assert admit(kv, fake, again) == 6
+    source, destination, _ = fake.copies[-1]
+    assert (source, destination) == (1, 3)
+    assert fake.tokens_of(kv, again, 7) == list(range(7))
+    assert kv.pool.ref_cnt[source] == 0  # held only while copied: free again, and still indexed
+    assert kv.find_partial(make_request(range(7)), 1) is not None
+
+
+def test_a_partial_hit_that_does_not_fit_changes_nothing(make_request: Callable[..., Request], fake: FakeKV) -> None:
+    kv = KVCacheManager(3, BS, fake.copy)
+    a = make_request(range(6))
+    admit(kv, fake, a)
+    admit(kv, fake, make_request([50]))  # block 2 stays taken
+    kv.free(a)  # free: 1 (partial source), 0 (hit)
+    again = make_request(range(7))
+    hits = kv.get_computed_blocks(again)
+    partial = kv.find_partial(again, len(hits))
+    assert partial is not None
+    # both free blocks are the hit and the source: none is left for the destination
+    assert not kv.allocate_slots(again, 1, hits, partial)
+    assert again.request_id not in kv.block_tables
+    assert kv.num_free_blocks == 2 and fake.copies == []
+    assert kv.find_partial(again, len(hits)) == partial
+
+
+def test_a_reused_block_leaves_the_index(make_request: Callable[..., Request], fake: FakeKV) -> None:
+    kv = KVCacheManager(2, BS, fake.copy)
+    a = make_request(range(6))
+    admit(kv, fake, a)
+    kv.free(a)  # queue: 1 (partial [4, 5]), 0
+    kv.pool.allocate(1)  # block 1 handed out for new data
+    assert kv.find_partial(make_request(range(7)), 1) is None
+    kv.pool.reset_prefix_cache()
+    assert kv.pool.children(hash("m")) == {}
+
+
+def test_without_a_kv_copy_only_whole_blocks_are_reused(make_request: Callable[..., Request]) -> None:
+    kv = KVCacheManager(16, BS)
+    a = make_request(range(10))
+    compute(kv, a)
+    kv.free(a)
+    again = make_request(range(10))
+    assert kv.find_partial(again, len(kv.get_computed_blocks(again))) is None
+    with pytest.raises(ValueError, match="partial prefix hit"):
+        kv.allocate_slots(again, 1, [], PartialHit(0, 1))

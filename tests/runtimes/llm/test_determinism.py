@@ -92,3 +92,26 @@ def test_a_resumed_request_continues_exactly(quantized, prompts, alone, cut):
     for key, got in resumed.items():
         assert got.token_ids == alone[key][cut:], key
     _assert_no_leak(engine)
+
+
+def test_a_prompt_sent_again_and_the_next_turn_reuse_every_computed_token_exactly(quantized, prompts, alone):
+    """Prefix-cache hits that end inside a block copy that block's KV: the same prompt again computes only its last
+    token, a conversation's next turn only its new tokens, and both give the tokens computed afresh."""
+    engine = _engine(quantized)
+    first = run_to_completion(engine, {"g0": (prompts[0], GREEDY)})["g0"]
+    assert first.token_ids == alone["g0"]
+    again = run_to_completion(engine, {"again": (prompts[0], GREEDY)})["again"]
+    assert again.num_cached_tokens == len(prompts[0]) - 1
+    assert again.token_ids == alone["g0"]
+
+    tok = quantized.tokenizer
+    follow_up = tok.encode("<|im_end|>\n<|im_start|>user\nAnd why?<|im_end|>\n<|im_start|>assistant\n")
+    turn = prompts[0] + first.token_ids + follow_up
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    second = run_to_completion(engine, {"turn": (turn, params)})["turn"]
+    # every token the first turn computed: its prompt and its outputs but the last (sampled, never fed back)
+    assert second.num_cached_tokens == len(prompts[0]) + len(first.token_ids) - 1
+    fresh = run_to_completion(_engine(quantized, enable_prefix_caching=False), {"turn": (turn, params)})["turn"]
+    assert fresh.num_cached_tokens == 0
+    assert second.token_ids == fresh.token_ids
+    _assert_no_leak(engine)
