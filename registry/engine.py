@@ -45,6 +45,11 @@ class EngineSpec(Frozen):
     # CUDA, with cuda_graphs: greedy decode steps launched before the previous step's tokens are read back, so the
     # host's scheduling and detokenizing overlap the device's step (never under a time-slice share)
     overlap_steps: bool = True
+    # every kernel computes a row the same way whatever else is in the batch, so a greedy or seeded request gives the
+    # same tokens alone or among others (runtimes/llm/batch_invariant.py). The CPU's block-weight kernels are so
+    # already; on CUDA it changes the attention and dense-matmul kernels (slower); a replica whose weights or
+    # attention backend have no such kernel fails to start, naming this field
+    deterministic: bool = False
 
     @field_validator("block_size")
     @classmethod

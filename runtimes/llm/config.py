@@ -132,6 +132,9 @@ class EngineConfig:
     # With the graphs: a decode step whose plan is certain (every running request takes its argmax, nothing waits)
     # is launched before the previous step's tokens are read back, so the host's work overlaps the device's
     overlap_steps: bool = True
+    # Batch invariance forced where it is not by construction (Triton attention and dense matmuls), refused where no
+    # kernel gives it (runtimes/llm/batch_invariant.py)
+    deterministic: bool = False
     scheduling: str = "fcfs"  # fcfs | multilevel (policies/multilevel.py): the waiting-queue order
     # MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens, max_long_running, ...)
     multilevel: Mapping[str, Any] = field(default_factory=dict)

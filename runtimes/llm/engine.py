@@ -87,6 +87,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.clock = clock
+        if config.deterministic:
+            from runtimes.llm import batch_invariant  # Triton: imported only when asked for
+
+            batch_invariant.apply(loaded.model)
         device = next(loaded.model.parameters()).device
         dtype = next(loaded.model.parameters()).dtype
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,

@@ -127,7 +127,7 @@ def pack_cpu_weights(model: LlamaForCausalLM) -> None:
     if not torch.backends.mkldnn.is_available():
         return
     for module in model.modules():
-        if isinstance(module, Linear):  # the projections the model declares packable: gate|up
+        if isinstance(module, Linear) and module.packable:  # the projections the model declares packable: gate|up
             module.packed = _pack(module.weight)
     head = model.embed_tokens if model.lm_head is None else model.lm_head
     if isinstance(head, (torch.nn.Embedding, torch.nn.Linear)):  # not one kept in a block format

@@ -71,11 +71,16 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | 
 class Linear(nn.Linear):
     """`nn.Linear` (no bias) that may also hold `packed`: oneDNN's blocked copy of its weight, which the CPU
     loader sets on the largest projections (`loader.pack_cpu_weights`). It is an opaque tensor, neither a
-    parameter nor a buffer, so state dicts and `.to()` see only the plain weight."""
+    parameter nor a buffer, so state dicts and `.to()` see only the plain weight. `matmul`, when set, computes
+    x @ weight.T instead (`engine.deterministic`: runtimes/llm/batch_invariant.py)."""
 
+    packable = False  # whether the CPU loader packs it (set on gate|up, the largest)
     packed: torch.Tensor | None = None
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul is not None:
+            return self.matmul(x, self.weight)
         return packed_linear(x, self.weight, self.packed)
 
 
@@ -162,8 +167,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rope = rope
         self.attention_fn = attention_fn
         self.scale = cfg.head_dim**-0.5
@@ -196,7 +201,8 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj.packable = True
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         gate_up = self.gate_up_proj(x)
@@ -236,6 +242,7 @@ class LlamaForCausalLM(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so)."""
 
     packed_lm_head: torch.Tensor | None = None  # oneDNN copy of the LM head's weight (CPU loader), see `Linear`
+    logits_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # a dense head's, see `Linear`
 
     def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn = paged_attention_ref) -> None:
         super().__init__()
@@ -247,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, attention_fn) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
         self,
@@ -345,4 +352,6 @@ class LlamaForCausalLM(nn.Module):
             return head.project(hidden).float()
         if isinstance(head, QuantLinear):
             return head(hidden).float()
+        if self.logits_matmul is not None:
+            return self.logits_matmul(hidden, head.weight).float()
         return packed_linear(hidden, head.weight, self.packed_lm_head).float()

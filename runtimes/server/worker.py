@@ -39,7 +39,7 @@ def engine_config(launch: ReplicaLaunch) -> EngineConfig:
         block_size=engine.block_size, max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
         max_num_batched_tokens=engine.max_num_batched_tokens, kv_cache_bytes=launch.kv_cache_bytes,
         enable_prefix_caching=engine.enable_prefix_caching, weights=engine.weights, kv_dtype=engine.kv_dtype,
-        cuda_graphs=engine.cuda_graphs, overlap_steps=engine.overlap_steps,
+        cuda_graphs=engine.cuda_graphs, overlap_steps=engine.overlap_steps, deterministic=engine.deterministic,
         device=launch.device, scheduling=queue.scheduling, multilevel=dict(queue.multilevel), lanes=dict(queue.lanes),
         max_queue_len=queue.max_queue_len, max_queue_wait_s=queue.max_queue_wait_s)
 

@@ -44,6 +44,7 @@ def select_attention(name: str, device: torch.device) -> Callable:
 # once and replayed over new values (runtimes/llm/cuda_graphs.py). The reference reads `seq_lens_host`.
 _DEVICE_METADATA_ONLY = frozenset({
     "runtimes.llm.attention.triton_paged.paged_attention_triton",
+    "runtimes.llm.attention.triton_paged.paged_attention_triton_invariant",
     "runtimes.llm.attention.cpu_paged.paged_attention_cpu",
 })
 

@@ -34,6 +34,7 @@ _LOG2E = 1.4426950408889634  # softmax uses exp2 (cheaper on GPU), so scores are
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CACHE_DTYPES = (*_SUPPORTED_DTYPES, torch.float8_e4m3fn)  # fp8 keys and values are widened as they are loaded
 _MAX_BLOCK_M = 64
+INVARIANT_BLOCK_M = 16  # the query tile of every batch-invariant step (the smallest `tl.dot` takes)
 
 
 @triton.jit
@@ -190,12 +191,16 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D], query dtype
     """Causal attention of each sequence's new tokens over its whole cached context (Triton).
 
     Drop-in for `paged_attention_ref`: the new tokens' K/V must already be in the cache. Accumulates in fp32
     and returns the query dtype. Uses the decode kernel when every sequence has one query, else the general
-    varlen kernel. See the module docstring for the shape and dtype constraints.
+    varlen kernel; with `batch_invariant`, the varlen kernel for every step, its query tile fixed at
+    `INVARIANT_BLOCK_M`: a token's row then takes the same instructions decoded or in a prompt, in any batch (each
+    row's online softmax is its own; masked keys past a row's position add exact zeros). See the module docstring
+    for the shape and dtype constraints.
     """
     _check_inputs(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -212,20 +217,29 @@ def paged_attention_triton(
         meta.block_tables.stride(0),
     )
     group = num_heads // num_kv_heads
-    if meta.is_pure_decode:
+    if meta.is_pure_decode and not batch_invariant:
         _decode_kernel[(meta.num_seqs, num_heads)](
             *args, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim
         )
         return out
     # tl.dot needs every tile dim >= 16 on a GPU; below that, the broadcast-sum path with small tiles.
     use_dot = block_size >= 16 and head_dim >= 16
-    block_m = triton.next_power_of_2(meta.max_query_len)
-    block_m = max(16, min(block_m, _MAX_BLOCK_M)) if use_dot else min(block_m, 16)
+    if batch_invariant:
+        block_m = INVARIANT_BLOCK_M
+    else:
+        block_m = triton.next_power_of_2(meta.max_query_len)
+        block_m = max(16, min(block_m, _MAX_BLOCK_M)) if use_dot else min(block_m, 16)
     grid = (meta.num_seqs, num_heads, triton.cdiv(meta.max_query_len, block_m))
     _prefill_kernel[grid](
         *args, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, USE_DOT=use_dot
     )
     return out
+
+
+def paged_attention_triton_invariant(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`paged_attention_triton` with `batch_invariant` (`engine.deterministic`: runtimes/llm/batch_invariant.py)."""
+    return paged_attention_triton(query, k_cache, v_cache, meta, scale, batch_invariant=True)
 
 
 def write_kv_triton(
