@@ -213,6 +213,11 @@ inline void steps(F&& f) {
   }
 }
 
+// A decode step's one or two rows spend a few instructions per weight byte, so its loop is bound by memory; asking
+// for the records 4 blocks ahead measured 1.07-1.39x faster per SmolLM2 projection at one row than the hardware
+// prefetcher alone (2-core AMD EPYC; 8 ahead was no better). Prefetches never fault and change no arithmetic.
+constexpr int64_t PREFETCH_RECORDS = 4;
+
 // R rows x H halves (8 columns each) of one panel, from half h0 on; `cols` of the last half are written.
 template <int64_t KIND, int64_t R, int64_t H>
 void tile(const uint8_t* panel, const Activations& a, int64_t m0, int h0, float* y, int64_t ldy, int64_t cols) {
@@ -228,6 +233,10 @@ void tile(const uint8_t* panel, const Activations& a, int64_t m0, int h0, float*
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* w = panel + b * rec + h0 * 32;
     const int8_t* xb = xq + b * QK;
+    if constexpr (R <= 2) {  // a decode's rows: bound by reading the weights (past a panel's end: the next one's)
+      const char* ahead = reinterpret_cast<const char*>(panel) + (b + PREFETCH_RECORDS) * rec;
+      for (int64_t line = 0; line < rec; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
     __m256i dot[R][H];  // int32 lanes (VNNI, and 8-bit weights), else int16 pair sums
     for (int64_t r = 0; r < R; ++r)
       for (int64_t h = 0; h < H; ++h) dot[r][h] = _mm256_setzero_si256();
