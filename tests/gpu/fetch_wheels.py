@@ -2,16 +2,17 @@
 
 Such a host has Python with CUDA torch, triton, transformers (and so numpy, tokenizers, safetensors, PyYAML,
 huggingface-hub) and nvidia-ml-py; this fetches every other runtime dependency of the project (pyproject.toml
-`[project] dependencies`) with its own dependencies, as wheels for manylinux and each Python version asked for,
-plus pip itself (run.sh installs with it when the host's venv has no pip). matplotlib and uvloop are left out
-(see NOT_NEEDED). The folder also gets `requirements.txt` (what run.sh installs) and
-`manifest.json` (what was resolved for which Python).
+`[project] dependencies`) with its own dependencies, as manylinux wheels for each Python version and machine
+asked for, plus pip itself (run.sh installs with it when the host Python has none). matplotlib and uvloop are left
+out (see NOT_NEEDED). For each Python version and machine the folder gets `pins-<version>-<machine>.txt`, every
+wheel that combination needs pinned (run.sh installs exactly these, `--no-deps`), and `manifest.json` says what was
+resolved for which.
 
 pip resolves for a foreign Python version but evaluates environment markers for the one running it, so the
 dependencies that only an older Python needs (anyio's `exceptiongroup` on 3.10) are found here by evaluating
 each resolved package's markers for the target version, and resolved again until nothing is missing.
 
-    python tests/gpu/fetch_wheels.py --dest tests/gpu/wheels --python-versions "3.10 3.11 3.12 3.13" --arch x86_64
+    python tests/gpu/fetch_wheels.py --dest tests/gpu/wheels --python-versions "3.10 3.14" --archs "x86_64 aarch64"
 """
 
 from __future__ import annotations
@@ -99,37 +100,51 @@ def missing_for(resolved: dict[str, dict], version: str, arch: str) -> list[str]
     return missing
 
 
+def pins_name(version: str, arch: str) -> str:
+    """The pin file run.sh looks for on a host running Python `version` (major.minor) on machine `arch`."""
+    return f"pins-{version}-{arch}.txt"
+
+
+def pins_for(requirements: list[str], version: str, arch: str) -> tuple[dict[str, str], list[str]]:
+    """name -> version of every wheel this Python and machine need beyond the host's, and the requirements added
+    because their markers hold only there."""
+    extra: list[str] = []
+    for _ in range(5):
+        resolved = resolve(requirements + extra, version, arch)
+        more = [spec for spec in missing_for(resolved, version, arch) if spec not in extra]
+        if not more:
+            break
+        extra += more
+    pins = {name: e["metadata"]["version"] for name, e in resolved.items()
+            if name not in HOST_PROVIDED and not name.startswith("nvidia-")}
+    return pins, extra
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dest", type=Path, default=ROOT / "tests" / "gpu" / "wheels")
-    parser.add_argument("--python-versions", default="3.10 3.11 3.12 3.13")
-    parser.add_argument("--arch", default="x86_64")
+    parser.add_argument("--python-versions", default="3.10 3.11 3.12 3.13 3.14")
+    parser.add_argument("--archs", default="x86_64 aarch64", help="machines, as platform.machine() names them")
     args = parser.parse_args()
     requirements = wanted(project_dependencies(ROOT / "pyproject.toml"))
     args.dest.mkdir(parents=True, exist_ok=True)
-    for old in args.dest.glob("*.whl"):
-        old.unlink()
-    manifest: dict[str, object] = {"arch": args.arch, "host_provided": sorted(HOST_PROVIDED),
-                                   "not_needed": sorted(NOT_NEEDED), "requirements": requirements, "python": {}}
-    for version in args.python_versions.split():
-        extra: list[str] = []
-        for _ in range(5):
-            resolved = resolve(requirements + extra, version, args.arch)
-            more = [spec for spec in missing_for(resolved, version, args.arch) if spec not in extra]
-            if not more:
-                break
-            extra += more
-        pins = {name: e["metadata"]["version"] for name, e in resolved.items()
-                if name not in HOST_PROVIDED and not name.startswith("nvidia-")}
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", str(args.dest),
-                        *platform_args(version, args.arch), *(f"{n}=={v}" for n, v in sorted(pins.items()))],
-                       check=True)
-        manifest["python"][version] = {"packages": pins, "added_for_markers": extra}  # type: ignore[index]
+    for old in [*args.dest.glob("*.whl"), *args.dest.glob("pins-*.txt"), args.dest / "requirements.txt"]:
+        old.unlink(missing_ok=True)
+    manifest: dict[str, object] = {"host_provided": sorted(HOST_PROVIDED), "not_needed": sorted(NOT_NEEDED),
+                                   "requirements": requirements, "python": {}}
+    for arch in args.archs.split():
+        for version in args.python_versions.split():
+            pins, extra = pins_for(requirements, version, arch)
+            lines = [f"{n}=={v}" for n, v in sorted(pins.items())]
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest",
+                            str(args.dest), *platform_args(version, arch), *lines], check=True)
+            (args.dest / pins_name(version, arch)).write_text(
+                f"# written by tests/gpu/fetch_wheels.py: what Python {version} on {arch} needs beyond the host's "
+                "packages\n" + "".join(f"{line}\n" for line in lines))
+            manifest["python"][f"{version}-{arch}"] = {  # type: ignore[index]
+                "packages": pins, "added_for_markers": extra}
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                     "--dest", str(args.dest), "pip"], check=True)
-    (args.dest / "requirements.txt").write_text(
-        "# written by tests/gpu/fetch_wheels.py: the project's runtime dependencies a GPU host lacks\n"
-        + "".join(f"{spec}\n" for spec in requirements))
     (args.dest / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     size = sum(p.stat().st_size for p in args.dest.iterdir() if p.is_file())
     print(f"{len(list(args.dest.glob('*.whl')))} wheels, {size / 1e6:.1f} MB in {args.dest}")

@@ -26,8 +26,8 @@ start=$(date +%s)
 budget=${GPU_CHECK_BUDGET_S:-470}
 deadline=$((start + budget))
 device=${GPU_CHECK_DEVICE:-cuda}
-wheels=$root/tests/gpu/wheels
-venv=${GPU_VENV:-$root/tests/gpu/.venv}
+wheels=${GPU_WHEELS:-$root/tests/gpu/wheels}
+site=${GPU_SITE:-$root/tests/gpu/.site}
 out=${OUT:-gpu-results}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 rm -f "$out"/*.jsonl "$out"/*.out "$out"/*.stderr "$out/summary.json" "$out/environment.json"
@@ -68,39 +68,49 @@ if [[ $device == cuda ]]; then
         > "$out/device.csv" 2> "$out/nvidia-smi.stderr" && cat "$out/device.csv"
 fi
 
+install_wheels() {  # the wheels this Python's version and machine need, with the host Python itself, into $site
+    local tag pins pip_wheel pip rc
+    tag=$("$py" -c 'import platform, sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}-{platform.machine()}")')
+    pins=$wheels/pins-$tag.txt
+    if [[ ! -f $pins ]]; then
+        local have
+        have=$(cd "$wheels" 2>/dev/null && ls pins-*.txt 2>/dev/null | sed 's/^pins-//; s/\.txt$//' | tr '\n' ' ')
+        echo "FAIL setup.install no wheels for Python $tag in tests/gpu/wheels (it has: ${have:-nothing});" \
+            "run \`make gpu-wheels\` (GPU_PYTHONS, GPU_ARCHS) on a machine with PyPI"
+        return 1
+    fi
+    if "$py" -m pip --version >/dev/null 2>&1; then
+        pip=("$py" -m pip)
+    else  # no pip on the host (Debian's python3 without python3-pip): pip runs from its wheel
+        pip_wheel=$(ls "$wheels"/pip-*.whl 2>/dev/null | head -n 1)
+        pip=("$py" "$pip_wheel/pip")
+    fi
+    rm -rf "$site"
+    # --isolated and no config file: the host's pip settings (an index, constraints, find-links) play no part;
+    # --no-deps: the pin file is the whole set, resolved by `make gpu-wheels`.
+    PIP_CONFIG_FILE=/dev/null timeout 120 "${pip[@]}" install --isolated --disable-pip-version-check --no-input \
+        --no-index --find-links "$wheels" --no-deps --target "$site" --no-warn-script-location --quiet -r "$pins" \
+        > "$out/install.log" 2>&1
+    rc=$?
+    if [[ $rc != 0 ]]; then
+        echo "FAIL setup.install exit code $rc: $(tail -c 400 "$out/install.log" | tr '\n' ' ')"
+        return "$rc"
+    fi
+    echo '*' > "$site/.gitignore"
+    echo "PASS setup.install $(grep -c '==' "$pins") wheels for Python $tag into $site ($(($(date +%s) - t0)) s)"
+}
+
+# The host Python as it is, with the missing wheels in a folder on PYTHONPATH: no venv, which would not see a
+# host Python's packages when that Python is itself a venv, a --user install or a conda environment.
 t0=$(date +%s)
 if "$py" tests/gpu/preflight.py --probe 2>/dev/null; then
     echo "PASS setup.install skipped: $py already imports every dependency"
     step install 0 0
 else
-    if [[ ! -x $venv/bin/python ]] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-        rm -rf "$venv"
-        # ensurepip may be missing (Debian's python3 without python3-venv): then a venv without pip, and pip
-        # itself from the wheel folder.
-        "$host_py" -m venv --system-site-packages "$venv" > "$out/install.log" 2>&1 \
-            || "$host_py" -m venv --system-site-packages --without-pip "$venv" >> "$out/install.log" 2>&1
-    fi
-    py=$venv/bin/python
-    if "$py" -m pip --version >/dev/null 2>&1; then
-        pip=("$py" -m pip)
-    else
-        pip_wheel=$(ls "$wheels"/pip-*.whl 2>/dev/null | head -n 1)
-        pip=("$py" "$pip_wheel/pip")
-    fi
-    rc=1
-    if [[ -f $wheels/requirements.txt ]]; then
-        timeout 60 "${pip[@]}" install --no-index --find-links "$wheels" --no-warn-script-location --quiet \
-            -r "$wheels/requirements.txt" >> "$out/install.log" 2>&1
-        rc=$?
-    else
-        echo "no $wheels/requirements.txt: run \`make gpu-wheels\` on a machine with PyPI first" >> "$out/install.log"
-    fi
-    if [[ $rc == 0 ]]; then
-        echo "PASS setup.install offline from tests/gpu/wheels into $venv ($(($(date +%s) - t0)) s)"
-    else
-        echo "FAIL setup.install exit code $rc: $(tail -c 400 "$out/install.log" | tr '\n' ' ')"
-    fi
+    install_wheels
+    rc=$?
     step install "$rc" "$(($(date +%s) - t0))"
+    export PYTHONPATH="$root:$site${PYTHONPATH#"$root"}"
 fi
 
 t0=$(date +%s)
@@ -115,6 +125,9 @@ fi
 run_check() {  # group, cap in seconds, script: run it under min(cap, time left), which it reads from
                # GPU_CHECK_TIMEOUT_S; record how it ended
     local group=$1 cap=$2 script=$3 left t rc t0
+    if [[ -n ${GPU_CHECK_ONLY:-} && " $GPU_CHECK_ONLY " != *" $group "* ]]; then
+        return
+    fi
     left=$((deadline - $(date +%s)))
     t=$((cap < left ? cap : left))
     if ((t < 20)); then
@@ -136,14 +149,17 @@ run_check() {  # group, cap in seconds, script: run it under min(cap, time left)
         >> "$out/groups.jsonl"
 }
 
-run_check attention 70 tests/gpu/check_attention.py
-run_check model 120 tests/gpu/check_model.py
-run_check serve 80 tests/gpu/check_serve.py
-run_check steptime 90 tests/gpu/check_steptime.py
-run_check quant 40 tests/gpu/check_quant.py
+# Cheap checks that say the most first, the long step-time table last before vLLM. The caps add up to the budget
+# less 60 s, which setup (the install, the first CUDA context) and the slack of each `timeout` take
+# (tests/gpu/test_setup.py holds them to it).
+run_check attention 65 tests/gpu/check_attention.py
+run_check quant 35 tests/gpu/check_quant.py
+run_check model 110 tests/gpu/check_model.py
+run_check serve 65 tests/gpu/check_serve.py
 if [[ $device == cuda ]]; then
-    run_check partitioner 70 tests/gpu/check_partitioner.py  # read-only: no MIG, clock or setting changes
+    run_check partitioner 50 tests/gpu/check_partitioner.py  # read-only: no MIG, clock or setting changes
 fi
+run_check steptime 85 tests/gpu/check_steptime.py
 # last: vLLM's start-up is the longest wait here, and a slow one must not take the other checks' time
 run_check vllm "${GPU_CHECK_VLLM_TIMEOUT_S:-180}" tests/gpu/check_vllm.py
 finish

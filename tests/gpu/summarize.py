@@ -4,7 +4,8 @@ Reads `$OUT/groups.jsonl` (one line per step run.sh ran: group, exit code, secon
 `$OUT/<group>.jsonl` (one result per line, see tests/gpu/common.py). A group that exited non-zero without
 reporting a failure (it crashed, or its timeout stopped it) counts as a failure `<group>.exit`, with the tail of
 its stderr. A result with a `skipped` reason (a check that cannot run here: no vLLM, no MIG) is neither passed nor
-failed. Prints a closing line, then `skipped <name>: <reason>` for each of those; exits 1 if anything failed.
+failed. Prints one verdict line per group (also for one that timed out or was not run), a closing line, then
+`skipped <name>: <reason>` for each skipped result; exits 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def tail(path: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def verdict(name: str, group: dict) -> str:
+    """One line for a group: `<group> PASS|FAIL|NOT RUN`, its counts, how it ended and its time."""
+    rc = group.get("rc", 0)
+    counts = f"{group['passed']} passed, {len(group['failed'])} failed, {len(group['skipped'])} skipped"
+    if rc == 125:
+        return f"{name:<12} NOT RUN  no time left in the budget"
+    word = "FAIL" if group["failed"] else "PASS"
+    how = f"timed out after {group.get('timeout_s')} s; " if rc in (124, 137) else ""
+    cap = f" of {group['timeout_s']}" if group.get("timeout_s") is not None else ""
+    return f"{name:<12} {word:<8} {how}{counts} ({group.get('duration_s', 0)} s{cap})"
 
 
 def main() -> int:
@@ -78,6 +91,8 @@ def main() -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     duration = f" in {args.duration_s:.0f} s" if args.duration_s is not None else ""
     why = "".join(f"\nskipped {name}: {reason}" for name, reason in skipped.items())
+    for name, group in groups.items():
+        print(verdict(name, group))
     print(f"{summary['passed']} passed, {len(failed)} failed, {len(skipped)} skipped{duration}; summary: "
           f"{out / 'summary.json'}{why}")
     return 0 if summary["ok"] else 1
