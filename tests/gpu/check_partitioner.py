@@ -191,8 +191,9 @@ def _check_table(gpu: Any, answered: dict[str, dict[str, int]], refused: dict[in
     if not answered:
         kinds = ", ".join(f"{k.removeprefix('NVMLError_')} x{n}" for k, n in sorted(Counter(refused.values()).items()))
         REP.skip("mig_profiles", f"gpu={gpu.index}: MIG mode off and NVML answered none of its GPU-instance profile "
-                                 f"ids ({kinds}); {where}, which the planner uses while MIG is off, can only be "
-                                 f"compared with MIG on", gpu=gpu.index, table=where, refused=refused)
+                                 f"ids ({kinds or 'each with 0 instances'}); {where}, which the planner uses while "
+                                 f"MIG is off, can only be compared with MIG on", gpu=gpu.index, table=where,
+                 refused=refused)
         return
     table_facts = {p.name: {k: getattr(p, k) for k in _FACTS} for p in shipped}
     # variants the table leaves out on purpose (the planner never creates a "+"/"-" profile) are listed, not judged
