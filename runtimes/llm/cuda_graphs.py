@@ -56,16 +56,18 @@ class Graph(Protocol):
 
 
 class CudaGraph:
-    """`torch.cuda.CUDAGraph` for one bucket; `pool` is shared by all of a runner's graphs."""
+    """`torch.cuda.CUDAGraph` for one bucket; `pool` and the warm-up stream `side` are shared by all of a runner's
+    graphs."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, side: torch.cuda.Stream) -> None:
         self.pool = pool
+        self.side = side
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         # Warm up outside the graph, on a side stream as torch.cuda.graphs recommends: Triton compiles its kernels
         # and the libraries size their workspaces then, since neither may happen during capture.
-        side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
@@ -79,9 +81,11 @@ class CudaGraph:
 
 
 def cuda_graph_factory() -> Callable[[], Graph]:
-    """New `CudaGraph`s that share one memory pool."""
+    """New `CudaGraph`s that share one memory pool and one warm-up stream: cuBLAS keeps a workspace per stream it
+    runs on (32 MiB on Hopper), which a stream per bucket would pay for again at every bucket."""
     pool = torch.cuda.graph_pool_handle()
-    return lambda: CudaGraph(pool)
+    side = torch.cuda.Stream()
+    return lambda: CudaGraph(pool, side)
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURED_BATCH) -> list[int]:

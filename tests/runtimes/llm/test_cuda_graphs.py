@@ -198,3 +198,31 @@ def test_eager_steps_move_their_metadata_only_through_to_device(engines, monkeyp
                 "s": (random_prompt(2, 5), SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True))}
     assert all(len(r.token_ids) == 4 for r in run_to_completion(eager, requests).values())
     assert moved  # the metadata went through it
+
+
+def test_every_bucket_warms_up_on_one_side_stream(monkeypatch):
+    """cuBLAS keeps a workspace per stream it runs on: a warm-up stream per bucket would hold one per bucket. The CUDA
+    calls are stand-ins here (no GPU); what is checked is how many streams the captures create."""
+    import contextlib
+
+    from runtimes.llm import cuda_graphs
+
+    streams: list[object] = []
+
+    class Stream:
+        def __init__(self) -> None:
+            streams.append(self)
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream.__new__(Stream))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    new_graph = cuda_graphs.cuda_graph_factory()
+    for size in capture_sizes(64):
+        new_graph().capture(lambda size=size: torch.zeros(size))
+    assert len(streams) == 1
