@@ -20,7 +20,7 @@ from partitioner.planning.cluster import (
     refuse_time_slicing,
     unapplied_changes,
 )
-from partitioner.planning.demand import ModelShape, ReplicaDemand
+from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, ModelShape, ReplicaDemand
 from partitioner.planning.plan import InfeasiblePlan
 from registry.fields import GIB
 from registry.schema import Registry
@@ -214,5 +214,5 @@ def test_demands_are_made_for_ray_models_that_write_placement_or_target_a_gpu_on
     shapes = {"on-gpu": ModelShape(num_layers=16, num_kv_heads=8, head_dim=64, weights_bytes=4 * GIB)}
     demands = {d.replica_id: d for d in cluster_demands(registry, shapes)}
     assert sorted(demands) == ["on-gpu/0", "placed/0", "placed/1"]
-    assert demands["on-gpu/0"].memory_bytes == 4 * GIB + GIB + 512 * (1 << 20)
+    assert demands["on-gpu/0"].memory_bytes == 4 * GIB + GIB + DEFAULT_OVERHEAD_BYTES
     assert demands["on-gpu/0"].device == "cuda" and demands["placed/1"].device == "cpu"

@@ -84,14 +84,14 @@ def test_a_memory_size_is_the_cap_and_its_kv_budget_what_the_weights_and_overhea
     """With `placement.memory_gib` and the weights here, the plan checks the size against their header and hands the
     engine the rest after weights and overhead as its KV budget, which is what the engine allocates."""
     engine, replica, launch = placed_engine(tmp_path, {
-        "source": {"path": str(tiny_gguf)}, "placement": {"isolation": "mps", "memory_gib": 0.75},
+        "source": {"path": str(tiny_gguf)}, "placement": {"isolation": "mps", "memory_gib": 1.25},
         "engine": {"max_model_len": 200, "block_size": 16}})
     device = gpus("h100-80gb").devices[0].memory_total_bytes
-    budget = int(0.75 * GIB) - weight_bytes(engine) - DEFAULT_OVERHEAD_BYTES
-    assert replica.memory_bytes == int(0.75 * GIB) and launch.kv_cache_bytes == replica.kv_cache_bytes == budget
+    budget = int(1.25 * GIB) - weight_bytes(engine) - DEFAULT_OVERHEAD_BYTES
+    assert replica.memory_bytes == int(1.25 * GIB) and launch.kv_cache_bytes == replica.kv_cache_bytes == budget
     block = engine.kv.block_size * engine.model_config.kv_bytes_per_token(BF16)
     assert budget - block < kv_bytes(engine) <= budget
-    assert launch.placement.memory_fraction == pytest.approx(0.75 * GIB / device, rel=1e-6)
+    assert launch.placement.memory_fraction == pytest.approx(1.25 * GIB / device, rel=1e-6)
 
 
 def test_the_models_own_kv_cache_size_wins_and_is_what_the_engine_allocates(tmp_path, tiny_gguf):

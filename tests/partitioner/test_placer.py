@@ -14,7 +14,7 @@ import yaml
 from gateway.server import make_state
 from model_pool.launcher import free_port
 from partitioner.devices.inventory import Inventory
-from partitioner.planning.demand import ModelShape
+from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, ModelShape
 from partitioner.planning.placer import ReplicaPlacer, needs_arbiter
 from partitioner.timeslice.service import ArbiterService
 from registry.launch import ReplicaLaunch, ReplicaPlacement
@@ -77,7 +77,7 @@ def test_gpu_plan_entries_carry_memory_fraction_and_kv_budget(tmp_path):
     placement = made(reg.resolve("big"), 0)
     assert placement.env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
     assert placement.memory_fraction == pytest.approx(20 / 79.6, rel=0.01)
-    assert placement.kv_cache_bytes == (20 << 30) - (4 << 30) - (512 << 20)
+    assert placement.kv_cache_bytes == (20 << 30) - (4 << 30) - DEFAULT_OVERHEAD_BYTES
     assert placement.arbiter_socket is None
 
 

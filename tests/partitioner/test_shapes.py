@@ -165,12 +165,12 @@ def test_a_given_shape_or_memory_size_wins_over_the_estimate(tmp_path):
 
 
 def test_a_memory_size_that_cannot_hold_the_estimated_weights_is_refused_by_field(tmp_path):
-    """SmolLM2's 0.25 GiB of bf16 weights and the 0.5 GiB overhead do not fit 0.6 GiB; 0.8 GiB leaves less KV than one
+    """SmolLM2's 0.25 GiB of bf16 weights and the 1 GiB overhead do not fit 1.1 GiB; 1.3 GiB leaves less KV than one
     8192-token sequence takes (0.18 GiB). Both are refused with the field and the shortfall, before any replica runs
     out of memory; the registry is not planned."""
-    for gib, expected in ((0.6, "placement.memory_gib 0.60 GiB cannot hold weights 0.25 GiB + overhead 0.50 GiB, "
+    for gib, expected in ((1.1, "placement.memory_gib 1.10 GiB cannot hold weights 0.25 GiB + overhead 1.00 GiB, "
                                 "before any KV cache: short by 0.15 GiB"),
-                          (0.8, "placement.memory_gib 0.80 GiB less weights 0.25 GiB and overhead 0.50 GiB: "
+                          (1.3, "placement.memory_gib 1.30 GiB less weights 0.25 GiB and overhead 1.00 GiB: "
                                 "a KV cache of 0.05 GiB holds less than one full-token sequence (0.18 GiB)")):
         reg = registry(small={"source": SMOLLM2, "device": "cuda", "placement": {"memory_gib": gib}})
         current, problems = planned(reg, tmp_path)
