@@ -40,7 +40,9 @@ _INIT_REASONS = {
     "NVMLError_DriverNotLoaded": "the NVIDIA driver is not loaded",
     "NVMLError_NoPermission": "no permission to open NVML",
 }
-_PROFILE_NAME = re.compile(r"(\d+g\.\d+gb(?:\+me)?)")
+# "MIG 1g.18gb", "MIG 1g.18gb+me"; newer drivers also list variants such as "1g.18gb-me" and "1g.18gb+me.all",
+# kept whole so that a variant is never read as its base profile (two profiles of one name)
+_PROFILE_NAME = re.compile(r"(\d+g\.\d+gb(?:[+-][a-z][a-z.]*)?)")
 
 
 def _text(value: str | bytes) -> str:
@@ -182,7 +184,9 @@ class NvmlBackend:
         return current == enabled, pending == enabled
 
     def _profiles(self, handle: Any) -> tuple[MigProfile, ...]:
-        """Every GPU-instance profile NVML offers (only while MIG mode is on), with its possible placements."""
+        """Every GPU-instance profile NVML offers (only while MIG mode is on), with its possible placements. None
+        when NVML refuses to describe them (NoPermission, as in some containers): `read_inventory` then fills in the
+        shipped table, as for a GPU with MIG off."""
         nvml = self._nvml
         profiles: list[MigProfile] = []
         for enum_id in range(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
@@ -190,6 +194,8 @@ class NvmlBackend:
                 info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, enum_id)
             except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument, nvml.NVMLError_NotFound):
                 continue  # this GPU has no such profile
+            except nvml.NVMLError_NoPermission:
+                return ()
             if info.instanceCount == 0:
                 continue
             starts, size = self._placements(handle, info.id, info.instanceCount)

@@ -74,6 +74,31 @@ def test_unprivileged_read_leaves_mig_placements_unknown():
     assert read.processes == gpu.processes
 
 
+def test_profiles_nvml_will_not_describe_come_from_the_shipped_table():
+    """In some containers NVML answers NoPermission for GPU-instance profiles even with MIG on: the read goes on, and
+    the profiles come from the shipped table, as with MIG off."""
+    gpu = mig_gpu()
+    refused = {"nvmlDeviceGetGpuInstanceProfileInfo": fake_nvml.NVMLError_NoPermission()}
+    nvml = fake_nvml.FakeNvml([gpu], failing=refused)
+    inventory = read_inventory(NvmlBackend(nvml=nvml))
+    read = inventory.devices[0]
+    assert read.mig_mode is True and {p.name for p in read.mig_profiles} >= {"1g.10gb", "7g.80gb"}
+    assert "partitioner/inventories/h100-80gb.json" in inventory.note
+
+
+def test_profile_variants_keep_their_whole_names():
+    """Newer drivers list variants beside "+me" ("-me", "+me.all", "+gfx"): each keeps its own name, never read as
+    its base profile."""
+    gpu = mig_gpu()
+    base = gpu.mig_profiles[0]
+    variants = tuple(replace(base, name=base.name + suffix, profile_id=base.profile_id + 100 + i)
+                     for i, suffix in enumerate(("-me", "+me.all", "+gfx")))
+    gpu = replace(gpu, mig_profiles=(*gpu.mig_profiles, *variants))
+    read = read_inventory(NvmlBackend(nvml=fake_nvml.FakeNvml([gpu]))).devices[0]
+    names = [p.name for p in read.mig_profiles]
+    assert names == [p.name for p in gpu.mig_profiles] and len(set(names)) == len(names)
+
+
 def test_mig_off_gpu_gets_the_shipped_profile_table():
     gpu = replace(gpus("h100-80gb").devices[0], mig_profiles=(),
                   processes=(DeviceProcess(pid=9, used_memory_bytes=GIB),))
