@@ -29,12 +29,18 @@ from tests.gpu import serving
 from tests.gpu.common import Reporter, fmt, parse_args, timed
 from tests.gpu.serving import children, gpu_memory_used_mib, http, process, tail
 
-ARGS = parse_args(__doc__ or "")
-DEVICE = ARGS.device
-LOGS = ARGS.out / "serve"
+DEVICE = "cuda"  # and LOGS: set by main() from the arguments
+LOGS = Path("gpu-results") / "serve"
 READY_S = 60.0
 MIB = 1 << 20
 MAX_TOKENS = 8
+
+
+def serve_argv(registry: Path) -> list[str]:
+    """`multiserve serve` on `registry`, read-only on the devices: `--apply-partition no`, so the gateway never
+    creates MIG devices or starts MPS daemons (its default, auto, would as root on a MIG host); the registries here
+    need neither (a timeslice placement)."""
+    return [sys.executable, "-m", "multiserve", "serve", "--config", str(registry), "--apply-partition", "no"]
 
 
 def write_model(path: Path) -> Path:
@@ -122,7 +128,7 @@ def check_serve(rep: Reporter, model_path: Path) -> None:
     log = LOGS / "gateway.log"
     env = {"MULTISERVE_ADMIN_TOKEN": "gpu-check-admin-token", "MULTISERVE_LOG_DIR": str(LOGS / "workers")}
     before = gpu_memory_used_mib()
-    argv = [sys.executable, "-m", "multiserve", "serve", "--config", str(registry)]
+    argv = serve_argv(registry)
     with process(argv, log, env) as proc:
         base = f"http://127.0.0.1:{port}"
         ready_s = wait_ready(base, proc, log)
@@ -172,7 +178,7 @@ def check_memory_model(rep: Reporter, model_path: Path) -> None:
     log = LOGS / "gateway-memory.log"
     env = {"MULTISERVE_ADMIN_TOKEN": "gpu-check-admin-token", "MULTISERVE_LOG_DIR": str(LOGS / "workers-memory")}
     before = gpu_memory_used_mib()
-    with process([sys.executable, "-m", "multiserve", "serve", "--config", str(registry)], log, env) as proc:
+    with process(serve_argv(registry), log, env) as proc:
         wait_ready(f"http://127.0.0.1:{port}", proc, log)
         answered = chat(f"http://127.0.0.1:{port}", "tiny-chat")
         workers = children(proc.pid)
@@ -190,7 +196,10 @@ def check_memory_model(rep: Reporter, model_path: Path) -> None:
 
 
 def main() -> int:
-    rep = Reporter("serve", ARGS.out)
+    global DEVICE, LOGS
+    args = parse_args(__doc__ or "")
+    DEVICE, LOGS = args.device, args.out / "serve"
+    rep = Reporter("serve", args.out)
     LOGS.mkdir(parents=True, exist_ok=True)
     model_path = write_model(LOGS / "tiny.gguf")
     rep.guarded("worker", lambda: check_worker(rep, model_path))
