@@ -158,6 +158,9 @@ def device_peak_bandwidth() -> tuple[float | None, str]:
     peak = peak_bandwidth_gbs(getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0))
     if peak is not None:
         return peak, "torch"
+    uuid = getattr(props, "uuid", None)  # an older torch may lack it: then no NVML either
+    if uuid is None:
+        return None, "torch reports neither the memory clock nor the device UUID"
     try:
         import pynvml
     except ImportError as error:
@@ -167,7 +170,7 @@ def device_peak_bandwidth() -> tuple[float | None, str]:
     except pynvml.NVMLError as error:
         return None, f"no NVML: {error}"
     try:
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
         clock_mhz = pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_MEM)
         peak = peak_bandwidth_gbs(clock_mhz * 1000, pynvml.nvmlDeviceGetMemoryBusWidth(handle))
         return peak, "nvml" if peak is not None else "nvml reports no memory clock or bus width"
