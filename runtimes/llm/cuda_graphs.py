@@ -42,6 +42,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from runtimes.llm.attention import AttentionMetadata, reads_only_device_metadata
+from runtimes.llm.attention.cpu_paged import kernel_takes, paged_attention_cpu
 from runtimes.llm.model import DecoderLayer, LlamaForCausalLM
 
 MAX_CAPTURED_BATCH = 256  # larger decode batches run eagerly (their launch overhead is small next to their work)
@@ -226,7 +227,13 @@ class DecodeGraphs:
         return lambda: self.model(ids, positions, self.kv_caches, meta)
 
 
-def graphs_apply(model: LlamaForCausalLM) -> bool:
-    """Whether `model`'s decode steps may be captured: its attention reads only device metadata."""
+def graphs_apply(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
+    """Whether `model`'s decode steps over a `kv_dtype` cache may be captured: its attention reads only device
+    metadata (the CPU kernel's does for its own dtypes only: others go to the reference, which reads host copies)."""
     layers = cast(list[DecoderLayer], list(model.layers))
-    return bool(layers) and reads_only_device_metadata(layers[0].self_attn.attention_fn)
+    if not layers:
+        return False
+    attention = layers[0].self_attn.attention_fn
+    if attention is paged_attention_cpu and not kernel_takes(model.norm.weight.dtype, kv_dtype):
+        return False
+    return reads_only_device_metadata(attention)

@@ -100,7 +100,7 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(loaded.config, budget, config.block_size, kv_dtype)
         if new_graph is None and config.cuda_graphs and device.type == "cuda":
             new_graph = cuda_graph_factory()
-        if new_graph is not None and not graphs_apply(loaded.model):
+        if new_graph is not None and not graphs_apply(loaded.model, kv_dtype):
             log.warning("decode_graphs_off", reason="the attention backend reads host metadata",
                         attention_backend=config.attention_backend)
             new_graph = None

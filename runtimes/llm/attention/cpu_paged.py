@@ -68,6 +68,11 @@ def decode_rows(meta: AttentionMetadata) -> DecodeRows | None:
     return plan
 
 
+def kernel_takes(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel computes these dtypes (fp32 queries over an fp32 or fp16 cache), not the reference."""
+    return query_dtype == torch.float32 and cache_dtype in KERNEL_CACHE_DTYPES
+
+
 def paged_attention_cpu(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
@@ -76,9 +81,9 @@ def paged_attention_cpu(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Drop-in for `paged_attention_ref` on CPU: every row by the kernel (fp32 queries over an fp32 or fp16 cache),
-    other dtypes by the reference. Reads only the metadata's tensors."""
-    if not (query.dtype == torch.float32 and k_cache.dtype == v_cache.dtype and k_cache.dtype in KERNEL_CACHE_DTYPES
-            and query.device.type == "cpu"):
+    other dtypes by the reference. The kernel reads only the metadata's tensors; the reference also its host copies
+    (so only the kernel's dtypes may be captured in a decode graph: `kernel_takes`)."""
+    if not (k_cache.dtype == v_cache.dtype and kernel_takes(query.dtype, k_cache.dtype) and query.device.type == "cpu"):
         return paged_attention_ref(query, k_cache, v_cache, meta, scale)
     load_kernel()
     out = torch.empty(query.shape, dtype=query.dtype)

@@ -142,13 +142,28 @@ def test_only_backends_that_read_device_metadata_are_captured(tiny_loaded):
     assert engine.kv.num_blocks == 64  # no pad block taken
 
 
+def test_the_cpu_kernel_is_captured_only_for_the_dtypes_it_computes(tiny_loaded):
+    """Other dtypes go from the CPU kernel to the reference, which reads the host copies a graph bakes in (every row
+    then attends to one token): a bf16 model is not captured; the same engine in fp32 is, also over an fp16 cache."""
+    config = EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4)
+    loaded = tiny_loaded(seed=3)
+    attention = select_attention("cpu", torch.device("cpu"))
+    for layer in loaded.model.layers:
+        layer.self_attn.attention_fn = attention
+    assert LLMEngine(loaded, config, new_graph=ReplayingGraph).runner.graphs is not None
+    fp16_cache = EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4, kv_dtype="fp16")
+    assert LLMEngine(loaded, fp16_cache, new_graph=ReplayingGraph).runner.graphs is not None
+    loaded.model.to(torch.bfloat16)
+    assert LLMEngine(loaded, config, new_graph=ReplayingGraph).runner.graphs is None
+
+
 def test_the_stand_in_bakes_host_values_as_a_graph_does(tiny_loaded, monkeypatch):
     """Forced over the reference attention, which reads `seq_lens_host`, replays attend over the captured length
     (one token) and the tokens change: the stand-in would catch a decode path that reads the step's host values."""
     loaded = tiny_loaded(seed=3)
     config = EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4)
     eager = LLMEngine(loaded, config)
-    monkeypatch.setattr(engine_module, "graphs_apply", lambda model: True)
+    monkeypatch.setattr(engine_module, "graphs_apply", lambda model, kv_dtype: True)
     forced = LLMEngine(loaded, config, new_graph=ReplayingGraph)
     assert forced.runner.graphs is not None
     requests = {"g": (random_prompt(5, 9), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))}
