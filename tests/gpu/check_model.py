@@ -22,6 +22,9 @@ each shape, transformers' LlamaForCausalLM in fp32 is the truth, and in fp32 and
   call it a near-tie: the two tokens' fp32 logits closer than the sum of the two models' 99.9th-percentile logit
   errors measured above (ours capped at what the logits criterion allows; plus 1e-4 x std).
 
+* `deterministic` (bf16): `engine.deterministic: true` (runtimes/llm/batch_invariant.py): each prompt's greedy
+  tokens alone equal its tokens among the others, and the run's time against the default kernels'.
+
 Weights are N(0, (2 / sqrt(hidden))^2) (logits of std ~2, few near-ties) with norm weights in [0.5, 1.5], as in
 tests/runtimes/llm/tiny.py. `--device cpu`: two tiny shapes on CPU, to try the script without a GPU.
 """
@@ -282,9 +285,43 @@ def check_shape(rep: Reporter, name: str, shape: Shape) -> None:
         rep.report(f"{name}.{label}.greedy", ok,
                    fmt(exact_prompts=f"{exact}/{len(prompts)}", new_tokens=NEW_TOKENS, tie_tol=tol),
                    dtype=label, prompts=rows, prompt_lens=PROMPT_LENS, new_tokens=NEW_TOKENS)
+        if dtype == torch.bfloat16:  # last: it puts the model on the batch-invariant kernels
+            check_deterministic(rep, f"{name}.bf16.deterministic", model, config, name, prompts)
         del model, hf
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+
+
+def check_deterministic(rep: Reporter, check: str, model: torch.nn.Module, config: ModelConfig, name: str,
+                        prompts: list[list[int]]) -> None:
+    """`engine.deterministic`: each prompt's greedy tokens alone equal its tokens among the others (graphs on), and
+    how much longer the run takes than without (the fixed-tile kernels' cost). On `--device cpu` the model gets the
+    Triton attention (the CPU kernel path refuses dense weights), run by the interpreter."""
+    loaded = LoadedModel(model=model, config=config, tokenizer=tokenizer_for(config.vocab_size), name=name)
+    if DEVICE == "cpu":
+        from runtimes.llm.attention.triton_paged import paged_attention_triton
+
+        for layer in model.layers:
+            layer.self_attn.attention_fn = paged_attention_triton
+    kv_bytes = 2 * 4096 * config.kv_bytes_per_token(torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    seconds: dict[bool, float] = {}
+    tokens: dict[str, list[list[int]]] = {}
+    for deterministic in (False, True):
+        engine = LLMEngine(loaded, EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=len(prompts),
+                                                kv_cache_bytes=kv_bytes, max_num_batched_tokens=BATCHED_TOKENS,
+                                                deterministic=deterministic, enable_prefix_caching=False))
+        with timed() as t:
+            done = run_to_completion(engine, {f"p{i}": (p, greedy) for i, p in enumerate(prompts)})
+        seconds[deterministic] = t["s"]
+        if deterministic:
+            tokens["batched"] = [done[f"p{i}"].token_ids for i in range(len(prompts))]
+            tokens["alone"] = [run_to_completion(engine, {"one": (p, greedy)})["one"].token_ids for p in prompts]
+    same = sum(1 for a, b in zip(tokens["alone"], tokens["batched"], strict=True) if a == b)
+    rep.report(check, same == len(prompts),
+               fmt(identical=f"{same}/{len(prompts)}", seconds=seconds[True], default_seconds=seconds[False]),
+               identical=same, prompts=len(prompts), seconds=seconds[True], default_seconds=seconds[False],
+               tokens=tokens)
 
 
 def main() -> int:
