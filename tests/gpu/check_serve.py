@@ -12,8 +12,9 @@ real weights are needed. Each process runs on a free loopback port until /ready,
 * `memory_model` (CUDA only): a model with no memory size is planned from its GGUF header, served, asked once;
   the worker must hold no more GPU memory than the plan reserved (weights + KV + the overhead allowance).
 
-On CUDA each also checks the device was used: GPU memory in use (nvidia-smi) rose by >= 200 MiB while the
-process ran, or its pid is among the GPU's compute processes. Logs of failed runs are kept in `$OUT/serve/`.
+On CUDA each also checks that its own process used the device: its pid among nvidia-smi's compute processes, or a
+GPU's device file (/dev/nvidiaN, which a CUDA context keeps open) open in it; the device-wide rise in memory in use
+is reported, not taken as evidence. Logs of failed runs are kept in `$OUT/serve/`.
 `--device cpu` runs the same with `device: cpu`, to try the script without a GPU.
 """
 

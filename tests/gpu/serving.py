@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,11 +132,33 @@ def gpu_pids() -> set[int]:
     return {int(line) for line in out.split() if line.strip().isdigit()}
 
 
+GPU_DEVICE_FILE = re.compile(r"/dev/nvidia\d+")  # a GPU's own device file, which a CUDA context keeps open
+
+
+def device_files(pid: int, pattern: re.Pattern[str] = GPU_DEVICE_FILE) -> list[str]:
+    """The files matching `pattern` that process `pid` has open (/proc/PID/fd), e.g. the GPUs it holds a context on."""
+    opened: set[str] = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if pattern.fullmatch(target):
+            opened.add(target)
+    return sorted(opened)
+
+
 def on_device(pids: list[int], before_mib: int | None) -> dict[str, object]:
-    """Evidence that `pids` use the GPU: their pids listed by nvidia-smi (not across pid namespaces), or GPU memory in
-    use rose by >= 200 MiB since `before_mib`."""
+    """Evidence that `pids` themselves use the GPU: their pids listed by nvidia-smi (not across pid namespaces), or a
+    GPU's device file open in one of them (/proc: a CUDA context keeps it open; seen from our pid namespace too). GPU
+    memory in use since `before_mib` is reported, never taken as evidence: another process on the host moves it."""
     now = gpu_memory_used_mib()
     delta = None if now is None or before_mib is None else now - before_mib
     listed = sorted(set(pids) & gpu_pids())
-    return {"ok": bool(listed) or (delta is not None and delta >= 200), "pids_listed": listed,
+    opened = {pid: files for pid in pids if (files := device_files(pid))}
+    return {"ok": bool(listed or opened), "pids_listed": listed, "device_files": opened,
             "memory_used_delta_mib": delta}
