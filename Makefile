@@ -53,7 +53,7 @@ tests/gpu/wheels/manifest.json: tests/gpu/fetch_wheels.py pyproject.toml
 GPU_HOST ?= tests/gpu/.host
 GPU_HOST_PACKAGES ?= "$(TORCH_SPEC)" triton transformers nvidia-ml-py numpy
 GPU_DRYRUN_OUT ?= gpu-results/cpu-dryrun
-GPU_DRYRUN_BUDGET_S ?= 470
+GPU_DRYRUN_SCALE ?= 1
 
 $(GPU_HOST)/.installed: Makefile
 	rm -rf $(GPU_HOST)
@@ -63,7 +63,7 @@ $(GPU_HOST)/.installed: Makefile
 	touch $@
 
 gpu-dryrun: gpu-wheels $(GPU_HOST)/.installed
-	@run='GPU_CHECK_DEVICE=cpu GPU_CHECK_BUDGET_S=$(GPU_DRYRUN_BUDGET_S) PYTHON=$(abspath $(GPU_HOST))/bin/python \
+	@run='GPU_CHECK_DEVICE=cpu GPU_CHECK_CAP_SCALE=$(GPU_DRYRUN_SCALE) PYTHON=$(abspath $(GPU_HOST))/bin/python \
 		OUT=$(GPU_DRYRUN_OUT) tests/gpu/run.sh'; \
 	if unshare -n true 2>/dev/null && command -v ip >/dev/null; then \
 		echo "gpu-dryrun: no network (unshare -n)"; \

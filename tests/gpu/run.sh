@@ -5,15 +5,18 @@
 #   tests/gpu/run.sh                       # results in ./gpu-results, or $OUT
 #
 # 1. setup: picks a Python that imports torch ($PYTHON, else python3, else python). If it lacks the project's other
-#    dependencies, makes tests/gpu/.venv (--system-site-packages, so the host's torch/triton/transformers serve)
-#    and installs them offline from tests/gpu/wheels (`make gpu-wheels` on a machine with PyPI). The project runs
+#    dependencies, that Python installs the wheels its version and machine need (tests/gpu/wheels/pins-*.txt,
+#    `make gpu-wheels` on a machine with PyPI) offline into tests/gpu/.site ($GPU_SITE), which goes on PYTHONPATH:
+#    no venv, so a host Python that is itself a venv, a --user install or conda works as it is. The project runs
 #    from the checkout (PYTHONPATH). Then every import the checks need is tried.
-# 2. the checks, each under its own timeout and all within GPU_CHECK_BUDGET_S (default 470 s): attention (Triton
-#    kernels), model (parity with transformers), serve (worker and gateway on cuda), steptime (decode step time
-#    against the HBM floor), quant (the 4/8-bit weight-only matmul), partitioner (NVML/MPS, read-only), and last
-#    vllm (a vLLM server as a `launcher: command` replica; skipped, saying why, where vllm does not import; its
-#    timeout GPU_CHECK_VLLM_TIMEOUT_S, default 180 s).
-# 3. $OUT/summary.json gathers every result; the exit code is 1 if anything failed.
+# 2. the checks, each under its own cap and all within GPU_CHECK_BUDGET_S (default 470 s), cheap ones first:
+#    attention (Triton kernels), quant (the 4/8-bit weight-only matmul), model (parity with transformers), serve
+#    (worker and gateway on cuda), partitioner (NVML/MPS, read-only), steptime (decode step time against the HBM
+#    floor), and last vllm (a vLLM server as a `launcher: command` replica; skipped, saying why, where vllm does
+#    not import; its timeout GPU_CHECK_VLLM_TIMEOUT_S, default 180 s). GPU_CHECK_ONLY="model serve": setup and
+#    those checks only; GPU_CHECK_CAP_SCALE=2: every cap and the budget doubled, for a slower machine.
+# 3. $OUT/summary.json gathers every result; one verdict line per check, then the exit code is 1 if anything
+#    failed.
 #
 # Each result is one line, `PASS name ...`, `FAIL name ...` or `SKIP name reason` (a check that cannot run here:
 # neither passed nor failed); each check's stdout, stderr and JSON lines stay in $OUT. Nothing here changes MIG
@@ -23,7 +26,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
 start=$(date +%s)
-budget=${GPU_CHECK_BUDGET_S:-470}
+scale=${GPU_CHECK_CAP_SCALE:-1}  # a slower machine (the CPU dry run) multiplies each cap and the budget
+budget=$((${GPU_CHECK_BUDGET_S:-470} * scale))
 deadline=$((start + budget))
 device=${GPU_CHECK_DEVICE:-cuda}
 wheels=${GPU_WHEELS:-$root/tests/gpu/wheels}
@@ -124,7 +128,7 @@ fi
 # --- checks --------------------------------------------------------------------------------------------------
 run_check() {  # group, cap in seconds, script: run it under min(cap, time left), which it reads from
                # GPU_CHECK_TIMEOUT_S; record how it ended
-    local group=$1 cap=$2 script=$3 left t rc t0
+    local group=$1 cap=$(($2 * scale)) script=$3 left t rc t0
     if [[ -n ${GPU_CHECK_ONLY:-} && " $GPU_CHECK_ONLY " != *" $group "* ]]; then
         return
     fi
