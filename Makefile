@@ -49,11 +49,12 @@ tests/gpu/wheels/manifest.json: tests/gpu/fetch_wheels.py pyproject.toml
 # tests/gpu/run.sh on CPU (GPU_CHECK_DEVICE=cpu: tiny shapes, Triton's interpreter) as on a bare GPU host: its
 # Python a venv made from this one holding only torch, triton, transformers, nvidia-ml-py and numpy, the other
 # dependencies from tests/gpu/wheels, no network (`unshare -n`, loopback up, where that works) and pip pointed at
-# nothing. Slow (see tests/gpu/README.md), so not part of `make test`. Results in GPU_DRYRUN_OUT.
+# nothing. Slow (see tests/gpu/README.md), so not part of `make test`. Results in GPU_DRYRUN_OUT. The caps are
+# doubled (GPU_DRYRUN_SCALE): Triton's interpreter on two shared cores is not what they are sized for.
 GPU_HOST ?= tests/gpu/.host
 GPU_HOST_PACKAGES ?= "$(TORCH_SPEC)" triton transformers nvidia-ml-py numpy
 GPU_DRYRUN_OUT ?= gpu-results/cpu-dryrun
-GPU_DRYRUN_SCALE ?= 1
+GPU_DRYRUN_SCALE ?= 2
 
 $(GPU_HOST)/.installed: Makefile
 	rm -rf $(GPU_HOST)
