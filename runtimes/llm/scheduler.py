@@ -134,10 +134,14 @@ class Scheduler:
 
     def urgent_head(self) -> Request | None:
         """The waiting request due a step of its own (the policy's `urgent_head`), unless that step would take the
-        last seat (`max_num_seqs`) while ordinary admission would give it to another request (normal work owed its
-        minimum share, say): taking every seat that frees would starve that one."""
+        last seat (`max_num_seqs`) from the request ordinary admission would seat (normal work owed its minimum share,
+        say) while that one could displace nobody for a seat: taking every seat that frees would starve it. (Where it
+        can displace someone, background work, it still gets a seat in the next ordinary step.)"""
         head = self.waiting.urgent_head()
-        if head is not None and len(self.running) + 1 >= self.max_num_seqs and self.waiting.peek() is not head:
+        if head is None or len(self.running) + 1 < self.max_num_seqs:
+            return head
+        ordinary = self.waiting.peek()
+        if ordinary is not None and ordinary is not head and self.waiting.urgent_victim(ordinary, self.running) is None:
             return None
         return head
 
