@@ -12,8 +12,8 @@ import pytest
 from model_pool.ray_launcher import RayUnavailable
 from model_pool.ray_plan import NO_ARBITER, PLAN_FIELD, RayPlacer
 from partitioner.devices.inventory import Inventory
-from partitioner.planning.demand import ModelShape
-from registry.fields import GIB, MIB
+from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, ModelShape
+from registry.fields import GIB
 from registry.launch import ReplicaPlacement, replica_launch
 from registry.schema import Registry
 from tests.partitioner.conftest import gpus
@@ -47,7 +47,7 @@ class Cluster:
         return self.alive[node_id][2]
 
 
-SHAPE = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, weights_bytes=90 * GIB)  # + 1 GiB KV: 91.5 GiB
+SHAPE = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, weights_bytes=90 * GIB)  # + 1 GiB KV + overhead: 92 GiB
 
 
 def registry(**models: dict) -> Registry:
@@ -73,7 +73,7 @@ def test_each_planned_replica_is_launched_on_its_node_with_that_nodes_device():
     placer = placer_for(reg, cluster)
     assert placer.problems(reg) == []
     placed = [placer.node_placement(replica_launch(reg.models[0], r)) for r in range(2)]
-    memory = 90 * GIB + GIB + 512 * MIB
+    memory = 90 * GIB + GIB + DEFAULT_OVERHEAD_BYTES
     assert [(p.node_id, p.address) for p in placed if p is not None] == [(NODE_A, "10.0.0.1"), (NODE_B, "10.0.0.2")]
     assert placed[1] is not None and placed[1].placement == ReplicaPlacement(
         env={"CUDA_VISIBLE_DEVICES": "GPU-b-h200"}, kv_cache_bytes=GIB,
@@ -86,9 +86,9 @@ def test_a_plan_no_node_can_satisfy_is_a_problem_naming_the_nodes_and_the_shortf
     reg = registry(big=big(3))
     [problem] = placer_for(reg, cluster).problems(reg)
     assert problem.field == PLAN_FIELD
-    assert problem.message.startswith("big/2 (timeslice, device cuda, needs 91.50 GiB) fits no node of the cluster: "
-                                      "node 10.0.0.1 (aaaaaaaaaaaa): big/2 (timeslice, needs 91.50 GiB) does not fit")
-    assert "node 10.0.0.2 (bbbbbbbbbbbb)" in problem.message and "short by 49.62 GiB" in problem.message
+    assert problem.message.startswith("big/2 (timeslice, device cuda, needs 92.00 GiB) fits no node of the cluster: "
+                                      "node 10.0.0.1 (aaaaaaaaaaaa): big/2 (timeslice, needs 92.00 GiB) does not fit")
+    assert "node 10.0.0.2 (bbbbbbbbbbbb)" in problem.message and "short by 50.62 GiB" in problem.message
     assert "node 10.0.0.3 (cccccccccccc): big/2: needs a GPU (device: cuda), but the inventory has none" \
         in problem.message
 
@@ -137,7 +137,7 @@ def test_a_node_that_leaves_moves_only_its_replicas_and_one_that_no_longer_fits_
     cluster = Cluster()
     reg = registry(big=big(1), small=big(2))
     placer = RayPlacer(lambda: reg, cluster, shapes={
-        "big": SHAPE, "small": replace(SHAPE, weights_bytes=20 * GIB)})  # 21.5 GiB each
+        "big": SHAPE, "small": replace(SHAPE, weights_bytes=20 * GIB)})  # 22 GiB each
 
     def node_of(model: int, index: int) -> str:
         placed = placer.node_placement(replica_launch(reg.models[model], index))
@@ -147,13 +147,13 @@ def test_a_node_that_leaves_moves_only_its_replicas_and_one_that_no_longer_fits_
     assert [node_of(0, 0), node_of(1, 0), node_of(1, 1)] == [NODE_A, NODE_A, NODE_B]
     del cluster.alive[NODE_A]  # big/0 and small/0 must move; small/1 keeps node b, where it runs
     assert node_of(0, 0) == NODE_B and node_of(1, 1) == NODE_B
-    with pytest.raises(RayUnavailable) as failed:  # 91.5 + 2 x 21.5 GiB exceed one H200: the last one waits
+    with pytest.raises(RayUnavailable) as failed:  # 92 + 2 x 22 GiB exceed one H200: the last one waits
         node_of(1, 0)
     assert str(failed.value).startswith("small/0: the cluster has no place for it now: small/0 (timeslice, device "
-                                        "cuda, needs 21.50 GiB) fits no node of the cluster: node 10.0.0.2")
-    assert "short by 1.12 GiB" in str(failed.value)
+                                        "cuda, needs 22.00 GiB) fits no node of the cluster: node 10.0.0.2")
+    assert "short by 2.62 GiB" in str(failed.value)
     [problem] = placer.problems(reg)  # and an edit now would be refused for it
-    assert problem.message.startswith("small/0 (timeslice, device cuda, needs 21.50 GiB) fits no node")
+    assert problem.message.startswith("small/0 (timeslice, device cuda, needs 22.00 GiB) fits no node")
 
 
 def test_an_unreachable_cluster_is_a_problem_of_the_address():

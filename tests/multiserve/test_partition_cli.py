@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from multiserve.cli import main
+from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES
 from tests.partitioner.conftest import INVENTORIES
 
 H100 = str(INVENTORIES / "h100-80gb.json")
@@ -82,7 +83,7 @@ def test_infeasible_plan_exits_non_zero_with_the_reason(capsys, files):
             "--max-memory-fraction", "0.3"]
     code, out, err = run(capsys, *argv)
     assert code == 1 and out == ""
-    assert "error: infeasible plan" in err and "llama/1 (mig, needs 19.46 GiB) does not fit" in err
+    assert "error: infeasible plan" in err and "llama/1 (mig, needs 19.96 GiB) does not fit" in err
     assert "no free slots for 7g.80gb or larger: taken by 7g.80gb for llama/0" in err
 
 
@@ -111,7 +112,7 @@ def test_the_real_command_exits_1_when_infeasible_and_0_when_not(files):
             "--inventory", H100, "--shapes", str(files / "shapes.json")]
     proc = subprocess.run([*base, "--max-memory-fraction", "0.3"], capture_output=True, text=True, timeout=120,
                           check=False)
-    assert proc.returncode == 1 and "llama/1 (mig, needs 19.46 GiB) does not fit" in proc.stderr
+    assert proc.returncode == 1 and "llama/1 (mig, needs 19.96 GiB) does not fit" in proc.stderr
     # the config names no GPU: everything runs on the CPU
     proc = subprocess.run([*base, "--gpus", ""], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -131,4 +132,4 @@ def test_a_gpu_model_without_a_memory_size_is_planned_from_its_weights(capsys, t
     assert code == 0, err
     (replica,) = json.loads(out)["replicas"]
     weights = 2 * 134_515_008  # SmolLM2-135M's parameters, 2 bytes each
-    assert replica["device_key"] == "gpu0" and replica["memory_bytes"] == weights + (1 << 30) + (512 << 20)
+    assert replica["device_key"] == "gpu0" and replica["memory_bytes"] == weights + (1 << 30) + DEFAULT_OVERHEAD_BYTES
