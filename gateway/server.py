@@ -18,6 +18,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
+from common.logs import configure_logging
 from gateway.app import GatewayState, build_gateway, gateway_config_problems, secret_env_names
 from gateway.httpclient import KeepAliveClient
 from gateway.metrics import GatewayMetrics
@@ -136,8 +137,6 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
 
 def run_serve(config: str | Path, host: str | None = None, port: int | None = None,
               ray_address: str | None = None) -> int:
-    from runtimes.server.worker import configure_logging
-
     configure_logging()  # structlog JSON lines, the same shape as the workers'
     env = dict(os.environ)
     # The placer reads the registry from the store, and the store asks the placer whether each registry (the

@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A package may import its own modules and those of any package below it, never one above.
 LAYERS = (
+    "common",  # what every process shares, importing no engine (no torch): log setup
     "policies",  # pure decisions: lanes, queues, admission, rate limits, routing
     "registry",  # the registry YAML: schema, validation, the store and its watcher
     "runtimes",  # the engines and a replica's HTTP server
@@ -110,3 +111,56 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     edges = {"policies.a": {"policies.b"}, "policies.b": {"policies.a"}, "registry.c": {"gateway.d"}}
     assert _cycles(edges) == [["policies.a", "policies.b"]]
     assert _upward(edges) == ["registry.c imports gateway.d"]
+
+
+def _imports_torch(path: Path) -> bool:
+    """Whether the module's source imports torch anywhere (inside functions too)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def _torch_reached_from(packages: tuple[str, ...], modules: dict[str, Path],
+                        edges: dict[str, set[str]]) -> dict[str, list[str]]:
+    """For each module that imports torch and is reachable from `packages`' modules: one import path to it."""
+    found: dict[str, list[str]] = {}
+    for start in sorted(m for m in modules if m.split(".")[0] in packages):
+        seen, frontier = {start: [start]}, [start]
+        while frontier:
+            module = frontier.pop()
+            for target in sorted(edges.get(module, ())):
+                if target not in seen:
+                    seen[target] = [*seen[module], target]
+                    frontier.append(target)
+        for module, path in seen.items():
+            if _imports_torch(modules[module]):
+                found.setdefault(module, path)
+    return found
+
+
+# The one way left from the gateway to torch: the planner reads a local model's shape with the runtime's own config
+# readers (runtimes/llm/config.py and loader.py import torch), when a registry names weights on this host.
+TORCH_ONLY_THROUGH = "partitioner.planning.shapes"
+
+
+def test_the_gateway_and_the_pool_import_torch_only_through_the_planners_shape_reading():
+    """The gateway process holds no engine: nothing it imports, now or inside a function, reaches torch but the
+    planner's shape reading (its log setup came from the replica's worker module, which imports the engine: ~2.0 s to
+    ready and ~250 MiB with an empty registry; ~0.7 s and ~70 MiB without)."""
+    modules = _modules()
+    paths = _torch_reached_from(("gateway", "model_pool"), modules, _imports(modules))
+    assert paths  # the shape reading still does
+    assert {module: path for module, path in paths.items() if TORCH_ONLY_THROUGH not in path} == {}
+
+
+def test_the_torch_check_sees_a_path_through_a_function_level_import(tmp_path):
+    engine, entry = tmp_path / "engine.py", tmp_path / "entry.py"
+    engine.write_text("def load():\n    import torch.nn\n")
+    entry.write_text("def serve():\n    from runtimes.x import engine\n")
+    modules = {"gateway.entry": entry, "runtimes.x.engine": engine}
+    edges = {"gateway.entry": {"runtimes.x.engine"}}
+    assert _torch_reached_from(("gateway",), modules, edges) == {
+        "runtimes.x.engine": ["gateway.entry", "runtimes.x.engine"]}

@@ -8,7 +8,6 @@ runs; nothing is validated a second time here.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any, Protocol
 import structlog
 from starlette.applications import Starlette
 
+from common.logs import configure_logging
 from registry.engine import EmbeddingEngineSpec, EngineSpec
 from registry.launch import ReplicaLaunch
 from runtimes.cuda_memory import limit_process_memory
@@ -54,22 +54,6 @@ def embedding_config(launch: ReplicaLaunch) -> EmbeddingConfig:
                                "batch_window_s": engine.batch_window_s, "max_batch_tokens": engine.max_batch_tokens,
                                "max_request_tokens": engine.max_request_tokens}
     return EmbeddingConfig(device=launch.device, **{k: v for k, v in options.items() if v is not None})
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    """JSON lines on stderr (a worker's stdout/stderr go to the pool's log file)."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=True,
-    )
 
 
 class _EngineLoop(Protocol):
