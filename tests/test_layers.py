@@ -114,12 +114,18 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
 
 
 def _imports_torch(path: Path) -> bool:
-    """Whether the module's source imports torch anywhere (inside functions too)."""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    """Whether the module's source imports torch anywhere (inside functions too), type-checking-only imports aside."""
+    pending: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+    while pending:
+        node = pending.pop()
         if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
             return True
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch":
             return True
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            pending.extend(node.orelse)  # annotations only: never imported at run time
+            continue
+        pending.extend(ast.iter_child_nodes(node))
     return False
 
 
@@ -141,26 +147,23 @@ def _torch_reached_from(packages: tuple[str, ...], modules: dict[str, Path],
     return found
 
 
-# The one way left from the gateway to torch: the planner reads a local model's shape with the runtime's own config
-# readers (runtimes/llm/config.py and loader.py import torch), when a registry names weights on this host.
-TORCH_ONLY_THROUGH = "partitioner.planning.shapes"
-
-
-def test_the_gateway_and_the_pool_import_torch_only_through_the_planners_shape_reading():
-    """The gateway process holds no engine: nothing it imports, now or inside a function, reaches torch but the
-    planner's shape reading (its log setup came from the replica's worker module, which imports the engine: ~2.0 s to
-    ready and ~250 MiB with an empty registry; ~0.7 s and ~70 MiB without)."""
+def test_the_gateway_and_the_pool_never_import_torch():
+    """The gateway process holds no engine: nothing it imports, now or inside a function, reaches torch. (Its log
+    setup came from the replica's worker module, and the planner read a local model's shape with the engine's config
+    and loader, both importing torch: ~2.0 s to ready and ~250 MiB with an empty registry; ~0.7 s and ~70 MiB
+    without.)"""
     modules = _modules()
-    paths = _torch_reached_from(("gateway", "model_pool"), modules, _imports(modules))
-    assert paths  # the shape reading still does
-    assert {module: path for module, path in paths.items() if TORCH_ONLY_THROUGH not in path} == {}
+    assert _torch_reached_from(("gateway", "model_pool"), modules, _imports(modules)) == {}
 
 
 def test_the_torch_check_sees_a_path_through_a_function_level_import(tmp_path):
     engine, entry = tmp_path / "engine.py", tmp_path / "entry.py"
-    engine.write_text("def load():\n    import torch.nn\n")
+    engine.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
+                      "def load():\n    import torch.nn\n")
     entry.write_text("def serve():\n    from runtimes.x import engine\n")
     modules = {"gateway.entry": entry, "runtimes.x.engine": engine}
     edges = {"gateway.entry": {"runtimes.x.engine"}}
     assert _torch_reached_from(("gateway",), modules, edges) == {
         "runtimes.x.engine": ["gateway.entry", "runtimes.x.engine"]}
+    engine.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n")
+    assert _torch_reached_from(("gateway",), modules, edges) == {}  # for annotations only

@@ -24,7 +24,7 @@ from registry.schema import ModelSpec, Registry
 from registry.sources import resolve_model_path
 
 if TYPE_CHECKING:
-    from runtimes.llm.config import ModelConfig
+    from runtimes.llm.model_config import ModelConfig
 
 # The LLM runtime holds weights in bf16 on a GPU (its dtype `auto`) and dequantizes GGUF blocks to it, so a
 # parameter costs 2 bytes there whatever the file's quantization. Its KV cache is in the weights' dtype.
@@ -96,7 +96,7 @@ def _estimate(path: str, fingerprint: _Fingerprint) -> ModelShape:
 
 def _gguf_file(path: Path) -> tuple[ModelConfig, int]:
     """The loader's config of a GGUF file and its parameter count, from the header alone."""
-    from runtimes.llm.loader import read_gguf
+    from runtimes.llm.model_config import read_gguf
 
     reader, config = read_gguf(path)
     return config, sum(math.prod(t.shape) for t in reader.tensors)
@@ -107,7 +107,7 @@ def _hf_directory(path: Path) -> tuple[ModelConfig, int]:
     A tied `lm_head.weight` is not counted: the loader skips it, the embedding serves for both."""
     from safetensors import safe_open
 
-    from runtimes.llm.config import ModelConfig
+    from runtimes.llm.model_config import ModelConfig
 
     config = ModelConfig.from_hf_dir(path)
     files = sorted(path.glob("*.safetensors"))

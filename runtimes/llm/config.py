@@ -1,12 +1,11 @@
-"""Model shape and engine limits. Both are immutable after construction; derived numbers live here as properties."""
+"""Engine limits (and, re-exported, the model shape of model_config.py). Immutable after construction; derived numbers
+live here as properties."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,91 +13,11 @@ import torch
 from policies.admission import AdmissionLimits
 from policies.classify import LaneThresholds
 from policies.multilevel import MultiLevelConfig
+from runtimes.llm.model_config import ModelConfig as ModelConfig  # re-exported: the runtime's one config import
+from runtimes.llm.model_config import RopeScaling as RopeScaling
 from runtimes.llm.quant.weights import FLOAT_WEIGHTS, WEIGHT_CHOICES
 
 KV_DTYPES = {**FLOAT_WEIGHTS, "fp8": torch.float8_e4m3fn}  # `kv_dtype` names besides auto
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling: `none`, `linear` or `llama3` (Llama 3.1's piecewise scaling)."""
-
-    kind: str = "none"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of a Llama-family decoder."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of one token across all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """From a Hugging Face `config.json` of a Llama-family model."""
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rs = cfg.get("rope_scaling") or {}
-        # transformers >= 5 folds rope_theta into rope_parameters
-        rp = cfg.get("rope_parameters") or {}
-        kind = rs.get("rope_type", rs.get("type", rp.get("rope_type", "default")))
-        src = rs or rp
-        scaling = RopeScaling(
-            kind={"default": "none"}.get(kind, kind),
-            factor=float(src.get("factor", 1.0)),
-            low_freq_factor=float(src.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(src.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(src.get("original_max_position_embeddings", 8192)),
-        )
-        if scaling.kind not in ("none", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0))),
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
-    @classmethod
-    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
-        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
 @dataclass(frozen=True)

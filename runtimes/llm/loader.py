@@ -22,9 +22,9 @@ import torch
 from tqdm import tqdm
 
 from registry.sources import resolve_model_path
-from runtimes.llm.config import ModelConfig, RopeScaling
-from runtimes.llm.gguf_file import GGUFFile
+from runtimes.llm.config import ModelConfig
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
+from runtimes.llm.model_config import read_gguf
 from runtimes.llm.quant.cpu import BlockWeight
 from runtimes.llm.quant.formats import BlockFormat
 from runtimes.llm.quant.weights import (
@@ -240,49 +240,6 @@ def _hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ----------------------------------------------------------------------------------------------- GGUF
-
-
-def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig]:
-    """A GGUF file (its metadata, and its memory-mapped tensors: no tensor data is read yet) and its model's
-    config."""
-    file = GGUFFile(path)
-    return file, gguf_model_config(file.metadata, has_output=any(t.name == "output.weight" for t in file.tensors))
-
-
-def gguf_model_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in ("llama",):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    num_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type not in ("none", "linear"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // num_heads)),
-        max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=RopeScaling(kind=scaling_type, factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0))),
-        tie_word_embeddings=not has_output,
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
 
 
 _GGUF_NAMES = {
