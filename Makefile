@@ -28,7 +28,7 @@ test: install lint
 
 lint: install
 	$(BIN)/ruff check .
-	$(BIN)/mypy common multiserve gateway policies registry model_pool partitioner bench runtimes
+	$(BIN)/mypy foundation multiserve gateway policies registry model_pool partitioner bench runtimes
 
 bench: install
 	$(BIN)/python -m bench.measure.llm_throughput

@@ -18,7 +18,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
-from common.logs import configure_logging
+from foundation.logs import configure_logging
 from gateway.app import GatewayState, build_gateway, gateway_config_problems, secret_env_names
 from gateway.httpclient import KeepAliveClient
 from gateway.metrics import GatewayMetrics

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A package may import its own modules and those of any package below it, never one above.
 LAYERS = (
-    "common",  # what every process shares, importing no engine (no torch): log setup
+    "foundation",  # what every process shares, importing no engine (no torch): log setup
     "policies",  # pure decisions: lanes, queues, admission, rate limits, routing
     "registry",  # the registry YAML: schema, validation, the store and its watcher
     "runtimes",  # the engines and a replica's HTTP server

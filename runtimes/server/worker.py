@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import structlog
 from starlette.applications import Starlette
 
-from common.logs import configure_logging
+from foundation.logs import configure_logging
 from registry.engine import EmbeddingEngineSpec, EngineSpec
 from registry.launch import ReplicaLaunch
 from runtimes.cuda_memory import limit_process_memory
