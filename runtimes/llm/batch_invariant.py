@@ -93,8 +93,7 @@ def apply(model: LlamaForCausalLM) -> None:
     if not attention <= {paged_attention_triton, paged_attention_triton_invariant}:
         raise ValueError("engine.deterministic needs attention_backend cpu or triton (or auto): the PyTorch "
                          "reference attention is not batch-invariant")
-    for layer in layers:
-        layer.self_attn.attention_fn = paged_attention_triton_invariant
+    model.set_attention(paged_attention_triton_invariant)
     for _, module in _projections(model):
         if isinstance(module, Linear):
             module.matmul = dense_matmul

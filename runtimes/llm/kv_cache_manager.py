@@ -75,8 +75,7 @@ class KVCacheManager:
         num_full = num_tokens // bs
         while len(hashes) < num_full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else hash(request.cache_namespace)
-            hashes.append(hash((parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))))
+            hashes.append(hash((self._parent_hash(request, i), tuple(request.token_ids[i * bs : (i + 1) * bs]))))
 
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Longest run of cached full blocks matching the request's prefix.

@@ -346,6 +346,11 @@ class LlamaForCausalLM(nn.Module):
         self.__dict__.pop("_decode_weights", None)
         return super()._apply(fn, recurse)
 
+    def set_attention(self, attention_fn: AttentionFn) -> None:
+        """Every layer's attention function (a backend, or its batch-invariant form)."""
+        for layer in cast(list[DecoderLayer], self.layers):
+            layer.self_attn.attention_fn = attention_fn
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, QuantEmbedding):  # a tied head kept in a block format

@@ -302,8 +302,7 @@ def check_deterministic(rep: Reporter, check: str, model: torch.nn.Module, confi
     if DEVICE == "cpu":
         from runtimes.llm.attention.triton_paged import paged_attention_triton
 
-        for layer in model.layers:
-            layer.self_attn.attention_fn = paged_attention_triton
+        model.set_attention(paged_attention_triton)
     kv_bytes = 2 * 4096 * config.kv_bytes_per_token(torch.bfloat16)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     seconds: dict[bool, float] = {}

@@ -80,9 +80,7 @@ class ReplayingGraph:
 def eager_and_graphed(loaded, **config: object) -> tuple[LLMEngine, LLMEngine]:
     """Two engines over `loaded` (its attention set to the CPU kernel's, which reads only device metadata): one
     stepping eagerly, one with decode graphs captured by `ReplayingGraph`."""
-    attention = select_attention("auto", torch.device("cpu"))
-    for layer in loaded.model.layers:
-        layer.self_attn.attention_fn = attention
+    loaded.model.set_attention(select_attention("auto", torch.device("cpu")))
     engine_config = EngineConfig(**config)  # type: ignore[arg-type]
     return LLMEngine(loaded, engine_config), LLMEngine(loaded, engine_config, new_graph=ReplayingGraph)
 

@@ -126,8 +126,7 @@ def test_the_invariant_attention_may_be_captured_in_a_decode_graph():
 
 def _tiny(attention_fn):
     loaded = loaded_tiny()
-    for layer in loaded.model.layers:
-        layer.self_attn.attention_fn = attention_fn
+    loaded.model.set_attention(attention_fn)
     return loaded
 
 

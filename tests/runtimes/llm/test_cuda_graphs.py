@@ -117,9 +117,7 @@ def test_batches_beyond_the_largest_bucket_run_eagerly(engines, monkeypatch):
 def test_padding_rows_write_only_the_pad_block(tiny_loaded):
     loaded = tiny_loaded(seed=3)
     config = EngineConfig(kv_cache_bytes=64 * 4 * KV_PER_TOKEN, block_size=4, max_num_seqs=8)
-    attention = select_attention("auto", torch.device("cpu"))
-    for layer in loaded.model.layers:
-        layer.self_attn.attention_fn = attention
+    loaded.model.set_attention(select_attention("auto", torch.device("cpu")))
     engine = LLMEngine(loaded, config, new_graph=ReplayingGraph)
     graphs = engine.runner.graphs
     assert graphs is not None
@@ -147,9 +145,7 @@ def test_the_cpu_kernel_is_captured_only_for_the_dtypes_it_computes(tiny_loaded)
     then attends to one token): a bf16 model is not captured; the same engine in fp32 is, also over an fp16 cache."""
     config = EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4)
     loaded = tiny_loaded(seed=3)
-    attention = select_attention("cpu", torch.device("cpu"))
-    for layer in loaded.model.layers:
-        layer.self_attn.attention_fn = attention
+    loaded.model.set_attention(select_attention("cpu", torch.device("cpu")))
     assert LLMEngine(loaded, config, new_graph=ReplayingGraph).runner.graphs is not None
     fp16_cache = EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4, kv_dtype="fp16")
     assert LLMEngine(loaded, fp16_cache, new_graph=ReplayingGraph).runner.graphs is not None
@@ -178,8 +174,7 @@ def test_triton_decode_attention_replays_token_identical(tiny_loaded):
     from runtimes.llm.attention.triton_paged import paged_attention_triton
 
     loaded = tiny_loaded(seed=4)
-    for layer in loaded.model.layers:
-        layer.self_attn.attention_fn = paged_attention_triton
+    loaded.model.set_attention(paged_attention_triton)
     config = EngineConfig(kv_cache_bytes=128 * 4 * KV_PER_TOKEN, block_size=4, max_num_seqs=3)
     eager, graphed = LLMEngine(loaded, config), LLMEngine(loaded, config, new_graph=ReplayingGraph)
     decode_steps = _count_decode_steps(graphed)
