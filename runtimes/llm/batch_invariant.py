@@ -104,11 +104,7 @@ def _projections(model: LlamaForCausalLM) -> list[tuple[str, nn.Module]]:
     """Every weight a step multiplies by: the layers' projections and the LM head (the embeddings when tied)."""
     out: list[tuple[str, nn.Module]] = []
     for i, layer in enumerate(_layers(model)):
-        attn, mlp = layer.self_attn, layer.mlp
-        projections: tuple[tuple[str, nn.Module], ...] = (
-            ("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
-            ("down_proj", mlp.down_proj))
-        out += [(f"layers.{i}.{name}", module) for name, module in projections]
+        out += [(f"layers.{i}.{name}", module) for name, module in layer.projections()]
     if model.lm_head is None:
         out.append(("embed_tokens (the tied LM head)", model.embed_tokens))
     else:

@@ -220,6 +220,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def projections(self) -> tuple[tuple[str, nn.Module], ...]:
+        """The weights a step multiplies by, by name, in `decode_layers`' order."""
+        attn, mlp = self.self_attn, self.mlp
+        return (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+                ("down_proj", mlp.down_proj))
+
     def forward(
         self,
         x: torch.Tensor,
@@ -328,15 +334,14 @@ class LlamaForCausalLM(nn.Module):
         kinds: list[int] = []
         for layer in cast(list[DecoderLayer], self.layers):
             norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for _, proj in layer.projections():
                 if isinstance(proj, QuantLinear) and proj.panels:
                     weights.append(proj.qweight)
                     packed.append(None)
                     kinds.append(proj.fmt.ggml_id)
-                elif type(proj) in (nn.Linear, Linear) and proj.weight.dtype == torch.float32:
+                elif isinstance(proj, Linear) and proj.weight.dtype == torch.float32:
                     weights.append(proj.weight)
-                    packed.append(getattr(proj, "packed", None))
+                    packed.append(proj.packed)
                     kinds.append(0)
                 else:
                     return None
