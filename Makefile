@@ -40,11 +40,14 @@ GPU_PYTHONS ?= 3.10 3.11 3.12 3.13 3.14
 GPU_ARCHS ?= x86_64 aarch64
 WHEELS_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
-gpu-wheels: tests/gpu/wheels/manifest.json
+FETCH_WHEELS = $(WHEELS_PYTHON) tests/gpu/fetch_wheels.py --dest tests/gpu/wheels --python-versions "$(GPU_PYTHONS)" \
+	--archs "$(GPU_ARCHS)"
 
-tests/gpu/wheels/manifest.json: tests/gpu/fetch_wheels.py pyproject.toml
-	$(WHEELS_PYTHON) tests/gpu/fetch_wheels.py --dest tests/gpu/wheels --python-versions "$(GPU_PYTHONS)" \
-		--archs "$(GPU_ARCHS)"
+gpu-wheels:  # always fetched: GPU_PYTHONS and GPU_ARCHS may differ from the last run
+	$(FETCH_WHEELS)
+
+tests/gpu/wheels/manifest.json: tests/gpu/fetch_wheels.py pyproject.toml  # what gpu-dryrun needs, once
+	$(FETCH_WHEELS)
 
 # tests/gpu/run.sh on CPU (GPU_CHECK_DEVICE=cpu: tiny shapes, Triton's interpreter) as on a bare GPU host: its
 # Python a venv made from this one holding only torch, triton, transformers, nvidia-ml-py and numpy, the other
@@ -56,23 +59,24 @@ GPU_HOST_PACKAGES ?= "$(TORCH_SPEC)" triton transformers nvidia-ml-py numpy
 GPU_DRYRUN_OUT ?= gpu-results/cpu-dryrun
 GPU_DRYRUN_SCALE ?= 2
 
-$(GPU_HOST)/.installed: Makefile
+$(GPU_HOST)/.installed:  # once; remove $(GPU_HOST) to rebuild it (e.g. after changing GPU_HOST_PACKAGES)
 	rm -rf $(GPU_HOST)
 	$(WHEELS_PYTHON) -m venv $(GPU_HOST)
 	echo '*' > $(GPU_HOST)/.gitignore
 	$(GPU_HOST)/bin/python -m pip install --quiet $(GPU_HOST_PACKAGES)
 	touch $@
 
-gpu-dryrun: gpu-wheels $(GPU_HOST)/.installed
+# run.sh's only pip call is already offline (--isolated --no-index, its config file /dev/null)
+gpu-dryrun: tests/gpu/wheels/manifest.json $(GPU_HOST)/.installed
 	@run='GPU_CHECK_DEVICE=cpu GPU_CHECK_CAP_SCALE=$(GPU_DRYRUN_SCALE) PYTHON=$(abspath $(GPU_HOST))/bin/python \
 		OUT=$(GPU_DRYRUN_OUT) tests/gpu/run.sh'; \
 	if unshare -n true 2>/dev/null && command -v ip >/dev/null; then \
-		echo "gpu-dryrun: no network (unshare -n)"; \
-		env -u PIP_FIND_LINKS PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null unshare -n sh -c "ip link set lo up && $$run"; \
+		echo "gpu-dryrun: no network (unshare -n)"; run="ip link set lo up && $$run"; isolate="unshare -n"; \
 	else \
-		echo "gpu-dryrun: unshare -n does not work here; the network stays, pip is pointed at nothing"; \
-		env -u PIP_FIND_LINKS PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null sh -c "$$run"; \
-	fi
+		echo "gpu-dryrun: unshare -n does not work here; the network stays (run.sh's pip is offline anyway)"; \
+		isolate=; \
+	fi; \
+	$$isolate sh -c "$$run"
 
 clean:
 	rm -rf $(VENV) .pytest_cache
