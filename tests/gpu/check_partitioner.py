@@ -36,6 +36,7 @@ from typing import Any
 
 from partitioner.devices.mps_probe import MPS_CONTROL
 from tests.gpu.common import Reporter, fmt, parse_args
+from tests.gpu.serving import tail
 
 CLI = [sys.executable, "-m", "multiserve", "partition"]
 MIB = 1 << 20
@@ -342,7 +343,7 @@ def check_mps() -> None:
             return
         if started.returncode != 0:
             report("mps_thread_shares", False, "the MPS daemon did not start", error=started.stderr,
-                   control_log=_tail(Path(log) / "control.log"))
+                   control_log=tail(Path(log) / "control.log", 2000))
             return
         try:
             seen_s = wait_until(lambda: pipe in _pipes(pipe), MPS_WAIT_S)
@@ -351,7 +352,7 @@ def check_mps() -> None:
         finally:
             quit_rc = sh([MPS_CONTROL], {"CUDA_MPS_PIPE_DIRECTORY": pipe}, stdin="quit\n").returncode
             gone_s = wait_until(lambda: pipe not in _pipes(pipe), MPS_WAIT_S)
-            control_log = _tail(Path(log) / "control.log")
+            control_log = tail(Path(log) / "control.log", 2000)
     # a pipe left after the daemon's process ended would make `partition status` report a daemon that is gone
     pids_after = list(status()["mps"]["control_pids"])
     _report_shares(alone, together, seen_s, quit_rc, gone_s, control_log, pids_after)
@@ -359,10 +360,6 @@ def check_mps() -> None:
 
 def _pipes(pipe: str) -> list[str]:
     return list(status({"CUDA_MPS_PIPE_DIRECTORY": pipe})["mps"]["pipe_directories"])
-
-
-def _tail(path: Path, chars: int = 2000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.is_file() else ""
 
 
 def _ratio(fast: float, slow: float) -> float:
