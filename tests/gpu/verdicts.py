@@ -92,14 +92,16 @@ def decode_attention_verdict(kv_read_gbs: float, copy_gbs: float, device: str) -
 
 def quant_limit_ms(weight_bytes: int, copy_gbs: float) -> float:
     """The longest a decode-size (M = 1) call may take: its weight read at QUANT_FLOOR of the copy bandwidth, plus
-    the launch."""
+    the launch; NaN without a measured bandwidth."""
+    if not (math.isfinite(copy_gbs) and copy_gbs > 0):
+        return math.nan
     return weight_bytes / (QUANT_FLOOR * copy_gbs * 1e9) * 1e3 + QUANT_LAUNCH_MS
 
 
 def quant_speed_verdict(ms: float, weight_bytes: int, copy_gbs: float, device: str) -> Verdict:
     if (cpu := _not_judged_on_cpu(device)) is not None:
         return cpu
-    limit = quant_limit_ms(weight_bytes, copy_gbs) if math.isfinite(copy_gbs) and copy_gbs > 0 else math.nan
+    limit = quant_limit_ms(weight_bytes, copy_gbs)
     ok = math.isfinite(ms) and ms <= limit  # False against a NaN limit
     return Verdict(ok, True, f"{ms:.4g} ms {'within' if ok else 'over'} limit {limit:.4g} ms")
 
