@@ -49,6 +49,17 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+# How NVML refuses a GPU-instance profile id this GPU does not have (NVML error class names)
+NO_SUCH_PROFILE = ("NVMLError_NotSupported", "NVMLError_InvalidArgument", "NVMLError_NotFound")
+
+
+def profile_name(raw: str | bytes) -> str:
+    """A GPU-instance profile's name as the shipped tables write it ("MIG 1g.18gb+me" -> "1g.18gb+me")."""
+    text = _text(raw)
+    match = _PROFILE_NAME.search(text)
+    return match.group(1) if match else text
+
+
 class NvmlBackend:
     """Reads GPUs through NVML. `nvml` replaces the `pynvml` module (tests); `mps_probe` the MPS scan."""
 
@@ -192,16 +203,15 @@ class NvmlBackend:
         for enum_id in range(nvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
             try:
                 info = nvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, enum_id)
-            except (nvml.NVMLError_NotSupported, nvml.NVMLError_InvalidArgument, nvml.NVMLError_NotFound):
+            except tuple(getattr(nvml, name) for name in NO_SUCH_PROFILE):
                 continue  # this GPU has no such profile
             except nvml.NVMLError_NoPermission:
                 return ()
             if info.instanceCount == 0:
                 continue
             starts, size = self._placements(handle, info.id, info.instanceCount)
-            match = _PROFILE_NAME.search(_text(info.name))
             profiles.append(MigProfile(
-                name=match.group(1) if match else _text(info.name), profile_id=int(info.id),
+                name=profile_name(info.name), profile_id=int(info.id),
                 slice_count=int(info.sliceCount), memory_slices=size, memory_bytes=int(info.memorySizeMB) * MIB,
                 sm_count=int(info.multiprocessorCount), max_instances=int(info.instanceCount), placements=starts))
         return tuple(profiles)

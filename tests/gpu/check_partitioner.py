@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.devices.mps_probe import MPS_CONTROL
+from partitioner.devices.nvml_backend import NO_SUCH_PROFILE, profile_name
 from tests.gpu.common import Reporter, fmt, parse_args
 from tests.gpu.serving import tail
 
@@ -42,7 +43,6 @@ CLI = [sys.executable, "-m", "multiserve", "partition"]
 MIB = 1 << 20
 GIB = 1 << 30
 MPS_WAIT_S = 10.0  # for our daemon's pipe to appear after `-d`, and to go after `quit` (its servers exit first)
-EXPECTED_REFUSALS = ("NVMLError_NotSupported", "NVMLError_InvalidArgument", "NVMLError_NotFound")
 # 70 % over 30 % of the SMs allows ~2.3x on a compute-bound matmul; ignored percentages would give ~1x
 MIN_RATIO_ALONE = 1.5
 MIN_RATIO_TOGETHER = 1.2
@@ -118,8 +118,7 @@ def probe_profiles(nvml: Any, handle: Any) -> tuple[dict[str, dict[str, int]], d
             refused[enum_id] = type(exc).__name__
             continue
         if info.instanceCount:
-            text = info.name.decode() if isinstance(info.name, bytes) else str(info.name)
-            answered[text.removeprefix("MIG ").strip()] = {
+            answered[profile_name(info.name)] = {
                 "profile_id": int(info.id), "slice_count": int(info.sliceCount),
                 "memory_bytes": int(info.memorySizeMB) * MIB, "sm_count": int(info.multiprocessorCount),
                 "max_instances": int(info.instanceCount)}
@@ -154,7 +153,7 @@ def _probe_profile_ids() -> dict[int, tuple[dict[str, dict[str, int]], dict[int,
 
 def _report_probe(index: int, probed: int, answered: dict[str, Any], refused: dict[int, str]) -> None:
     denied = sorted(i for i, kind in refused.items() if kind == "NVMLError_NoPermission")
-    bad = {i: kind for i, kind in refused.items() if kind not in EXPECTED_REFUSALS and i not in denied}
+    bad = {i: kind for i, kind in refused.items() if kind not in NO_SUCH_PROFILE and i not in denied}
     data: dict[str, Any] = {"gpu": index, "probed_ids": probed, "answered": sorted(answered), "refused": refused}
     if bad or not denied:
         report("mig_profile_id_probe", not bad,
