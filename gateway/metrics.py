@@ -98,8 +98,8 @@ class GatewayMetrics:
         self.registry.register(_PoolCollector(pool))
 
     def add_time_shares(self, source: SharesSource) -> None:
-        """Export the time-slice arbiters' shares (`ReplicaPlacer.shares`, partitioner/planning/placer.py) at each
-        scrape."""
+        """Export the time-slice arbiters' shares (`PlacementApplier.shares`, partitioner/applying/placements.py) at
+        each scrape."""
         self.registry.register(_TimeShareCollector(source))
 
     def render(self) -> bytes:

@@ -30,6 +30,7 @@ from model_pool.launcher import Launcher, LocalLauncher, UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
 from model_pool.ray_launcher import RayCluster, RayLauncher, ray_problems
 from model_pool.ray_plan import RayPlacer
+from partitioner.applying.placements import PlacementApplier
 from partitioner.planning.placer import ReplicaPlacer, arbiter_dir
 from registry.errors import Problem
 from registry.schema import GatewayConfig, ModelSpec, Registry, TrafficLogConfig
@@ -42,7 +43,7 @@ log = structlog.get_logger(__name__)
 
 def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
                proxy_settings: ProxySettings | None = None, log_dir: Path | None = None,
-               env: dict[str, str] | None = None, placer: ReplicaPlacer | None = None,
+               env: dict[str, str] | None = None, placer: PlacementApplier | None = None,
                ray_cluster: RayCluster | None = None, ray_placer: RayPlacer | None = None) -> GatewayState:
     """Everything the gateway needs, wired together (no I/O yet: `lifespan` starts it).
 
@@ -90,13 +91,14 @@ def _traffic_recorder(cfg: TrafficLogConfig) -> TrafficRecorder | None:
     return None if cfg.path is None else TrafficRecorder(cfg.path, cfg.max_bytes, cfg.backups)
 
 
-def default_placer(registry: Callable[[], Registry], env: dict[str, str]) -> ReplicaPlacer:
+def default_placer(registry: Callable[[], Registry], env: dict[str, str]) -> PlacementApplier:
     """Plans `registry()` onto this host's inventory (NVML, or the CPU), read on first use. A registry whose plan
     needs MIG devices or MPS daemons that do not exist is refused: `multiserve serve --apply-partition` (or
     `partition apply`) makes them first."""
     from partitioner.devices.read import load_host_inventory
 
-    return ReplicaPlacer(registry, lambda: load_host_inventory(None, env), arbiter_dir(env), require_applied=True)
+    return PlacementApplier(ReplicaPlacer(registry, lambda: load_host_inventory(None, env), arbiter_dir(env),
+                                          require_applied=True))
 
 
 def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
@@ -127,7 +129,7 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
                 task.cancel()
             await asyncio.gather(*tasks, *applying, return_exceptions=True)
             await state.pool.shutdown()
-            if isinstance(state.pool.placement_for, ReplicaPlacer):
+            if isinstance(state.pool.placement_for, PlacementApplier):
                 state.pool.placement_for.close()  # the replicas are gone: so are the arbiters they shared
             await state.forwarder.upstream.aclose()  # and with it the pool's httpx client
             log.info("gateway_stopped")

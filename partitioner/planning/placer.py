@@ -1,11 +1,14 @@
-"""The pool's side of the plan: each replica's placement, and the arbiters of time-shared devices.
+"""The pool's side of the plan: each replica's placement, and the arbiter a time-shared device needs. Decided here,
+started elsewhere.
 
-`ReplicaPlacer` is the `placement_for(spec, index)` hook of `model_pool.pool.ModelPool`: it plans the current
-registry onto the host's inventory (re-planning when the registry changes) and gives each replica its plan entry
-as a `registry.launch.ReplicaPlacement`: `CUDA_VISIBLE_DEVICES` and the MPS variables (the environment CUDA reads),
-a KV-cache byte budget, a memory fraction, and, when it time-shares its device, the socket of that device's
-arbiter and its weight. It travels to the worker inside the replica's launch. The arbiter services
-(`timeslice.service.ArbiterService`) run in the pool's process, one per shared device, started on first use.
+`ReplicaPlacer.place(spec, index)` plans the current registry onto the host's inventory (re-planning when the
+registry changes) and gives a replica its plan entry as a `registry.launch.ReplicaPlacement`:
+`CUDA_VISIBLE_DEVICES` and the MPS variables (the environment CUDA reads), a KV-cache byte budget, a memory
+fraction, and, when it time-shares its device, the socket of that device's arbiter and its weight; with it, as
+plain data, the arbiter that must be running before the replica starts (`ArbiterStart`). It travels to the worker
+inside the replica's launch. Nothing here opens a socket or starts a thread: `applying.placements.PlacementApplier`
+(the pool's `placement_for`) starts the arbiter services (`timeslice.service.ArbiterService`) in the pool's
+process, one per shared device, on first use.
 
 A device gets an arbiter only when at least two replicas on it are time-sliced and their models set
 `placement:` in the registry; a replica alone on its device, or one whose model says nothing about placement,
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -26,8 +30,6 @@ from partitioner.planning.placement import PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
 from partitioner.planning.shapes import plan_shapes
-from partitioner.timeslice.arbiter import ClientShare
-from partitioner.timeslice.service import ArbiterService
 from registry.errors import Problem
 from registry.launch import ReplicaPlacement
 from registry.schema import ModelSpec, Registry
@@ -44,10 +46,28 @@ def arbiter_dir(env: Mapping[str, str]) -> Path:
     return Path(env.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR).resolve() / "arbiter"
 
 
+@dataclass(frozen=True)
+class ArbiterStart:
+    """An arbiter to have running before a replica launches: the one of time-shared `device_key`, at `socket_path`
+    (the socket its replicas' placements name)."""
+
+    device_key: str
+    socket_path: Path
+
+
+@dataclass(frozen=True)
+class PlacedReplica:
+    """A replica's placement, and the arbiter it takes leases from (None: it steps without one)."""
+
+    placement: ReplicaPlacement
+    arbiter: ArbiterStart | None = None
+
+
 class ReplicaPlacer:
-    """`placement_for` for the pool. `registry()` is the registry now; `read_inventory()` is called once, on first
-    use. `shapes` are the models' given shapes; on a host with GPUs, a model with neither a shape nor
-    `placement.memory_gib` gets one estimated from its weights' metadata (`shapes.plan_shapes`)."""
+    """Each replica's placement (`place`), and what keeps a registry from being placed (`problems`). `registry()` is
+    the registry now; `read_inventory()` is called once, on first use. `shapes` are the models' given shapes; on a
+    host with GPUs, a model with neither a shape nor `placement.memory_gib` gets one estimated from its weights'
+    metadata (`shapes.plan_shapes`). `socket_dir` is where the arbiters' sockets are to be."""
 
     def __init__(self, registry: Callable[[], Registry], read_inventory: Callable[[], Inventory], socket_dir: Path,
                  options: PlanOptions | None = None, shapes: Mapping[str, ModelShape] | None = None,
@@ -60,25 +80,36 @@ class ReplicaPlacer:
         self._options = options or PlanOptions()
         self._shapes = dict(shapes or {})
         self._planned: tuple[Registry, Plan | InfeasiblePlan] | None = None
-        self._services: dict[str, ArbiterService] = {}
-        self._lock = threading.Lock()  # scrapes read the services from other threads
         self._plan_lock = threading.Lock()
 
-    def __call__(self, spec: ModelSpec, index: int) -> ReplicaPlacement:
+    def place(self, spec: ModelSpec, index: int) -> PlacedReplica:
+        """Replica `index` of `spec`: its plan entry, and the arbiter to start first when it time-shares its device.
+        No plan (infeasible), or a replica not in it (a url replica, a model the plan has not seen): an empty
+        placement, as without a partitioner. Raises ValueError when the arbiter's socket path would be too long."""
         registry = self._registry()
         current = self.plan_for(registry)
         if current is None:
-            return ReplicaPlacement()
+            return PlacedReplica(ReplicaPlacement())
         try:
             replica = current.replica(f"{spec.name}/{index}")
-        except KeyError:  # not ours to place (a url replica, or a model the plan has not seen)
-            return ReplicaPlacement()
-        shared = needs_arbiter(current, replica, registry)
-        return ReplicaPlacement(
+        except KeyError:
+            return PlacedReplica(ReplicaPlacement())
+        arbiter = self.arbiter_for(replica.device_key) if needs_arbiter(current, replica, registry) else None
+        return PlacedReplica(ReplicaPlacement(
             env=dict(replica.env), kv_cache_bytes=replica.kv_cache_bytes,
             memory_fraction=None if replica.device_key == "cpu" else replica.memory_fraction,
-            arbiter_socket=str(self._service(replica.device_key).socket_path) if shared else None,
-            arbiter_client=replica.replica_id if shared else None, arbiter_weight=replica.weight if shared else 1.0)
+            arbiter_socket=str(arbiter.socket_path) if arbiter else None,
+            arbiter_client=replica.replica_id if arbiter else None,
+            arbiter_weight=replica.weight if arbiter else 1.0), arbiter)
+
+    def arbiter_for(self, device_key: str) -> ArbiterStart:
+        """The arbiter of `device_key`: its socket in `socket_dir`. Raises ValueError when that path is longer than a
+        Unix socket's address holds."""
+        path = self.socket_dir / f"{device_key}.sock"
+        if len(str(path)) > _MAX_SOCKET_PATH:
+            raise ValueError(f"arbiter socket path {path} is longer than {_MAX_SOCKET_PATH} characters: "
+                             f"set {RUN_DIR_ENV} to a shorter directory")
+        return ArbiterStart(device_key, path)
 
     def plan_for(self, registry: Registry) -> Plan | None:
         """The plan of `registry` (cached until the registry changes); None, logged, when it is infeasible: the
@@ -129,29 +160,6 @@ class ReplicaPlacer:
         for model, reason in unknown.items():
             log.warning("model_shape_unknown", model=model, reason=reason)
         return shapes
-
-    def _service(self, device_key: str) -> ArbiterService:
-        with self._lock:
-            service = self._services.get(device_key)
-            if service is None:
-                path = self.socket_dir / f"{device_key}.sock"
-                if len(str(path)) > _MAX_SOCKET_PATH:
-                    raise ValueError(f"arbiter socket path {path} is longer than {_MAX_SOCKET_PATH} characters: "
-                                     f"set {RUN_DIR_ENV} to a shorter directory")
-                service = self._services[device_key] = ArbiterService(path, device_key).start()
-            return service
-
-    def shares(self) -> dict[str, list[ClientShare]]:
-        """Each arbitrated device's clients and what they got."""
-        with self._lock:
-            services = dict(self._services)
-        return {key: service.shares() for key, service in sorted(services.items())}
-
-    def close(self) -> None:
-        with self._lock:
-            services, self._services = list(self._services.values()), {}
-        for service in services:
-            service.close()
 
 
 def needs_arbiter(current: Plan, replica: ReplicaPlan, registry: Registry) -> bool:

@@ -5,8 +5,9 @@ weights, before a replica runs out of memory.
 The planner takes shapes as inputs and never opens a model (demand.py). Serving does, here, and reads metadata
 only: a GGUF file's header (gguf's reader maps the file; the parameter count comes from the tensors' shapes, no
 tensor data is touched) or a Hugging Face directory's config.json and safetensors headers. The numbers are the
-runtime's own: the same config readers as its loader (runtimes/llm), the same source resolution as its workers
-(registry/sources.py), so the estimate describes the model a replica will load.
+runtime's own: the config readers its loader uses, from `runtimes/llm/model_config.py`, which imports no torch (so
+planning never loads the engine), and the same source resolution as its workers (registry/sources.py), so the
+estimate describes the model a replica will load.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _estimate(path: str, fingerprint: _Fingerprint) -> ModelShape:
 
 
 def _gguf_file(path: Path) -> tuple[ModelConfig, int]:
-    """The loader's config of a GGUF file and its parameter count, from the header alone."""
+    """The runtime's config of a GGUF file and its parameter count, from the header alone."""
     from runtimes.llm.model_config import read_gguf
 
     reader, config = read_gguf(path)
@@ -103,7 +104,7 @@ def _gguf_file(path: Path) -> tuple[ModelConfig, int]:
 
 
 def _hf_directory(path: Path) -> tuple[ModelConfig, int]:
-    """The loader's config of a Hugging Face directory and the parameters it loads, from the safetensors headers.
+    """The runtime's config of a Hugging Face directory and the parameters it loads, from the safetensors headers.
     A tied `lm_head.weight` is not counted: the loader skips it, the embedding serves for both."""
     from safetensors import safe_open
 

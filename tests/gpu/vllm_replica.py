@@ -123,11 +123,7 @@ def planned_command(registry_path: Path, inventory: Inventory, port: int,
     registry = parse_registry(registry_path.read_text(), registry_path)
     spec = registry.resolve(MODEL_NAME)
     assert spec is not None
-    placer = ReplicaPlacer(lambda: registry, lambda: inventory, socket_dir)
-    try:
-        placement = placer(spec, 0)
-    finally:
-        placer.close()
+    placement = ReplicaPlacer(lambda: registry, lambda: inventory, socket_dir).place(spec, 0).placement
     return CommandLauncher().command(replica_launch(spec, 0, placement), port), placement
 
 

@@ -43,12 +43,9 @@ def placed_engine(tmp_path, model: dict) -> tuple[LLMEngine, object, object]:
     the CPU), with the plan's entry for it."""
     registry = Registry.model_validate({"models": [{"name": "m", "type": "chat", "device": "cuda", **model}]})
     placer = ReplicaPlacer(lambda: registry, lambda: gpus("h100-80gb"), tmp_path)
-    try:
-        plan = placer.plan_for(registry)
-        assert plan is not None
-        launch = replica_launch(registry.models[0], 0, placer(registry.models[0], 0))
-    finally:
-        placer.close()
+    plan = placer.plan_for(registry)
+    assert plan is not None
+    launch = replica_launch(registry.models[0], 0, placer.place(registry.models[0], 0).placement)
     config = dataclasses.replace(engine_config(launch), device="cpu")
     loaded = load_model(launch.source, torch.device("cpu"), BF16, select_attention("auto", torch.device("cpu")),
                         progress=False)

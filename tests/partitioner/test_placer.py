@@ -1,6 +1,7 @@
 """The pool's plan entries: env per replica from the registry + inventory, an arbiter only where replicas of
 models with a `placement:` time-share a device, re-planning on registry edits, the worker's reading of its env,
-and a real `multiserve worker` process taking leases from the pool's arbiter."""
+and a real `multiserve worker` process taking leases from the pool's arbiter. The placer decides (plain data, it
+starts nothing); the applier, the pool's hook, starts the arbiters its placements name."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import yaml
 
 from gateway.server import make_state
 from model_pool.launcher import free_port
+from partitioner.applying.placements import PlacementApplier
 from partitioner.devices.inventory import Inventory
 from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, ModelShape
-from partitioner.planning.placer import ReplicaPlacer, needs_arbiter
+from partitioner.planning.placer import ArbiterStart, PlacedReplica, ReplicaPlacer, needs_arbiter
 from partitioner.timeslice.service import ArbiterService
 from registry.launch import ReplicaLaunch, ReplicaPlacement
 from registry.schema import Registry
@@ -43,6 +45,12 @@ def placer(tmp_path):
     current = {"registry": registry(**SHARED)}
     made = ReplicaPlacer(lambda: current["registry"], lambda: CPU, tmp_path / "arbiter")
     made.current = current  # type: ignore[attr-defined]  # tests swap the registry through it
+    return made
+
+
+@pytest.fixture
+def applier(placer):
+    made = PlacementApplier(placer)
     yield made
     made.close()
 
@@ -52,39 +60,68 @@ def spec(placer: ReplicaPlacer, name: str):
 
 
 def test_time_shared_cpu_replicas_get_one_arbiter_and_their_weights(placer, tmp_path):
-    chat, helper = placer(spec(placer, "chat"), 0), placer(spec(placer, "helper"), 0)
-    socket_path = str(tmp_path / "arbiter" / "cpu.sock")
-    assert chat == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""}, arbiter_socket=socket_path,
-                                    arbiter_weight=3.0, arbiter_client="chat/0")
-    assert helper.arbiter_weight == 1.0 and helper.arbiter_socket == socket_path
+    """Decided as plain data: the placements, and the arbiter to start first; nothing is started by deciding."""
+    chat, helper = placer.place(spec(placer, "chat"), 0), placer.place(spec(placer, "helper"), 0)
+    socket_path = tmp_path / "arbiter" / "cpu.sock"
+    arbiter = ArbiterStart("cpu", socket_path)
+    assert chat == PlacedReplica(ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""}, arbiter_socket=str(socket_path),
+                                                  arbiter_weight=3.0, arbiter_client="chat/0"), arbiter)
+    assert helper.placement.arbiter_weight == 1.0 and helper.placement.arbiter_socket == str(socket_path)
+    assert helper.arbiter == arbiter
     # a model that says nothing about placement steps without a gate, even on the shared CPU
-    assert placer(spec(placer, "plain"), 0) == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""})
-    assert list(placer.shares()) == ["cpu"] and placer.shares()["cpu"] == []
+    assert placer.place(spec(placer, "plain"), 0) == PlacedReplica(ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""}))
+    assert not socket_path.parent.exists()  # no socket, no thread: the applier starts the arbiter
 
 
-def test_one_replica_alone_needs_no_arbiter_and_edits_re_plan(placer):
+def test_the_applier_starts_one_arbiter_per_shared_device_as_placements_name_it(placer, applier, tmp_path):
+    socket_path = tmp_path / "arbiter" / "cpu.sock"
+    assert applier(spec(placer, "plain"), 0) == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""})
+    assert applier.shares() == {} and not socket_path.exists()  # no placement named an arbiter yet
+    chat, helper = applier(spec(placer, "chat"), 0), applier(spec(placer, "helper"), 0)
+    assert chat == placer.place(spec(placer, "chat"), 0).placement  # what the placer decided, handed on
+    assert helper == placer.place(spec(placer, "helper"), 0).placement
+    assert socket_path.is_socket()
+    assert list(applier.shares()) == ["cpu"] and applier.shares()["cpu"] == []
+    applier.close()
+    assert applier.shares() == {}
+
+
+def test_one_replica_alone_needs_no_arbiter_and_edits_re_plan(placer, applier):
     placer.current["registry"] = registry(chat=SHARED["chat"])
-    assert placer(spec(placer, "chat"), 0) == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""})
+    assert applier(spec(placer, "chat"), 0) == ReplicaPlacement(env={"CUDA_VISIBLE_DEVICES": ""})
+    assert placer.place(spec(placer, "chat"), 0).arbiter is None and applier.shares() == {}
     placer.current["registry"] = registry(chat={**SHARED["chat"], "replicas": 2})
-    assert placer(spec(placer, "chat"), 1).arbiter_client == "chat/1"  # two replicas share it now
-    assert placer(spec(placer, "chat"), 5) == ReplicaPlacement()  # not in the plan
+    assert applier(spec(placer, "chat"), 1).arbiter_client == "chat/1"  # two replicas share it now
+    assert list(applier.shares()) == ["cpu"]
+    assert applier(spec(placer, "chat"), 5) == ReplicaPlacement()  # not in the plan
+    assert placer.place(spec(placer, "chat"), 5) == PlacedReplica(ReplicaPlacement())
+
+
+def test_a_socket_path_too_long_for_unix_is_refused_before_anything_starts(tmp_path):
+    reg = registry(**SHARED)
+    deep = tmp_path / ("d" * 120)
+    made = ReplicaPlacer(lambda: reg, lambda: CPU, deep)
+    with pytest.raises(ValueError, match="MULTISERVE_RUN_DIR"):
+        made.place(reg.resolve("chat"), 0)
+    assert made.place(reg.resolve("plain"), 0).arbiter is None  # no arbiter: no socket to place
 
 
 def test_gpu_plan_entries_carry_memory_fraction_and_kv_budget(tmp_path):
     reg = registry(big={"device": "cuda", "placement": {"isolation": "timeslice", "memory_gib": 20}})
     shapes = {"big": ModelShape(num_layers=16, num_kv_heads=8, head_dim=64, weights_bytes=4 << 30)}
     made = ReplicaPlacer(lambda: reg, lambda: gpus("h100-80gb"), tmp_path, shapes=shapes)
-    placement = made(reg.resolve("big"), 0)
+    placed = made.place(reg.resolve("big"), 0)
+    placement = placed.placement
     assert placement.env["CUDA_VISIBLE_DEVICES"].startswith("GPU-")
     assert placement.memory_fraction == pytest.approx(20 / 79.6, rel=0.01)
     assert placement.kv_cache_bytes == (20 << 30) - (4 << 30) - DEFAULT_OVERHEAD_BYTES
-    assert placement.arbiter_socket is None
+    assert placement.arbiter_socket is None and placed.arbiter is None
 
 
 def test_an_infeasible_plan_launches_replicas_unpartitioned(tmp_path):
     reg = registry(big={"device": "cuda"})  # no GPU here, and the model insists on one
     made = ReplicaPlacer(lambda: reg, lambda: CPU, tmp_path)
-    assert made(reg.resolve("big"), 0) == ReplicaPlacement() and made.plan_for(reg) is None
+    assert made.place(reg.resolve("big"), 0) == PlacedReplica(ReplicaPlacement()) and made.plan_for(reg) is None
 
 
 def test_problems_name_what_does_not_fit_and_serve_refuses_such_a_registry(tmp_path):
@@ -139,7 +176,7 @@ def test_make_state_plans_replicas_and_exports_shares(tmp_path):
         {"name": n, "type": "chat", "source": {"path": f"/m/{n}.gguf"}, **f} for n, f in SHARED.items()]}))
     state = make_state(RegistryStore(path), env={"MULTISERVE_RUN_DIR": str(tmp_path / "run")})
     placer = state.pool.placement_for
-    assert isinstance(placer, ReplicaPlacer)
+    assert isinstance(placer, PlacementApplier)
     try:
         placement = placer(state.store.registry.resolve("chat"), 0)
         assert placement.arbiter_socket == str(tmp_path / "run" / "arbiter" / "cpu.sock")
