@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: install
-	$(BIN)/multiserve serve --config multiserve/configs/default.yaml --host 127.0.0.1 --port 8000
+	$(BIN)/multiserve serve --config configs/default.yaml --host 127.0.0.1 --port 8000
 
 test: install lint
 	$(BIN)/python -m pytest --hypothesis-profile=ci

@@ -4,7 +4,7 @@
     multiserve bench --url ... --model ... --workload sweep --concurrency 1 4 16 --slo-ttft 500 --slo-tpot 100
     multiserve bench compare            # the latest run against earlier runs of the same configuration
     multiserve bench plot --out plots/  # latency CDFs and throughput/goodput vs load of the latest invocation
-    multiserve profile --traffic .multiserve/traffic.jsonl --shapes partitioner/model_shapes.json --model smollm2-...
+    multiserve profile --traffic .multiserve/traffic.jsonl --shapes configs/model_shapes.json --model smollm2-...
     multiserve plan-capacity --model M --profile .multiserve/traffic.jsonl --slo-tpot 100 --slo-ttft 1000
 """
 

@@ -9,7 +9,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"  # package data: ships with a wheel
+from foundation import config_files
+
+DEFAULT_CONFIG = config_files.config_path("default.yaml")
 
 
 def resolve_model_source(model: str, config_path: Path = DEFAULT_CONFIG) -> str:

@@ -16,8 +16,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from foundation.config_files import shown_path
 from partitioner.applying.applied_state import DEFAULT_STATE_FILE, AppliedStateFile
 from partitioner.devices.backend import DeviceError
+from partitioner.devices.catalog import INVENTORY_DIR
 from partitioner.devices.inventory import Inventory, InventoryFileError, inventory_to_dict
 from partitioner.devices.read import load_host_inventory
 from partitioner.planning.plan import InfeasiblePlan, Plan
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
     _PlanInputs = tuple[Registry, dict[str, ModelShape], Inventory, PlanOptions]
 
-INVENTORIES = "partitioner/inventories"  # as a path in the source tree, for the hints printed to operators
+INVENTORIES = shown_path(INVENTORY_DIR)  # as an operator would type it, for the hints printed to them
 
 
 def add_partition_parser(sub: argparse._SubParsersAction, default_config: Path) -> argparse._SubParsersAction:

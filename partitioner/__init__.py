@@ -1,7 +1,7 @@
 """How co-located replicas share a device, in four stages.
 
 - `devices/`: `read.read_inventory(backend)` -> `inventory.Inventory` (through `nvml_backend.NvmlBackend`, the only
-  code importing `pynvml`, or `fake_backend.FakeBackend` over a `partitioner/inventories/*.json` file; no NVML -> a
+  code importing `pynvml`, or `fake_backend.FakeBackend` over a `configs/inventories/*.json` file; no NVML -> a
   CPU inventory); `read.load_host_inventory` picks the backend.
 - `planning/`: `demand.replica_demands(registry, shapes)` -> `ReplicaDemand`s (memory = weights + KV budget +
   overhead); `planner.plan(inventory, demands, PlanOptions(...))` -> `plan.Plan`, or raises `plan.InfeasiblePlan`;

@@ -1,5 +1,5 @@
 """The simulator's best plan against static MIG partitioning as the load grows and as arrivals get burstier: the
-documented three-model H200 example (partitioner/examples/h200-three-models/) with every model's request rate
+documented three-model H200 example (configs/examples/h200-three-models/) with every model's request rate
 multiplied by each `--scales` factor, and its arrival gaps' coefficient of variation set to each `--cvs` value (1:
 Poisson; larger: bursty, as vLLM's `--burstiness` = 1/cv²). Everything else (lengths, SLOs, shapes, inventory) is the
 example's. Pure simulation: it runs on any machine in about a minute.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from foundation.config_files import config_path
 from partitioner.devices.inventory import Inventory
 from partitioner.devices.read import load_host_inventory
 from partitioner.planning.demand import ReplicaDemand, load_shapes, replica_demands
@@ -27,9 +28,8 @@ from partitioner.simulate.simulator import SimModel
 from partitioner.simulate.traffic import Traffic, load_traffic
 from registry.store import load_registry
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "partitioner" / "examples" / "h200-three-models"
-INVENTORY = ROOT / "partitioner" / "inventories" / "h200-141gb.json"
+EXAMPLE = config_path("examples", "h200-three-models")
+INVENTORY = config_path("inventories", "h200-141gb.json")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The MIG profile tables shipped in `partitioner/inventories/`, looked up by GPU name.
+"""The MIG profile tables shipped in `configs/inventories/`, looked up by GPU name.
 
 NVML lists a GPU's MIG profiles only while MIG mode is on; to plan MIG for a GPU whose MIG mode is still off, the
 planner uses the shipped table for the same product (same NVML name, same memory size within 2 %).
@@ -9,9 +9,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from foundation.config_files import config_path, shown_path
 from partitioner.devices.inventory import GpuDevice, Inventory, MigProfile, load_inventory
 
-INVENTORY_DIR = Path(__file__).resolve().parents[1] / "inventories"  # package data: ships with a wheel
+INVENTORY_DIR = config_path("inventories")
 
 
 @functools.cache
@@ -26,5 +27,5 @@ def known_mig_profiles(gpu: GpuDevice, directory: Path = INVENTORY_DIR) -> tuple
         for known in inventory.devices:
             same_size = abs(known.memory_total_bytes - gpu.memory_total_bytes) <= 0.02 * known.memory_total_bytes
             if known.name.lower() == gpu.name.lower() and same_size and known.mig_profiles:
-                return known.mig_profiles, f"partitioner/inventories/{file_name}"
+                return known.mig_profiles, shown_path(directory / file_name)
     return (), ""

@@ -1,5 +1,5 @@
 """Reading a host's devices: through a `DeviceBackend` (NVML, or a fake over an inventory file), with the MIG
-tables shipped in partitioner/inventories/ filling in what NVML does not list; no NVML means a CPU inventory."""
+tables shipped in configs/inventories/ filling in what NVML does not list; no NVML means a CPU inventory."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def read_inventory(backend: DeviceBackend, known_profiles: ProfileLookup | None 
     """Read every GPU through `backend`. Without NVML (no driver, no library) the result is a CPU inventory.
 
     NVML lists MIG profiles only while MIG mode is on; `known_profiles` (default: the tables shipped in
-    `partitioner/inventories/`) fills them in for a MIG-capable GPU that reports none, so MIG can still be planned.
+    `configs/inventories/`) fills them in for a MIG-capable GPU that reports none, so MIG can still be planned.
     """
     try:
         backend.open()

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from foundation.config_files import config_path
 from partitioner.planning.plan import InfeasiblePlan
 from registry.engine import EngineSpec
 from registry.fields import GIB, MIB, Device, Isolation
@@ -152,7 +153,7 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-SHIPPED_SHAPES = Path(__file__).resolve().parents[1] / "model_shapes.json"  # package data: the known models' shapes
+SHIPPED_SHAPES = config_path("model_shapes.json")  # the known models' shapes
 
 
 def load_shapes(path: str | Path) -> dict[str, ModelShape]:

@@ -38,7 +38,7 @@ class DeviceSpeed:
 
 
 _DATASHEET = "NVIDIA product datasheet (SXM; dense BF16 Tensor Core, i.e. half the sparse figure)"
-# By NVML name, as the shipped inventories (partitioner/inventories/) spell them.
+# By NVML name, as the shipped inventories (configs/inventories/) spell them.
 GPU_SPEEDS = {speed.name: speed for speed in (
     DeviceSpeed("NVIDIA H200", 4.8e12, 989e12, _DATASHEET),
     DeviceSpeed("NVIDIA H100 80GB HBM3", 3.35e12, 989e12, _DATASHEET),

@@ -4,7 +4,7 @@ lines in `$OUT/partitioner.jsonl`, exit 1 if any failed.
 1. NVML inventory (`partition status --json`) against `nvidia-smi`: name, UUID, memory, MIG mode, processes.
 2. Every GPU-instance profile id probed through NVML: NotSupported / InvalidArgument / NotFound may refuse one;
    NoPermission (a container) makes it a SKIP that says so; any other error fails. The MIG profiles against the
-   shipped table for this GPU (partitioner/inventories/*.json): with MIG on, as the partitioner reads them; with
+   shipped table for this GPU (configs/inventories/*.json): with MIG on, as the partitioner reads them; with
    MIG off, as NVML answers the probe, or a SKIP when it answers none (what drivers do while MIG is off).
 3. `partition plan` and `partition apply --dry-run` of a registry made for the first GPU as found (MIG on: a mig
    replica; MIG off and idle: mig replicas, which the dry run falls back to MPS for; otherwise MPS replicas), and
@@ -176,7 +176,7 @@ def _check_table(gpu: Any, answered: dict[str, dict[str, int]], refused: dict[in
         return
     shipped, where = known_mig_profiles(gpu)
     if not shipped:
-        REP.skip("mig_profiles", f"gpu={gpu.index}: no table in partitioner/inventories/ is for {gpu.name} with "
+        REP.skip("mig_profiles", f"gpu={gpu.index}: no table in configs/inventories/ is for {gpu.name} with "
                                  f"{gpu.memory_total_bytes / GIB:.1f} GiB: nothing to compare", gpu=gpu.index,
                  nvml_answered=answered)
         return

@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from foundation.config_files import config_path
 from model_pool.launcher import free_port
 from partitioner.devices.inventory import Inventory
 from partitioner.devices.read import load_host_inventory
 from tests.gpu.common import Reporter, fmt, parse_args, timed
 from tests.gpu.serving import (
-    ROOT,
     cmdline,
     descendants,
     gpu_memory_used_mib,
@@ -72,7 +72,7 @@ EXTRA_ARGS = tuple(shlex.split(os.environ.get("GPU_CHECK_VLLM_ARGS", "")))
 MAX_TOKENS = 8
 GIB = 1 << 30
 REPLICA_LOG = LOGS / "replicas" / f"{MODEL_NAME}-0.log"  # the pool's log of the command replica's output
-H200 = ROOT / "partitioner" / "inventories" / "h200-141gb.json"
+H200 = config_path("inventories", "h200-141gb.json")
 UUID_HINT = ("this vLLM reads CUDA_VISIBLE_DEVICES as integers, and the plan gives a GPU's UUID: a vLLM that "
              "resolves UUIDs is needed")
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import partitioner.devices.nvml_backend as nvml_backend
+from foundation.config_files import config_path
 from partitioner.devices.inventory import DeviceProcess, GpuDevice, load_inventory, save_inventory
 from partitioner.devices.mps_probe import MPS_CONTROL
 from tests.gpu import check_partitioner as cp
@@ -26,7 +27,7 @@ from tests.gpu.common import Reporter
 from tests.partitioner import fake_nvml
 
 ROOT = Path(__file__).resolve().parents[2]
-H200 = ROOT / "partitioner" / "inventories" / "h200-141gb.json"
+H200 = config_path("inventories", "h200-141gb.json")
 GIB = 1 << 30
 SHARES_APPLIED = {30: 100.0, 70: 230.0}  # TFLOP/s: what 30 % and 70 % of the SMs give a compute-bound matmul
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from foundation.config_files import config_path
 from partitioner.devices.read import load_host_inventory
 from tests.gpu.serving import descendants, group_members
 from tests.gpu.vllm_replica import (
@@ -28,7 +29,7 @@ from tests.gpu.vllm_replica import (
     write_launcher,
 )
 
-H200 = Path(__file__).resolve().parents[2] / "partitioner" / "inventories" / "h200-141gb.json"
+H200 = config_path("inventories", "h200-141gb.json")
 H200_BYTES = 150754820096  # memory_total_bytes in that file
 PORT = 8123
 

@@ -52,7 +52,7 @@ def test_status_says_plainly_that_there_is_no_nvml(capsys):
     code, out, _ = run(capsys, "status")
     assert code == 0
     assert "inventory: cpu" in out and "CPU inventory" in out and "no NVML" in out
-    assert "--inventory partitioner/inventories/<gpu>.json" in out and "MPS control daemon: not running" in out
+    assert "--inventory configs/inventories/<gpu>.json" in out and "MPS control daemon: not running" in out
 
 
 def test_status_of_a_fake_inventory(capsys):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+from foundation.config_files import config_path
 from multiserve.cli import main
 from tests.partitioner.conftest import INVENTORIES
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "partitioner" / "examples" / "h200-three-models"
+EXAMPLE = config_path("examples", "h200-three-models")
 ARGV = ["--config", str(EXAMPLE / "registry.yaml"), "--inventory", str(INVENTORIES / "h200-141gb.json"),
         "--shapes", str(EXAMPLE / "shapes.json"), "--traffic", str(EXAMPLE / "traffic.yaml"), "--duration-s", "5",
         "--drain-s", "5"]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
+from foundation.config_files import config_path
 from partitioner.devices.inventory import DeviceProcess, Inventory, load_inventory
 from partitioner.planning.demand import ReplicaDemand
 from registry.fields import GIB
 
-INVENTORIES = Path(__file__).resolve().parents[2] / "partitioner" / "inventories"
+INVENTORIES = config_path("inventories")
 GPU_FILES = ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb")
 
 

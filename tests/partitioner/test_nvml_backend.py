@@ -83,7 +83,7 @@ def test_profiles_nvml_will_not_describe_come_from_the_shipped_table():
     inventory = read_inventory(NvmlBackend(nvml=nvml))
     read = inventory.devices[0]
     assert read.mig_mode is True and {p.name for p in read.mig_profiles} >= {"1g.10gb", "7g.80gb"}
-    assert "partitioner/inventories/h100-80gb.json" in inventory.note
+    assert "configs/inventories/h100-80gb.json" in inventory.note
 
 
 def test_profile_variants_keep_their_whole_names():
@@ -106,7 +106,7 @@ def test_mig_off_gpu_gets_the_shipped_profile_table():
     read = inventory.devices[0]
     assert read.mig_mode is False and read.processes == gpu.processes
     assert {p.name for p in read.mig_profiles} >= {"1g.10gb", "7g.80gb"}
-    assert "partitioner/inventories/h100-80gb.json" in inventory.note
+    assert "configs/inventories/h100-80gb.json" in inventory.note
 
 
 def test_unknown_product_gets_no_profiles_and_a_non_mig_gpu_no_mig_mode():

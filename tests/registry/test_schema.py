@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
+from foundation.config_files import config_path
 from registry.errors import RegistryError
 from registry.fields import GIB
 from registry.launch import replica_launch
 from registry.schema import ModelSpec, Registry
 from registry.store import load_registry, parse_registry
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "multiserve" / "configs" / "default.yaml"
+DEFAULT_CONFIG = config_path("default.yaml")
 
 CHAT = "{name: %s, type: chat, source: {path: m.gguf}%s}"  # relative: inside the default model root
 
