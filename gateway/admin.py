@@ -18,12 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from foundation.http.disconnect import read_body
+from foundation.http.errors import APIError
 from gateway.auth_keys import bearer_token, token_matches
 from gateway.request_body import parse_json_object
 from registry.errors import ModelNotFound
 from registry.store import RegistryDiff, RegistryError
-from runtimes.server.disconnect import read_body
-from runtimes.server.errors import APIError
 
 
 def _state(request: Request) -> Any:

@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from foundation.http.body_limit import BodySizeLimitMiddleware
+from foundation.http.errors import exception_handlers
 from gateway.admin import admin_routes
 from gateway.auth import AuthMiddleware
 from gateway.auth_keys import ApiKey, parse_api_keys
@@ -33,8 +35,6 @@ from policies.classify import LaneThresholds
 from registry.errors import Problem
 from registry.schema import GatewayConfig
 from registry.store import RegistryDiff, RegistryStore
-from runtimes.server.body_limit import BodySizeLimitMiddleware
-from runtimes.server.errors import exception_handlers
 
 log = structlog.get_logger(__name__)
 

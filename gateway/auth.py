@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from foundation.http.errors import APIError, error_response
 from gateway.auth_keys import ApiKey, bearer_token, token_matches
 from gateway.context import request_context
-from runtimes.server.errors import APIError, error_response
 
 OPERATOR_PATHS = frozenset({"/metrics", "/health/models"})
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from foundation.field_paths import format_loc
 from policies.classify import key_lane, lane_names, parse_lane
 from policies.multilevel import BACKGROUND, INTERACTIVE, LANES
 from policies.ratelimit import KeyLimits
-from registry.errors import format_loc
 
 
 def bearer_token(authorization: str) -> str:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foundation.http.errors import APIError
+from foundation.http.wire import PRIORITY_MAX, PRIORITY_MIN
 from gateway.auth_keys import ApiKey
 from policies.classify import LaneNotAllowed, key_lane, parse_lane
-from runtimes.server.errors import APIError
-from runtimes.server.protocol import PRIORITY_MAX, PRIORITY_MIN
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from foundation.http.errors import APIError, error_response
 from gateway.context import RequestContext, request_context
 from gateway.reply_tap import ReplyTap
 from gateway.request_body import request_payload
 from policies.ratelimit import KeyLimits, KeyRateLimiter, Refusal, TokenEstimate, estimate_tokens
-from runtimes.server.errors import APIError, error_response
 
 LIMITED_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 

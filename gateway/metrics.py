@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from foundation.metric_buckets import E2E_BUCKETS_S, TTFT_BUCKETS_S
 from model_pool.health import BreakerState
 from model_pool.pool import ModelPool
 from model_pool.replica import ReplicaState
-from runtimes.server.buckets import E2E_BUCKETS_S, TTFT_BUCKETS_S
 
 PREFIX = "multiserve_gateway"
 

@@ -17,6 +17,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from foundation.http.disconnect import CLIENT_CLOSED_REQUEST, read_body, until_disconnect
+from foundation.http.errors import APIError, error_payload
+from foundation.http.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER, RESUMABLE_HEADER, RESUME_FIELD
 from gateway.context import request_context
 from gateway.framing import MAX_FRAME_BYTES, UpstreamMalformed
 from gateway.lanes import choose_lane
@@ -28,9 +31,6 @@ from model_pool.pool import InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
 from registry.schema import ModelSpec
-from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, read_body, until_disconnect
-from runtimes.server.errors import APIError, error_payload
-from runtimes.server.wire import ERROR_SCOPE_HEADER, PROMPT_TOKENS_HEADER, RESUMABLE_HEADER, RESUME_FIELD
 
 log = structlog.get_logger(__name__)
 

@@ -15,8 +15,8 @@ import json
 import math
 from typing import Any
 
+from foundation.http.errors import APIError
 from gateway.context import request_context
-from runtimes.server.errors import APIError
 
 MAX_DEPTH = 128
 

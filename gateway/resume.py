@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from foundation.http.wire import REPLY_LINE, RESUME_FIELD, TOKENS_COMMENT
 from gateway.framing import MAX_FRAME_BYTES, Framer, UpstreamMalformed, parse_token_ids
 from gateway.upstream import MAX_REPLY_BYTES, UpstreamTimeout
-from runtimes.server.wire import REPLY_LINE, RESUME_FIELD, TOKENS_COMMENT
 
 _TOKENS = TOKENS_COMMENT.encode()
 _REPLY = REPLY_LINE.encode()

@@ -18,6 +18,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
+from foundation.http.guard import guarded_config
 from foundation.logs import configure_logging
 from gateway.app import GatewayState, build_gateway, gateway_config_problems, secret_env_names
 from gateway.httpclient import KeepAliveClient
@@ -36,7 +37,6 @@ from registry.errors import Problem
 from registry.schema import GatewayConfig, ModelSpec, Registry, TrafficLogConfig
 from registry.store import RegistryDiff, RegistryError, RegistryStore
 from registry.watch import RegistryWatcher
-from runtimes.server.http_guard import guarded_config
 
 log = structlog.get_logger(__name__)
 

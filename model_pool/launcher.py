@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from foundation.http.wire import REPLICA_TOKEN_ENV
 from registry.launch import ReplicaLaunch
-from runtimes.server.wire import REPLICA_TOKEN_ENV
 
 
 class ReplicaHandle(Protocol):

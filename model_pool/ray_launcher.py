@@ -38,13 +38,13 @@ from typing import Any, Protocol
 
 import structlog
 
+from foundation.http.wire import REPLICA_TOKEN_ENV
 from model_pool.launcher import die_with_parent, free_port
 from partitioner.devices.inventory import Inventory, inventory_from_dict, inventory_to_dict
 from registry.errors import Problem
 from registry.fields import GIB
 from registry.launch import ReplicaLaunch, ReplicaPlacement
 from registry.schema import RayConnection, RayResources, Registry
-from runtimes.server.wire import REPLICA_TOKEN_ENV
 
 log = structlog.get_logger(__name__)
 

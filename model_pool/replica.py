@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from foundation.http.replica_auth import bearer
 from model_pool.health import CircuitBreaker
 from model_pool.launcher import ReplicaHandle
-from runtimes.server.replica_auth import bearer
 
 
 class ReplicaState(enum.Enum):

@@ -23,10 +23,10 @@ def resolve_model_source(model: str, config_path: Path = DEFAULT_CONFIG) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from foundation.request_errors import InvalidRequestError
     from runtimes.llm.config import EngineConfig
     from runtimes.llm.engine import LLMEngine
     from runtimes.llm.sampling_params import SamplingParams
-    from runtimes.request_errors import InvalidRequestError
 
     engine = LLMEngine.from_source(
         resolve_model_source(args.model, Path(args.config)),

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from pydantic import ValidationError
 
+from foundation.http.wire import REPLICA_TOKEN_ENV
 from registry.errors import FieldProblems, pydantic_problems
 from registry.launch import ReplicaLaunch
 from registry.schema import QueueOptions
-from runtimes.server.wire import REPLICA_TOKEN_ENV
 from runtimes.server.worker import run_worker
 
 _QUEUE_OPTIONS = frozenset(QueueOptions.model_fields)

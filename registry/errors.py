@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 from pydantic import ValidationError
 
+from foundation.field_paths import format_loc, join_field
+
 
 class Problem(NamedTuple):
     """One thing wrong with a registry. `field` is a path like `models[1].engine.block_size`, or for problems that
@@ -19,13 +21,6 @@ class Problem(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}" if self.field else self.message
-
-
-def join_field(prefix: str, rest: str) -> str:
-    """`models[1]` + `engine.block_size` -> `models[1].engine.block_size`; `urls` + `[2]` -> `urls[2]`."""
-    if not prefix or not rest:
-        return prefix or rest
-    return f"{prefix}{rest}" if rest.startswith("[") else f"{prefix}.{rest}"
 
 
 class FieldProblems(ValueError):
@@ -59,14 +54,6 @@ class ModelNotFound(LookupError):
     def __init__(self, name: str, hint: str = "") -> None:
         self.name = name
         super().__init__(f"no model named {name!r}{hint}")
-
-
-def format_loc(loc: tuple[int | str, ...]) -> str:
-    """pydantic's `('models', 1, 'engine')` -> `models[1].engine`."""
-    out = ""
-    for part in loc:
-        out = join_field(out, f"[{part}]" if isinstance(part, int) else str(part))
-    return out
 
 
 def pydantic_problems(exc: ValidationError, known_fields: Sequence[str] = ()) -> list[Problem]:

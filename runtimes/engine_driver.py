@@ -19,6 +19,8 @@ from typing import Generic, Protocol, TypeVar
 
 import structlog
 
+from foundation.request_errors import EngineDeadError
+
 CommandT = TypeVar("CommandT")
 StepResultT = TypeVar("StepResultT")
 
@@ -29,10 +31,6 @@ log = structlog.get_logger(__name__)
 # blocked on a lock without a timeout never wakes to run the handler, and the worker ignores SIGTERM until a
 # request happens to arrive. Seen in CI: 1 run in 6 under load.
 IDLE_WAKE_S = 0.25
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has ended on an error: this replica cannot serve anything until it is restarted."""
 
 
 class StepGate(Protocol):

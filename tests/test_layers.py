@@ -4,13 +4,17 @@ into a higher one. Imports inside functions count too: hiding one there does not
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A package may import its own modules and those of any package below it, never one above.
 LAYERS = (
-    "foundation",  # what every process shares, importing no engine (no torch): log setup
+    # what the gateway and every replica share, importing no engine (no torch) and nothing above: log setup, request
+    # errors and their HTTP shape, the gateway-replica wire names, body limit, slow-client guard, launch token
+    "foundation",
     "policies",  # pure decisions: lanes, queues, admission, rate limits, routing
     "registry",  # the registry YAML: schema, validation, the store and its watcher
     "runtimes",  # the engines and a replica's HTTP server
@@ -113,6 +117,30 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert _upward(edges) == ["registry.c imports gateway.d"]
 
 
+# The gateway process's packages. It loads no engine: what it shares with a replica lives in foundation/.
+ENGINE_FREE = ("gateway", "model_pool")
+
+
+def _imports_into(packages: tuple[str, ...], target: str, edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{module} imports {imported}" for module, imported_all in edges.items()
+                  if module.split(".")[0] in packages for imported in imported_all if imported.split(".")[0] == target)
+
+
+def test_the_gateway_and_the_pool_never_import_runtimes():
+    """runtimes/ is the replica's: its engines and its server. The gateway once took the error shape, the wire names
+    and the HTTP guards from runtimes/server/, one import away from the engines; now both sides take them from
+    foundation/, and the gateway and the pool import nothing of runtimes/, not even inside a function."""
+    assert _imports_into(ENGINE_FREE, "runtimes", _imports(_modules())) == []
+
+
+def test_the_runtimes_check_sees_an_import_inside_a_function(tmp_path):
+    entry, server = tmp_path / "entry.py", tmp_path / "server.py"
+    entry.write_text("def serve():\n    from runtimes.server import app\n")
+    server.write_text("")
+    modules = {"gateway.entry": entry, "runtimes.server.app": server}
+    assert _imports_into(ENGINE_FREE, "runtimes", _imports(modules)) == ["gateway.entry imports runtimes.server.app"]
+
+
 def _imports_torch(path: Path) -> bool:
     """Whether the module's source imports torch anywhere (inside functions too), type-checking-only imports aside."""
     pending: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
@@ -153,7 +181,17 @@ def test_the_gateway_and_the_pool_never_import_torch():
     and loader, both importing torch: ~2.0 s to ready and ~250 MiB with an empty registry; ~0.7 s and ~70 MiB
     without.)"""
     modules = _modules()
-    assert _torch_reached_from(("gateway", "model_pool"), modules, _imports(modules)) == {}
+    assert _torch_reached_from(ENGINE_FREE, modules, _imports(modules)) == {}
+
+
+def test_importing_the_gateway_loads_no_torch():
+    """The same, as the process sees it: importing the gateway's entry points and every pool module does not load
+    torch (a check of the source misses an import made by name, or one a third-party package makes)."""
+    entries = ["gateway.app", "gateway.server", *sorted(m for m in _modules() if m.split(".")[0] == "model_pool")]
+    probe = (f"import importlib, sys\nfor name in {entries!r}:\n    importlib.import_module(name)\n"
+             "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_the_torch_check_sees_a_path_through_a_function_level_import(tmp_path):

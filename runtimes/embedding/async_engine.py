@@ -18,9 +18,9 @@ import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from foundation.request_errors import InvalidRequestError, record_failure, request_failed
 from runtimes.embedding.engine import EmbeddingEngine, EmbeddingOutput
 from runtimes.engine_driver import EngineDriver, StepGate
-from runtimes.request_errors import InvalidRequestError, record_failure, request_failed
 
 
 @dataclass

@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from foundation.request_errors import InvalidRequestError, record_failure
 from registry.sources import resolve_model_path
 from runtimes.embedding.batching import BatchItem, Bucket, DynamicBatcher
 from runtimes.embedding.config import EmbeddingConfig, PoolingConfig
 from runtimes.embedding.inputs import InputProcessor
 from runtimes.embedding.model import BertEncoder, load_encoder, pool
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
-from runtimes.request_errors import InvalidRequestError, record_failure
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Encoding, Tokenizer
 
-from runtimes.request_errors import InvalidRequestError
+from foundation.request_errors import InvalidRequestError
 
 TRUNCATE_TO_LIMIT = -1  # truncate_prompt_tokens=-1: truncate to the model's limit
 

@@ -16,11 +16,11 @@ import queue
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from foundation.request_errors import InvalidRequestError, OverloadedError, record_failure, request_failed
 from runtimes.engine_driver import EngineDriver, StepGate, return_freed_heap
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.outputs import RequestOutput
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.request_errors import InvalidRequestError, OverloadedError, record_failure, request_failed
 
 
 @dataclass

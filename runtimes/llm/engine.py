@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from foundation.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, record_failure
 from policies.admission import RateMeter, retry_after_s
 from runtimes.cuda_memory import default_kv_bytes
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
@@ -43,7 +44,6 @@ from runtimes.llm.request import Request, RequestStatus
 from runtimes.llm.sampler import Sampler, on_device
 from runtimes.llm.sampling_params import SamplingParams, check_token_ids
 from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, record_failure
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from runtimes.request_errors import InvalidRequestError
+from foundation.request_errors import InvalidRequestError
 
 _MAX_LOGPROBS = 20
 _MAX_N = 16

@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from runtimes.request_errors import InvalidRequestError
+from foundation.request_errors import InvalidRequestError
 
 __all__ = ["Tokenizer"]
 

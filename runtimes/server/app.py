@@ -22,12 +22,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from foundation.http.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
+from foundation.http.errors import APIError
+from foundation.http.wire import RESUMABLE_HEADER
 from policies.classify import classify
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
-from runtimes.server.errors import APIError
 from runtimes.server.generation import Choice, Generation
 from runtimes.server.intake import wrong_endpoint
 from runtimes.server.metrics import ServerMetrics
@@ -44,7 +45,6 @@ from runtimes.server.streaming import (
     progress_lines,
     sse_stream,
 )
-from runtimes.server.wire import RESUMABLE_HEADER
 
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
 log = structlog.get_logger(__name__)

@@ -19,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from foundation.http.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
+from foundation.http.errors import APIError
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
 from runtimes.fault_isolation import PROBE_TEXT
-from runtimes.server.disconnect import CLIENT_CLOSED_REQUEST, until_disconnect
 from runtimes.server.embedding_metrics import EmbeddingServerMetrics
 from runtimes.server.embedding_protocol import EmbeddingRequest, embedding_body
-from runtimes.server.errors import APIError
 from runtimes.server.intake import wrong_endpoint
 from runtimes.server.replica import ProbeFailed
 from runtimes.server.replica_app import DEFAULT_MAX_BODY_BYTES, ReplicaEndpoints, assemble_app

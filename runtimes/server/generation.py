@@ -13,10 +13,10 @@ from typing import cast
 
 import structlog
 
+from foundation.request_errors import OverloadedError, RequestFailedError
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.request_errors import OverloadedError, RequestFailedError
 from runtimes.server.metrics import ServerMetrics
 
 log = structlog.get_logger(__name__)

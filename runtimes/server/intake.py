@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from starlette.requests import Request
 from starlette.responses import Response
 
-from runtimes.server.errors import APIError
+from foundation.http.errors import APIError
 
 
 def check_model(model: str, names: Sequence[str]) -> None:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from runtimes.server.buckets import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
+from foundation.metric_buckets import E2E_BUCKETS_S, ITL_BUCKETS_S, TTFT_BUCKETS_S
 
 if TYPE_CHECKING:
     from runtimes.llm.engine import LLMEngine

@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from foundation.http.wire import PRIORITY_MAX, PRIORITY_MIN
+from foundation.request_errors import InvalidRequestError
 from runtimes.llm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, check_token_ids
-from runtimes.request_errors import InvalidRequestError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
-PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1  # a request's `priority`: 32 bits, as vLLM's
 
 
 class _Strict(BaseModel):

@@ -15,9 +15,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from runtimes.server.body_limit import BodySizeLimitMiddleware
-from runtimes.server.disconnect import read_body
-from runtimes.server.errors import APIError, exception_handlers
+from foundation.http.body_limit import BodySizeLimitMiddleware
+from foundation.http.disconnect import read_body
+from foundation.http.errors import APIError, exception_handlers
 from runtimes.server.intake import check_model
 from runtimes.server.metrics import ReplicaMetrics
 from runtimes.server.replica import EngineLiveness, Readiness, run_startup_probe

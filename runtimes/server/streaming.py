@@ -17,10 +17,10 @@ import structlog
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from runtimes.server.errors import LOGGED_WHERE_RAISED, error_payload, to_api_error
+from foundation.http.errors import LOGGED_WHERE_RAISED, error_payload, to_api_error
+from foundation.http.wire import PROGRESS_MEDIA_TYPE, PROMPT_TOKENS_HEADER, REPLY_LINE, RESUMABLE_HEADER, TOKENS_COMMENT
 from runtimes.server.generation import Choice, Generation
 from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
-from runtimes.server.wire import PROGRESS_MEDIA_TYPE, PROMPT_TOKENS_HEADER, REPLY_LINE, RESUMABLE_HEADER, TOKENS_COMMENT
 
 log = structlog.get_logger(__name__)
 DONE = "data: [DONE]\n\n"

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import structlog
 from starlette.applications import Starlette
 
+from foundation.http.guard import guarded_config
+from foundation.http.replica_auth import ReplicaTokenMiddleware
 from foundation.logs import configure_logging
 from registry.engine import EmbeddingEngineSpec, EngineSpec
 from registry.launch import ReplicaLaunch
@@ -24,8 +26,6 @@ from runtimes.cuda_memory import limit_process_memory
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.engine_driver import StepGate, return_freed_heap
 from runtimes.llm.config import EngineConfig
-from runtimes.server.http_guard import guarded_config
-from runtimes.server.replica_auth import ReplicaTokenMiddleware
 
 HTTP_SWITCH_INTERVAL_S = 0.0005
 

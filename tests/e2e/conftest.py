@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from foundation.http.wire import REPLICA_TOKEN_ENV
 from model_pool.launcher import free_port
-from runtimes.server.wire import REPLICA_TOKEN_ENV
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 ADMIN_TOKEN = "e2e-admin-token"

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from foundation.http.errors import APIError
 from gateway.auth_keys import ApiKey
 from gateway.lanes import AS_SENT, LaneChoice, choose_lane
 from policies.classify import classify
 from policies.multilevel import BACKGROUND, INTERACTIVE, NORMAL
-from runtimes.server.errors import APIError
 from tests.gateway.fakes import FakeGateway, Received, chat, error_of
 from tests.gateway.test_traffic import records, traffic_registry
 

@@ -35,7 +35,7 @@ def test_a_local_worker_gets_a_fresh_token_and_none_of_the_gateways_secrets(monk
     import asyncio
     import subprocess
 
-    from runtimes.server.wire import REPLICA_TOKEN_ENV
+    from foundation.http.wire import REPLICA_TOKEN_ENV
 
     started: list[dict[str, str]] = []
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from foundation.request_errors import InvalidRequestError
 from runtimes.embedding.async_engine import AsyncEmbeddingEngine
-from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.embedding.conftest import SENTENCES
 
 

@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
+from foundation.request_errors import InvalidRequestError
 from runtimes.embedding.config import EmbeddingConfig
 from runtimes.embedding.engine import EmbeddingEngine
-from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.embedding.conftest import MINILM_SOURCE, SENTENCES, long_text
 
 

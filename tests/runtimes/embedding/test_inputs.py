@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
+from foundation.request_errors import InvalidRequestError
 from runtimes.embedding.inputs import InputProcessor
-from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.embedding.conftest import SENTENCES, long_text, minilm_dir
 
 CLS, SEP = 101, 102

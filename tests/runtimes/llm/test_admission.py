@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from foundation.request_errors import OverloadedError
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.request_errors import OverloadedError
 from tests.runtimes.llm.engine_utils import run_to_completion
 
 LONG = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

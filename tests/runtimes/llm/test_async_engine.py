@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
+from foundation.request_errors import InvalidRequestError
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.llm.engine_utils import run_to_completion
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foundation.request_errors import InvalidRequestError
 from runtimes.llm.config import EngineConfig, resolve_kv_dtype
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.llm.engine_utils import random_prompt, run_to_completion
 
 KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 bytes (TinySpec defaults)

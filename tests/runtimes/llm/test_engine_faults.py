@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from foundation.request_errors import InvalidRequestError
 from runtimes.fault_isolation import EngineFaultError
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.request_errors import InvalidRequestError
 from tests.runtimes.llm.engine_utils import run_to_completion
 from tests.runtimes.llm.test_engine import GREEDY, KV_PER_TOKEN, SEEDED, _mixed_requests, _prompt
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
-from runtimes.server.wire import ERROR_SCOPE_HEADER
+from foundation.http.wire import ERROR_SCOPE_HEADER
 from tests.runtimes.server.conftest import SERVED_NAME, wait_until
 from tests.runtimes.server.test_app import COMPLETIONS, metric_samples, sample, sse_events
 

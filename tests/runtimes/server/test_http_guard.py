@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from foundation.http.guard import GuardedHttpToolsProtocol, guarded_config
 from registry.schema import HttpLimits
-from runtimes.server.http_guard import GuardedHttpToolsProtocol, guarded_config
 
 WAIT_S = 3.0  # bound on any single wait: far above every limit below
 SLACK_S = 0.8  # how late past its limit a refusal may come on a loaded machine

@@ -7,8 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from runtimes.request_errors import InvalidRequestError
-from runtimes.server.errors import APIError, error_response, format_loc, to_api_error
+from foundation.field_paths import format_loc
+from foundation.http.errors import APIError, error_response, to_api_error
+from foundation.request_errors import InvalidRequestError
 from runtimes.server.protocol import ChatCompletionRequest, CompletionRequest
 
 VOCAB = 100  # the vocabulary size token ids are checked against

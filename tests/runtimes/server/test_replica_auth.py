@@ -7,7 +7,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from runtimes.server.replica_auth import ReplicaTokenMiddleware
+from foundation.http.replica_auth import ReplicaTokenMiddleware
 
 
 async def hello(request):

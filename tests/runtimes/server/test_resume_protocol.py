@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from runtimes.server.wire import PROGRESS_MEDIA_TYPE, REPLY_LINE, RESUMABLE_HEADER, RESUME_FIELD, TOKENS_COMMENT
+from foundation.http.wire import PROGRESS_MEDIA_TYPE, REPLY_LINE, RESUMABLE_HEADER, RESUME_FIELD, TOKENS_COMMENT
 from tests.runtimes.server.conftest import SERVED_NAME
 
 RESUMABLE = {RESUMABLE_HEADER: "1"}

@@ -2,7 +2,7 @@
 
 A replica listens on loopback, where any process of the host could reach it and skip the gateway's API keys, rate
 limits and lanes. So the gateway's launcher gives each worker it starts a fresh random token, in the environment
-variable named by `runtimes.server.wire.REPLICA_TOKEN_ENV` (never on the command line, which every user of the
+variable named by `foundation.http.wire.REPLICA_TOKEN_ENV` (never on the command line, which every user of the
 host can read), and the worker refuses any request without `Authorization: Bearer <token>` with a 401, except
 `GET /health` and `GET /ready`, which say nothing but whether it is up.
 """
@@ -13,7 +13,7 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from runtimes.server.errors import APIError, error_response
+from foundation.http.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 

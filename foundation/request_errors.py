@@ -1,7 +1,8 @@
 """What a request can run into, whichever engine serves it: refused as asked (`InvalidRequestError`, a 400 that
-names the field), too big for the context (`ContextLengthError`), not now (`OverloadedError`, a 429), or failed
-by the engine while it was served (`RequestFailedError`, a 500 that is the request's own). runtimes/server/errors.py
-maps them to HTTP."""
+names the field), too big for the context (`ContextLengthError`), not now (`OverloadedError`, a 429), failed by the
+engine while it was served (`RequestFailedError`, a 500 that is the request's own), or a replica whose engine loop
+has died (`EngineDeadError`, a 503). foundation/http/errors.py maps them to HTTP; the engines raise them, and the
+gateway, which loads no engine, maps them without importing one."""
 
 from __future__ import annotations
 
@@ -56,3 +57,7 @@ class OverloadedError(Exception):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has ended on an error: this replica cannot serve anything until it is restarted."""

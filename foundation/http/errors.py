@@ -20,10 +20,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from registry.errors import format_loc
-from runtimes.engine_driver import EngineDeadError
-from runtimes.request_errors import ContextLengthError, InvalidRequestError, OverloadedError, RequestFailedError
-from runtimes.server.wire import ERROR_SCOPE_HEADER
+from foundation.field_paths import format_loc
+from foundation.http.wire import ERROR_SCOPE_HEADER
+from foundation.request_errors import (
+    ContextLengthError,
+    EngineDeadError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestFailedError,
+)
 
 log = structlog.get_logger(__name__)
 

@@ -24,6 +24,8 @@ A refusal is answered only where its status line reads as the answer to the requ
 response is pending or this request's response has started, the connection is just closed.
 
 `guarded_config` builds a `uvicorn.Config` serving with this protocol, with `keep_alive_s` and `max_connections`.
+The numbers come as any object with `GuardLimits`' five attributes: the gateway passes the registry's
+`gateway.http` (registry/schema.py `HttpLimits`), a replica the defaults here.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any, ClassVar, cast
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, cast
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -41,8 +44,41 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from registry.schema import HttpLimits
-from runtimes.server.errors import APIError, error_response
+from foundation.http.errors import APIError, error_response
+
+
+class GuardLimits(Protocol):
+    """What the guard reads of its limits (read-only, so that a frozen model or dataclass is one)."""
+
+    @property
+    def header_timeout_s(self) -> float: ...
+
+    @property
+    def body_timeout_s(self) -> float: ...
+
+    @property
+    def max_header_bytes(self) -> int: ...
+
+    @property
+    def keep_alive_s(self) -> float: ...
+
+    @property
+    def max_connections(self) -> int | None: ...  # None: no cap
+
+
+@dataclass(frozen=True)
+class DefaultLimits:
+    """The limits a server gets when given none (the registry's `gateway.http` defaults are the same numbers)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
+    # uvicorn's default. On a replica it must stay above the 4 s for which the gateway reuses an idle connection.
+    keep_alive_s: float = 5.0
+    max_connections: int | None = 1000
+
+
+DEFAULT_LIMITS = DefaultLimits()
 
 
 class _WatchedFlow(FlowControl):
@@ -70,7 +106,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     `settings` is bound per server by `guarded_protocol`: uvicorn builds its protocol from the class alone.
     """
 
-    settings: ClassVar[HttpLimits] = HttpLimits()
+    settings: ClassVar[GuardLimits] = DEFAULT_LIMITS
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -205,7 +241,7 @@ def _refusal_app(error: APIError) -> ASGI3Application:
     return cast(ASGI3Application, response)
 
 
-def guarded_protocol(settings: HttpLimits) -> type[GuardedHttpToolsProtocol]:
+def guarded_protocol(settings: GuardLimits) -> type[GuardedHttpToolsProtocol]:
     """A `GuardedHttpToolsProtocol` class bound to `settings`, for `uvicorn.Config(http=...)`."""
 
     class BoundGuardedHttpToolsProtocol(GuardedHttpToolsProtocol):
@@ -219,7 +255,7 @@ def guarded_protocol(settings: HttpLimits) -> type[GuardedHttpToolsProtocol]:
 _GUARD_OWNED_KWARGS = frozenset({"http", "timeout_keep_alive", "limit_concurrency"})
 
 
-def guarded_config(app: ASGIApp | str, *, host: str, port: int, limits: HttpLimits | None = None,
+def guarded_config(app: ASGIApp | str, *, host: str, port: int, limits: GuardLimits | None = None,
                    **uvicorn_kwargs: Any) -> uvicorn.Config:
     """A `uvicorn.Config` serving `app` over `GuardedHttpToolsProtocol` with `limits` (see the module docstring;
     None: the defaults).
@@ -236,7 +272,7 @@ def guarded_config(app: ASGIApp | str, *, host: str, port: int, limits: HttpLimi
     owned = sorted(_GUARD_OWNED_KWARGS & uvicorn_kwargs.keys())
     if owned:
         raise TypeError(f"guarded_config sets {', '.join(owned)} from its own arguments; do not pass them")
-    settings = limits or HttpLimits()
+    settings = limits or DEFAULT_LIMITS
     # uvicorn refuses a request once len(connections) >= limit_concurrency, its own connection included, so
     # limit_concurrency=N would serve only N - 1 connections.
     limit_concurrency = None if settings.max_connections is None else settings.max_connections + 1

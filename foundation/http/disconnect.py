@@ -16,7 +16,7 @@ from typing import TypeVar
 import structlog
 from starlette.requests import ClientDisconnect, Request
 
-from runtimes.server.errors import APIError
+from foundation.http.errors import APIError
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

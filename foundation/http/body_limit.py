@@ -7,7 +7,7 @@ from collections.abc import Callable
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from runtimes.server.errors import APIError, error_response
+from foundation.http.errors import APIError, error_response
 
 
 class BodySizeLimitMiddleware:

@@ -1,5 +1,5 @@
-"""What travels between a gateway and the replicas it launched, besides the OpenAI API itself: the names both
-sides must agree on, in one place."""
+"""What travels between a gateway and the replicas it launched, besides the OpenAI API itself: the names (and
+the one range) both sides must agree on, in one place."""
 
 # On a replica's error reply: "request" when the error is that request's own (an engine fault it alone caused, or
 # a bug its handling ran into), so the gateway neither retries it elsewhere nor holds it against the replica.
@@ -9,7 +9,11 @@ ERROR_SCOPE_HEADER = "x-multiserve-error-scope"
 # usage chunk (per-key token limits, the traffic log).
 PROMPT_TOKENS_HEADER = "x-multiserve-prompt-tokens"
 
-# In a launched worker's environment: the token every request to it must carry (runtimes/server/replica_auth.py).
+# A request's `priority` that a replica accepts: 32 bits, as vLLM's. The gateway reads a lane only from one in this
+# range and leaves any other to the replica's 400 (runtimes/server/protocol.py), so both must agree on it.
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 31), (1 << 31) - 1
+
+# In a launched worker's environment: the token every request to it must carry (foundation/http/replica_auth.py).
 REPLICA_TOKEN_ENV = "MULTISERVE_REPLICA_TOKEN"
 
 # On a generation the gateway may have to continue elsewhere: asks the replica to put, before each streamed event
