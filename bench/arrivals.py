@@ -1,4 +1,4 @@
-"""When requests arrive (offsets in seconds from the start) and how long they are (token counts).
+"""When requests arrive (offsets in seconds from the start), and a trace's request lengths (token counts).
 
 Every generator takes its `random.Random` from the caller, so a seed reproduces a run's schedule exactly.
 
@@ -9,7 +9,8 @@ Arrivals:
 - `constant`: evenly spaced.
 - a trace: offsets taken from a JSONL file (see `load_trace`).
 
-Lengths: `fixed`, `uniform` (inclusive bounds), `lognormal` (median and sigma of log), or a trace's own counts.
+Drawn lengths are `partitioner.simulate.workload.LengthDist`s, the simulator's too (`bench.workloads.parse_length`
+reads them from the command line); a trace has its own counts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ARRIVALS = ("poisson", "gamma", "constant")
-LENGTHS = ("fixed", "uniform", "lognormal")
 
 
 def arrival_offsets(kind: str, rate_per_s: float, count: int, rng: random.Random, cv: float = 1.0) -> list[float]:
@@ -46,35 +46,6 @@ def arrival_offsets(kind: str, rate_per_s: float, count: int, rng: random.Random
         now += gap
         offsets.append(now)
     return offsets
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """A token-count distribution. `low`/`high` bound every draw (uniform: the range; others: a clamp)."""
-
-    kind: str = "fixed"
-    mean: int = 128  # fixed: the value; lognormal: the median
-    low: int = 1
-    high: int = 1 << 20
-    sigma: float = 0.5  # lognormal: standard deviation of log(length)
-
-    def __post_init__(self) -> None:
-        if self.kind not in LENGTHS:
-            raise ValueError(f"unknown length distribution {self.kind!r}; known: {', '.join(LENGTHS)}")
-        if not 1 <= self.low <= self.high:
-            raise ValueError(f"lengths need 1 <= low <= high, got low={self.low} high={self.high}")
-
-    def sample(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            value = self.mean
-        elif self.kind == "uniform":
-            value = rng.randint(self.low, self.high)
-        else:
-            value = round(rng.lognormvariate(math.log(self.mean), self.sigma))
-        return min(max(value, self.low), self.high)
-
-    def samples(self, count: int, rng: random.Random) -> list[int]:
-        return [self.sample(rng) for _ in range(count)]
 
 
 @dataclass(frozen=True)

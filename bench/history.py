@@ -17,7 +17,7 @@ from typing import Any
 from bench.stats import RequestResult
 
 DEFAULT_HISTORY = Path(".multiserve/bench/history.jsonl")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: `lengths` name each distribution's own parameters (`LengthDist.parameters`)
 MAX_SAMPLES = 2000  # per latency list: enough for a smooth CDF, small enough to keep a line under ~100 kB
 
 
@@ -78,10 +78,38 @@ def load(path: str | Path) -> list[dict[str, Any]]:
 
 
 def config_key(record: Mapping[str, Any]) -> tuple[str, ...]:
-    """What must match for two records to be comparable: model, endpoint, workload, lengths, load and tag."""
+    """What must match for two records to be comparable: model, endpoint, workload, lengths (as drawn:
+    `lengths_key`), load and tag."""
     target, load_cfg = record.get("target", {}), record.get("load", {})
     return (str(target.get("model")), str(target.get("endpoint")), str(record.get("workload")),
-            json.dumps(record.get("lengths"), sort_keys=True), str(load_cfg.get("label")), str(record.get("tag")))
+            lengths_key(record), str(load_cfg.get("label")), str(record.get("tag")))
+
+
+def lengths_key(record: Mapping[str, Any]) -> str:
+    """A record's `lengths` (per workload component: weight, prompt and output distributions; or "trace") by what
+    the distributions draw, so that records of schema 1 compare with later ones: those wrote every field of a
+    distribution, `mean` standing for a fixed length's value and for a lognormal's median, and a fixed length's
+    upper bound (which never clamped it) as 2^20 or as the length itself."""
+    lengths, schema = record.get("lengths"), record.get("schema", 1)
+    if not isinstance(lengths, list):
+        return json.dumps(lengths, sort_keys=True)
+    return json.dumps([{**c, "prompt": _drawn(c.get("prompt"), schema), "output": _drawn(c.get("output"), schema)}
+                       if isinstance(c, dict) else c for c in lengths], sort_keys=True)
+
+
+def _drawn(dist: Any, schema: Any) -> Any:
+    if not isinstance(dist, dict):
+        return dist
+    if schema == 1:
+        dist = {**dist, "value": dist.get("mean"), "median": dist.get("mean"), "mean": None}
+    kind, value, low, high = dist.get("kind"), dist.get("value"), dist.get("low", 1), dist.get("high")
+    if kind == "fixed" and isinstance(value, int | float) and isinstance(low, int) and isinstance(high, int | None):
+        return ["fixed", max(value, low) if high is None else min(max(value, low), high)]
+    if kind == "uniform":
+        return ["uniform", low, high]
+    if kind == "lognormal":
+        return ["lognormal", dist.get("median"), dist.get("mean"), dist.get("sigma"), low, high]
+    return dist
 
 
 def find(records: Sequence[Mapping[str, Any]], run_id: str) -> Mapping[str, Any]:

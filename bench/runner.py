@@ -18,8 +18,9 @@ from bench.arrivals import TraceEntry
 from bench.client import Target, prompt_tokens_of
 from bench.loadgen import LoadGenerator, LoadSpec, http_sender
 from bench.prompts import PROBE_WORDS, TokenFit, words_text
-from bench.stats import Slo, summarize
+from bench.stats import summarize
 from bench.workloads import PlannedRequest, Workload, plan_from_trace, plan_requests
+from partitioner.simulate.workload import Slo
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ def record_config(config: BenchConfig, load: LoadSpec, fit: TokenFit, sweep_id: 
         "target": {"url": target.url, "model": target.model, "endpoint": target.endpoint,
                    "ignore_eos": target.ignore_eos},
         "workload": config.workload.name,
-        "lengths": [{"weight": c.weight, "prompt": dataclasses.asdict(c.prompt_len),
-                     "output": dataclasses.asdict(c.output_len)} for c in config.workload.components]
+        "lengths": [{"weight": c.weight, "prompt": c.prompt_len.parameters(), "output": c.output_len.parameters()}
+                    for c in config.workload.components]
         if config.trace is None else "trace",
         "num_documents": config.workload.num_documents,
         "load": {**dataclasses.asdict(load), "label": load.label},

@@ -6,7 +6,8 @@ Definitions (those of vLLM's `benchmark_serving`, so numbers compare across serv
 - TPOT: (end-to-end − TTFT) / (output tokens − 1), per request; undefined for one-token answers.
 - ITL: the gaps between successive content chunks, pooled over all requests (one token per chunk on servers that
   stream token by token: ours, vLLM, SGLang, llama.cpp).
-- goodput: requests/s that succeeded *and* met every SLO given (TTFT and TPOT, each per request).
+- goodput: requests/s that succeeded *and* met every SLO given (TTFT and TPOT, each per request: `meets_slo`, with
+  the simulator's `partitioner.simulate.workload.Slo`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from partitioner.simulate.workload import Slo
 
 PERCENTILES = (50, 90, 99)
 
@@ -46,20 +49,9 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
 
 
-@dataclass(frozen=True)
-class Slo:
-    """Per-request service-level objectives; None: not judged."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-
-    def met(self, result: RequestResult) -> bool:
-        if not result.ok:
-            return False
-        if self.ttft_s is not None and (result.ttft_s is None or result.ttft_s > self.ttft_s):
-            return False
-        tpot = result.tpot_s
-        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+def meets_slo(result: RequestResult, slo: Slo) -> bool:
+    """Succeeded, within every objective of `slo` (a one-token answer has no TPOT to judge)."""
+    return result.ok and slo.met(result.ttft_s, result.tpot_s)
 
 
 def percentiles(values: Sequence[float], qs: Sequence[int] = PERCENTILES) -> dict[str, float]:
@@ -90,7 +82,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo | No
     ok = [r for r in results if r.ok]
     num_output = sum(r.num_output_tokens for r in ok)
     num_prompt = sum(r.num_prompt_tokens for r in ok)
-    num_good = sum(slo.met(r) for r in results)
+    num_good = sum(meets_slo(r, slo) for r in results)
     errors = Counter(str(r.status) for r in results if not r.ok)
     return {
         "num_requests": len(results),

@@ -17,8 +17,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bench.arrivals import LengthDist, TraceEntry
+from bench.arrivals import TraceEntry
 from bench.prompts import TokenFit, make_documents, with_question, words_text
+from partitioner.simulate.workload import LengthDist
 
 SHARED_PREFIX_DOCS = 4
 SHARED_PREFIX_DOC_TOKENS = 1024
@@ -49,31 +50,33 @@ class PlannedRequest:
     offset_s: float | None = None  # from a trace; None: the arrival process decides
 
 
-_CHAT = Component(1.0, LengthDist("lognormal", 128, low=16, high=1024, sigma=0.6),
-                  LengthDist("lognormal", 128, low=16, high=512, sigma=0.5))
+_CHAT = Component(1.0, LengthDist("lognormal", median=128, low=16, high=1024, sigma=0.6),
+                  LengthDist("lognormal", median=128, low=16, high=512, sigma=0.5))
 _LONG = Component(1.0, LengthDist("uniform", low=1500, high=3000), LengthDist("uniform", low=32, high=96))
 BUILTIN: dict[str, Workload] = {
     "chat": Workload("chat", (_CHAT,)),
     "long-document": Workload("long-document", (_LONG,)),
     "mixed": Workload("mixed", (replace(_CHAT, weight=0.8), replace(_LONG, weight=0.2))),
-    "shared-prefix": Workload("shared-prefix", (Component(1.0, LengthDist("fixed", 32), LengthDist("fixed", 64)),),
+    "shared-prefix": Workload("shared-prefix", (Component(1.0, LengthDist("fixed", value=32),
+                                                          LengthDist("fixed", value=64)),),
                               num_documents=SHARED_PREFIX_DOCS),
     "sweep": Workload("sweep", (_CHAT,)),
 }
 
 
 def parse_length(text: str) -> LengthDist:
-    """`fixed:N`, `uniform:LOW:HIGH` or `lognormal:MEDIAN:SIGMA[:LOW:HIGH]`. Raises ValueError with the format."""
+    """`fixed:N`, `uniform:LOW:HIGH` or `lognormal:MEDIAN:SIGMA[:LOW:HIGH]` (tokens; a lognormal is given by its
+    median, bounded by 1..2^20 unless LOW:HIGH say otherwise). Raises ValueError with the format."""
     kind, *args = text.split(":")
     try:
         numbers = [float(a) for a in args]
         if kind == "fixed" and len(numbers) == 1:
-            return LengthDist("fixed", int(numbers[0]), low=1, high=max(1, int(numbers[0])))
+            return LengthDist("fixed", value=int(numbers[0]))
         if kind == "uniform" and len(numbers) == 2:
             return LengthDist("uniform", low=int(numbers[0]), high=int(numbers[1]))
         if kind == "lognormal" and len(numbers) in (2, 4):
-            bounds = (int(numbers[2]), int(numbers[3])) if len(numbers) == 4 else (1, 1 << 20)
-            return LengthDist("lognormal", int(numbers[0]), sigma=numbers[1], low=bounds[0], high=bounds[1])
+            low, high = (int(numbers[2]), int(numbers[3])) if len(numbers) == 4 else (1, 1 << 20)
+            return LengthDist("lognormal", median=int(numbers[0]), sigma=numbers[1], low=low, high=high)
     except ValueError as err:
         raise ValueError(f"length {text!r}: {err}") from None
     raise ValueError(f"length {text!r}: expected fixed:N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA[:LOW:HIGH]")

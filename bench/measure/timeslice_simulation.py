@@ -26,7 +26,8 @@ from partitioner.planning.demand import ModelShape
 from partitioner.simulate.cost import DeviceSpeed, Share, StepWork, calibration_factor
 from partitioner.simulate.engine import EngineLimits
 from partitioner.simulate.simulator import Member, Pool, SimModel, simulate
-from partitioner.simulate.traffic import LengthDist, ModelTraffic, Traffic
+from partitioner.simulate.traffic import ModelTraffic, Traffic
+from partitioner.simulate.workload import LengthDist
 from partitioner.timeslice.client import LeaseClient
 from partitioner.timeslice.service import ArbiterService
 from runtimes.engine_driver import StepGate

@@ -152,8 +152,7 @@ class _Run:
         slo = self.traffic.models[model].slo if model in self.traffic.models else None
         ttft = [(r.first_token_s or 0.0) - r.arrival_s for r in started]
         tpot = [_tpot_s(r) for r in finished if r.output_tokens > 1]
-        good = [r for r in finished if slo is not None and (r.first_token_s or 0.0) - r.arrival_s <= slo.ttft_ms / 1e3
-                and _tpot_s(r) <= slo.tpot_ms / 1e3]
+        good = [r for r in finished if slo is not None and slo.met((r.first_token_s or 0.0) - r.arrival_s, _tpot_s(r))]
         duration = self.traffic.duration_s
         per_token = self.models[model].shape.kv_bytes_per_token
         return ModelResult(

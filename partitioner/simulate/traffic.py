@@ -2,7 +2,7 @@
 
 Synthetic traffic is a Poisson process (exponential gaps at `rate_per_s`), or a burstier one (gamma gaps of the same
 mean with coefficient of variation `arrival_cv` > 1, as vLLM's benchmark `--burstiness` = 1/cv²), with prompt and
-output lengths drawn from `LengthDist`s; a replayed one is the requests of a gateway traffic log (the file
+output lengths drawn from `workload.LengthDist`s; a replayed one is the requests of a gateway traffic log (the file
 `multiserve profile` reads), at their logged start times. Every model's draws come from their own generator seeded
 by (seed, model name), so a trace does not change when another model is added, and the same seed gives the same
 trace.
@@ -15,9 +15,9 @@ A traffic file (YAML or JSON):
       chat-a:
         rate_per_s: 4
         arrival_cv: 1        # of the gaps between arrivals: 1 Poisson (default), > 1 bursty
-        prompt_tokens: {dist: lognormal, mean: 512, sigma: 0.6}    # or {dist: fixed, value: 512},
-        output_tokens: {dist: uniform, low: 16, high: 256}         # or {dist: uniform, low: .., high: ..}
-        slo: {ttft_ms: 500, tpot_ms: 50}
+        prompt_tokens: {dist: lognormal, mean: 512, sigma: 0.6}    # or median: instead of mean; low/high clamp
+        output_tokens: {dist: uniform, low: 16, high: 256}         # or {dist: fixed, value: 512}
+        slo: {ttft_ms: 500, tpot_ms: 50}                           # default 1000 and 100 ms
         calibration: 1.0     # measured / modelled step time (cost.calibration_factor); default 1
         host_ms_per_step: 0  # measured time between two steps off the device (scheduling, output); default 0
       chat-b:
@@ -32,54 +32,17 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
+from partitioner.simulate.workload import LengthDist, Slo
+
+DEFAULT_SLO = Slo(ttft_s=1.0, tpot_s=0.1)  # a model's SLO when its traffic names none (and each objective's default)
+
 LogReader = Callable[[str], Sequence[Mapping[str, Any]]]  # a traffic log's rows: start_s, prompt/output_tokens, model
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """Token counts: `fixed` (value), `uniform` (low..high, inclusive) or `lognormal` (mean, sigma of the log)."""
-
-    dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
-    value: int = 256
-    low: int = 1
-    high: int = 1
-    mean: float = 256.0
-    sigma: float = 0.5
-
-    def __post_init__(self) -> None:
-        problems = {"fixed": self.value < 1, "uniform": not 1 <= self.low <= self.high,
-                    "lognormal": not (self.mean >= 1 and self.sigma >= 0)}
-        if self.dist not in problems:
-            raise ValueError(f"dist must be fixed, uniform or lognormal, got {self.dist!r}")
-        if problems[self.dist]:
-            raise ValueError(f"{self.dist} lengths need " + {"fixed": f"value >= 1, got {self.value}",
-                             "uniform": f"1 <= low <= high, got low {self.low}, high {self.high}",
-                             "lognormal": f"mean >= 1 and sigma >= 0, got {self.mean}, {self.sigma}"}[self.dist])
-
-    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        if self.dist == "fixed":
-            return np.full(n, self.value, dtype=np.int64)
-        if self.dist == "uniform":
-            return rng.integers(self.low, self.high + 1, n)
-        mu = math.log(self.mean) - self.sigma ** 2 / 2  # so that the draws' mean is `mean`
-        return np.maximum(1, np.rint(rng.lognormal(mu, self.sigma, n))).astype(np.int64)
-
-    def expected(self) -> float:
-        return {"fixed": float(self.value), "uniform": (self.low + self.high) / 2, "lognormal": self.mean}[self.dist]
-
-
-@dataclass(frozen=True)
-class Slo:
-    """A request meets its SLO when its time to first token and its mean time per output token are both within."""
-
-    ttft_ms: float = 1000.0
-    tpot_ms: float = 100.0
 
 
 @dataclass(frozen=True)
@@ -97,7 +60,7 @@ class ModelTraffic:
     arrival_cv: float = 1.0  # coefficient of variation of the gaps: 1 is Poisson, larger is burstier
     prompt_tokens: LengthDist = field(default_factory=lambda: LengthDist("fixed", value=512))
     output_tokens: LengthDist = field(default_factory=lambda: LengthDist("fixed", value=128))
-    slo: Slo = field(default_factory=Slo)
+    slo: Slo = DEFAULT_SLO
     calibration: float = 1.0
     host_s_per_step: float = 0.0  # between a step's end and the next one's start, off the device (measured)
     trace: tuple[Arrival, ...] | None = None
@@ -170,12 +133,9 @@ def _model_traffic(path: Path, name: str, entry: Any, read_log: LogReader | None
     if not isinstance(entry, dict):
         raise ValueError(f"{path}: {where}: expected an object, got {entry!r}")
     _no_unknown(path, where + ".", entry, _MODEL_KEYS)
-    try:
-        slo = Slo(**entry.get("slo", {}))
-        prompt, output = (LengthDist(**entry[k]) if k in entry else getattr(ModelTraffic(), k)
-                          for k in ("prompt_tokens", "output_tokens"))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {where}: {exc}") from None
+    slo = _slo(path, f"{where}.slo", entry.get("slo", {}))
+    prompt, output = (_lengths(path, f"{where}.{k}", entry[k]) if k in entry else getattr(ModelTraffic(), k)
+                      for k in ("prompt_tokens", "output_tokens"))
     trace = None
     if "log" in entry:
         if read_log is None:
@@ -188,6 +148,34 @@ def _model_traffic(path: Path, name: str, entry: Any, read_log: LogReader | None
                                             positive=True),
                         host_s_per_step=_number(path, f"{where}.host_ms_per_step",
                                                 entry.get("host_ms_per_step", 0.0)) / 1e3)
+
+
+_SLO_KEYS = {"ttft_ms", "tpot_ms"}
+_LENGTH_KEYS = {"dist", "value", "low", "high", "median", "mean", "sigma"}
+
+
+def _slo(path: Path, where: str, entry: Any) -> Slo:
+    """A model's `slo:` (milliseconds); an objective it leaves out is `DEFAULT_SLO`'s."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: {where}: expected an object with ttft_ms and/or tpot_ms, got {entry!r}")
+    _no_unknown(path, where + ".", entry, _SLO_KEYS)
+    defaults = {"ttft_ms": DEFAULT_SLO.ttft_s, "tpot_ms": DEFAULT_SLO.tpot_s}
+    ttft_s, tpot_s = (_number(path, f"{where}.{k}", entry[k]) / 1e3 if k in entry else defaults[k]
+                      for k in ("ttft_ms", "tpot_ms"))
+    return Slo(ttft_s=ttft_s, tpot_s=tpot_s)
+
+
+def _lengths(path: Path, where: str, entry: Any) -> LengthDist:
+    """`{dist: fixed, value: N}`, `{dist: uniform, low: A, high: B}` or `{dist: lognormal, mean|median: M, sigma:
+    S}` (tokens; `low`/`high` clamp any of them). `dist` defaults to fixed, a fixed value to 256 tokens."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: {where}: expected an object such as {{dist: fixed, value: 256}}, got {entry!r}")
+    _no_unknown(path, where + ".", entry, _LENGTH_KEYS)
+    fields = {("kind" if k == "dist" else str(k)): v for k, v in entry.items()}
+    try:
+        return LengthDist(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {where}: {exc}") from None
 
 
 def _trace(path: Path, where: str, model: str, rows: Sequence[Mapping[str, Any]]) -> tuple[Arrival, ...]:

@@ -1,4 +1,5 @@
-"""Arrival processes (rate, burstiness, seeded reproducibility), length distributions and traces."""
+"""Arrival processes (rate, burstiness, seeded reproducibility), length distributions as bench draws them, and
+traces."""
 
 import json
 import random
@@ -6,7 +7,8 @@ import statistics
 
 import pytest
 
-from bench.arrivals import LengthDist, arrival_offsets, load_trace, measured_rate
+from bench.arrivals import arrival_offsets, load_trace, measured_rate
+from partitioner.simulate.workload import LengthDist
 
 
 @pytest.mark.parametrize("kind", ["poisson", "gamma", "constant"])
@@ -41,10 +43,10 @@ def test_lengths_stay_in_bounds_and_center_where_asked():
     rng = random.Random(3)
     uniform = LengthDist("uniform", low=20, high=120).samples(5000, rng)
     assert min(uniform) == 20 and max(uniform) == 120
-    lognormal = LengthDist("lognormal", 128, low=16, high=1024, sigma=0.6).samples(5000, rng)
+    lognormal = LengthDist("lognormal", median=128, low=16, high=1024, sigma=0.6).samples(5000, rng)
     assert statistics.median(lognormal) == pytest.approx(128, rel=0.05)
     assert min(lognormal) >= 16 and max(lognormal) <= 1024
-    assert set(LengthDist("fixed", 7).samples(10, rng)) == {7}
+    assert set(LengthDist("fixed", value=7).samples(10, rng)) == {7}
 
 
 def test_length_bounds_are_checked():

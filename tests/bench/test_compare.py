@@ -41,3 +41,27 @@ def test_baselines_are_earlier_runs_of_the_same_configuration():
     records = [record("a", 1, 1), record("b", 1, 1, label="c=8"), record("c", 1, 1), record("d", 1, 1)]
     assert [r["run_id"] for r in baselines_for(records, records[3], last=5)] == ["a", "c"]
     assert [r["run_id"] for r in baselines_for(records, records[3], last=1)] == ["c"]
+
+
+def test_records_of_the_first_schema_compare_with_later_ones_of_the_same_lengths():
+    """Schema 1 wrote every field of a length distribution, `mean` standing for a fixed length's value and for a
+    lognormal's median; later records name each distribution's own parameters. The same lengths are one
+    configuration either way, other lengths another."""
+    from bench.history import config_key
+    from bench.workloads import parse_length
+
+    def lengths(prompt: str, output: str) -> list[dict]:
+        return [{"weight": 1.0, "prompt": parse_length(prompt).parameters(),
+                 "output": parse_length(output).parameters()}]
+
+    old = {**record("a", 1, 1), "schema": 1, "lengths": [
+        {"weight": 1.0, "prompt": {"kind": "fixed", "mean": 12, "low": 1, "high": 12, "sigma": 0.5},
+         "output": {"kind": "lognormal", "mean": 100, "low": 1, "high": 1 << 20, "sigma": 0.7}}]}
+    new = {**record("b", 1, 1), "schema": 2, "lengths": lengths("fixed:12", "lognormal:100:0.7")}
+    assert config_key(old) == config_key(new)
+    assert config_key(old) != config_key({**new, "lengths": lengths("fixed:12", "lognormal:100:0.6")})
+    assert config_key(old) != config_key({**new, "lengths": lengths("fixed:13", "lognormal:100:0.7")})
+    uniform = {"kind": "uniform", "mean": 128, "low": 20, "high": 120, "sigma": 0.5}
+    assert config_key({**old, "lengths": [{"weight": 1.0, "prompt": uniform, "output": uniform}]}) == \
+        config_key({**new, "lengths": lengths("uniform:20:120", "uniform:20:120")})
+    assert baselines_for([old, new], new, last=5) == [old]

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from bench.stats import RequestResult, Slo, percentiles, prefill_rate, summarize
+from bench.stats import RequestResult, meets_slo, percentiles, prefill_rate, summarize
+from partitioner.simulate.workload import Slo
 
 
 def ok(ttft_s: float, e2e_s: float, num_output: int, num_prompt: int = 10) -> RequestResult:
@@ -30,10 +31,12 @@ def test_tpot_excludes_the_first_token():
 
 def test_slo_judges_ttft_and_tpot_per_request():
     slo = Slo(ttft_s=1.0, tpot_s=0.1)
-    assert slo.met(ok(0.9, 0.9 + 9 * 0.1, 10))
-    assert not slo.met(ok(1.1, 1.2, 2))  # TTFT too slow
-    assert not slo.met(ok(0.2, 0.2 + 9 * 0.2, 10))  # TPOT too slow
-    assert not slo.met(RequestResult(sent_s=0, status=429, error="busy"))
+    assert meets_slo(ok(0.9, 0.9 + 9 * 0.1, 10), slo)
+    assert not meets_slo(ok(1.1, 1.2, 2), slo)  # TTFT too slow
+    assert not meets_slo(ok(0.2, 0.2 + 9 * 0.2, 10), slo)  # TPOT too slow
+    assert not meets_slo(RequestResult(sent_s=0, status=429, error="busy"), slo)
+    assert meets_slo(ok(0.5, 5.0, 1), slo)  # one token: no TPOT to judge
+    assert not meets_slo(RequestResult(sent_s=0, status=200, num_output_tokens=0), slo)  # no first token
 
 
 def test_summary_counts_goodput_errors_and_throughput():

@@ -6,6 +6,7 @@ import pytest
 
 from bench.prompts import TokenFit
 from bench.workloads import BUILTIN, parse_length, plan_requests, with_lengths
+from partitioner.simulate.workload import LengthDist
 
 
 def test_fit_from_probes_inverts_to_words():
@@ -52,15 +53,27 @@ def test_shared_prefix_prompts_start_with_one_of_few_documents():
     assert all(p.num_prompt_tokens_target == 1024 + 32 for p in plans)
 
 
-@pytest.mark.parametrize(("text", "kind", "low", "high"), [("fixed:256", "fixed", 1, 256),
-                                                          ("uniform:20:120", "uniform", 20, 120),
-                                                          ("lognormal:128:0.6:16:512", "lognormal", 16, 512)])
-def test_parse_length(text, kind, low, high):
-    dist = parse_length(text)
-    assert (dist.kind, dist.low, dist.high) == (kind, low, high)
+@pytest.mark.parametrize(("text", "dist"), [
+    ("fixed:256", LengthDist("fixed", value=256)),
+    ("uniform:20:120", LengthDist("uniform", low=20, high=120)),
+    ("lognormal:128:0.6:16:512", LengthDist("lognormal", median=128, sigma=0.6, low=16, high=512)),
+    ("lognormal:128:0.6", LengthDist("lognormal", median=128, sigma=0.6, low=1, high=1 << 20))])
+def test_parse_length(text, dist):
+    assert parse_length(text) == dist
 
 
-@pytest.mark.parametrize("text", ["fixed", "uniform:1", "poisson:3", "fixed:abc"])
+@pytest.mark.parametrize("text", ["fixed", "uniform:1", "poisson:3", "fixed:abc", "fixed:0"])
 def test_parse_length_names_the_format(text):
     with pytest.raises(ValueError, match="length"):
         parse_length(text)
+
+
+def test_bench_draws_the_requests_it_drew_before_the_vocabulary_was_shared():
+    def drawn(text: str) -> list[tuple[int, int]]:
+        workload = with_lengths(BUILTIN["chat"], parse_length(text), parse_length(text))
+        return [(r.num_prompt_tokens_target, r.max_tokens) for r in plan_requests(workload, 6, TokenFit(),
+                                                                                 random.Random(3))]
+
+    assert drawn("lognormal:200:0.9") == [(223, 307), (126, 247), (978, 122), (23, 74), (428, 121), (136, 60)]
+    assert drawn("lognormal:150:0.4:20:400") == [(157, 181), (330, 201), (400, 155), (150, 137), (210, 279),
+                                                 (98, 81)]

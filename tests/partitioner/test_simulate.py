@@ -18,7 +18,8 @@ from partitioner.simulate.cost import DeviceSpeed, Share, StepWork, calibration_
 from partitioner.simulate.engine import EngineLimits, ReplicaEngine, SimRequest
 from partitioner.simulate.pools import plan_pools
 from partitioner.simulate.simulator import Member, ModelResult, Pool, SimModel, simulate
-from partitioner.simulate.traffic import LengthDist, ModelTraffic, Slo, Traffic
+from partitioner.simulate.traffic import ModelTraffic, Traffic
+from partitioner.simulate.workload import LengthDist, Slo
 from registry.fields import GIB
 from tests.partitioner.conftest import demand, gpus
 
@@ -89,7 +90,7 @@ def _alone(share: Share, kv_bytes: int = KV, model: str = "m") -> Pool:
 def _traffic(rate: float, prompt: int, output: int, duration_s: float = 3.0, seed: int = 0,
              models: tuple[str, ...] = ("m",)) -> Traffic:
     spec = ModelTraffic(rate_per_s=rate, prompt_tokens=LengthDist("uniform", low=1, high=prompt),
-                        output_tokens=LengthDist("uniform", low=1, high=output), slo=Slo(ttft_ms=50, tpot_ms=2.0))
+                        output_tokens=LengthDist("uniform", low=1, high=output), slo=Slo.from_ms(50, 2.0))
     return Traffic(duration_s, dict.fromkeys(models, spec), seed)
 
 
@@ -219,7 +220,8 @@ def test_a_traffic_file_replays_a_logged_model_and_draws_lognormal_lengths_with_
     assert read == [str(tmp_path / "traffic.jsonl")]
     a = traffic.models["a"]
     assert (a.calibration, a.host_s_per_step, a.arrival_cv) == (5.5, 0.002, 2.0)
-    assert traffic.arrivals("b") == [Arrival(0.0, 5, 9), Arrival(0.5, 7, 1)] and traffic.models["b"].slo.ttft_ms == 10
+    assert traffic.arrivals("b") == [Arrival(0.0, 5, 9), Arrival(0.5, 7, 1)]
+    assert traffic.models["b"].slo == Slo(ttft_s=0.01, tpot_s=0.1)  # 10 ms given, TPOT's default
     prompts = [a.prompt_tokens for a in traffic.arrivals("a")]
     assert len(prompts) == pytest.approx(50 * 200, rel=0.05)
     assert sum(prompts) / len(prompts) == pytest.approx(300, rel=0.03)
