@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pydantic import ValidationError
 
 from foundation.http.wire import REPLICA_TOKEN_ENV
+from registry.engine import QueueOptions
 from registry.errors import FieldProblems, pydantic_problems
 from registry.launch import ReplicaLaunch
-from registry.schema import QueueOptions
 from runtimes.server.worker import run_worker
 
 _QUEUE_OPTIONS = frozenset(QueueOptions.model_fields)

@@ -1,37 +1,47 @@
-"""A model's `engine:` section: what kind of engine its replicas run and within which limits. Two kinds, chosen by the
-model's `type`: chat and completion models run the paged-KV LLM engine (`EngineSpec`), embedding models the encoder
-engine (`EmbeddingEngineSpec`), which keeps no KV cache and so takes none of the KV options. The worker builds its
-runtime config from these as they are (registry/launch.py carries them to it): they are validated here, once.
+"""What a model's replicas run and within which limits, each setting defined here once (name, type, bound, default,
+rule): the `engine:` section of the registry, the engine's side of a model's `policy:`, and the KV budget's precedence.
+
+Two kinds of engine, chosen by the model's `type`: chat and completion models run the paged-KV LLM engine
+(`EngineSpec`), embedding models the encoder engine (`EmbeddingEngineSpec`), which keeps no KV cache and so takes none
+of the KV options. The LLM engine's options (`EngineOptions`) and its queue's (`QueueOptions`) are also the fields of
+the runtime's config (runtimes/llm/config.py's `EngineConfig` derives from both), and the simulator takes their
+defaults (partitioner/simulate/engine.py): validated here, once, by the same rules wherever they are set.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal, overload
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from policies.classify import LaneThresholds
+from policies.multilevel import MultiLevelConfig
 from registry.errors import FieldProblems, Problem, pydantic_problems
 from registry.fields import (
+    GIB,
     MAX_BLOCK_SIZE,
     MAX_GIB,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,
+    MAX_QUEUE_LEN,
     MAX_REQUEST_TOKENS,
+    MAX_WAIT_S,
     Frozen,
+    Scheduling,
 )
 
 
-class EngineSpec(Frozen):
-    """The LLM engine's limits (runtimes/llm/config.py's EngineConfig)."""
+class EngineOptions(Frozen):
+    """The LLM engine's options: what the registry's `engine:` section and the runtime's `EngineConfig` share."""
 
     block_size: int = Field(default=16, ge=1, le=MAX_BLOCK_SIZE, strict=True)
     max_num_seqs: int = Field(default=64, ge=1, le=MAX_NUM_SEQS, strict=True)
     # None: the model's own context length
     max_model_len: int | None = Field(default=None, ge=1, le=MAX_MODEL_LEN, strict=True)
     max_num_batched_tokens: int = Field(default=512, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)
-    # None: the partitioner's plan sizes it (a GPU), else the engine (1 GiB on a CPU)
-    kv_cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
     enable_prefix_caching: bool = True
     # how the weights are held: auto keeps a GGUF's own quantization on the CPU (bf16 on CUDA); q8 and q4 quantize
     # to 8 or 4 bits (CPU or CUDA); fp32, bf16, fp16 dequantize (runtimes/llm/quant/weights.py)
@@ -59,6 +69,18 @@ class EngineSpec(Frozen):
         return value
 
 
+class EngineSpec(EngineOptions):
+    """A chat or completion model's `engine:` section: the LLM engine's options and its KV cache's size."""
+
+    # None: the partitioner's plan sizes it (a GPU), else the engine (`kv_cache_budget`)
+    kv_cache_gib: float | None = Field(default=None, gt=0, le=MAX_GIB)
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        """`kv_cache_gib` in bytes."""
+        return None if self.kv_cache_gib is None else int(self.kv_cache_gib * GIB)
+
+
 class EmbeddingEngineSpec(Frozen):
     """The encoder engine's limits (runtimes/embedding/config.py's EmbeddingConfig); None: the engine's default."""
 
@@ -69,6 +91,89 @@ class EmbeddingEngineSpec(Frozen):
     max_batch_tokens: int | None = Field(default=None, ge=1, le=MAX_NUM_BATCHED_TOKENS, strict=True)
     # one request's inputs' tokens, summed; more is refused with a 400 naming `input`
     max_request_tokens: int | None = Field(default=None, ge=1, le=MAX_REQUEST_TOKENS, strict=True)
+
+
+class QueueOptions(Frozen):
+    """The engine's side of a model's policy: how its waiting queue is ordered and bounded (what a replica is
+    launched with, `registry.launch.ReplicaLaunch.queue`)."""
+
+    scheduling: Scheduling = "fcfs"
+    # policies.multilevel.MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens,
+    # max_long_running, share_window_tokens, urgent_step_max_share, share_window_steps, interrupt_steps,
+    # busy_chunk_tokens, busy_window_s); unset ones keep that class's defaults
+    multilevel: dict[str, float | int | bool | None] = {}
+    # policies.classify.LaneThresholds fields: the prompt/max_tokens lengths that make a request interactive
+    # or background when it does not say its priority
+    lanes: dict[str, int] = {}
+    max_queue_len: int | None = Field(default=None, ge=1, le=MAX_QUEUE_LEN, strict=True)  # per replica, then 429
+    max_queue_wait_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)  # not started after this long: 429
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QueueOptions:
+        if self.multilevel and self.scheduling != "multilevel":
+            raise FieldProblems([Problem("multilevel", f"only used with scheduling 'multilevel' "
+                                                       f"(scheduling is {self.scheduling!r})")])
+        _check_options(MultiLevelConfig, self.multilevel, "multilevel")
+        _check_options(LaneThresholds, self.lanes, "lanes")
+        return self
+
+
+def _check_options(options_type: Any, options: dict[str, Any], field: str) -> None:
+    """Raise FieldProblems naming `field` unless `options_type(**options)` accepts the options."""
+    try:
+        options_type(**options)
+    except TypeError as err:
+        known = ", ".join(f.name for f in dataclasses.fields(options_type))
+        raise FieldProblems([Problem(field, f"{err}; known options: {known}")]) from None
+    except ValueError as err:
+        raise FieldProblems([Problem(field, str(err))]) from None
+
+
+CPU_KV_CACHE_BYTES = GIB  # an engine's KV budget off CUDA when neither its model nor a plan sizes it
+KV_CACHE_MEMORY_FRACTION = 0.5  # on CUDA, likewise: of what the process may still take once its weights are loaded
+
+
+@overload
+def kv_cache_budget(explicit: int | None, planned: int, *, device: str | None = None,
+                    free_bytes: Callable[[], int] | None = None,
+                    memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int: ...
+
+
+@overload
+def kv_cache_budget(explicit: int | None, planned: int | None = None, *, device: str,
+                    free_bytes: Callable[[], int] | None = None,
+                    memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int: ...
+
+
+@overload
+def kv_cache_budget(explicit: int | None, planned: int | None = None, *, device: None = None,
+                    free_bytes: Callable[[], int] | None = None,
+                    memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int | None: ...
+
+
+def kv_cache_budget(explicit: int | None, planned: int | None = None, *, device: str | None = None,
+                    free_bytes: Callable[[], int] | None = None,
+                    memory_fraction: float = KV_CACHE_MEMORY_FRACTION) -> int | None:
+    """A replica's KV-cache bytes, decided here for the planner, the launch and the engine. The first that is set:
+
+    1. `explicit`: the model's own size (`EngineSpec.kv_cache_bytes`; at the engine, its config's `kv_cache_bytes`,
+       which the launch decided by this same precedence);
+    2. `planned`: the partitioner's share for the replica (partitioner/planning/demand.py: what `placement.memory_gib`
+       leaves after weights and overhead, else one full-length sequence);
+    3. at the engine's start, on `device` (a torch device type): on CUDA `memory_fraction` of `free_bytes()`, what
+       the process may still take there (asked only then); on any other device `CPU_KV_CACHE_BYTES`.
+
+    None: neither 1 nor 2, and no device yet: the engine decides when it starts."""
+    for given in (explicit, planned):
+        if given is not None:
+            return given
+    if device is None:
+        return None
+    if device != "cuda":
+        return CPU_KV_CACHE_BYTES
+    if free_bytes is None:
+        raise ValueError("a CUDA engine's KV budget needs the device's free memory (free_bytes)")
+    return int(max(0, free_bytes()) * memory_fraction)
 
 
 _KV_ONLY = frozenset(EngineSpec.model_fields) - frozenset(EmbeddingEngineSpec.model_fields)

@@ -15,9 +15,9 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from registry.command import CommandSpec
-from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
-from registry.fields import GIB, Alias, Device, Frozen, ModelName, ModelType
-from registry.schema import ModelSpec, Placement, QueueOptions, RayResources
+from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type, kv_cache_budget
+from registry.fields import Alias, Device, Frozen, ModelName, ModelType
+from registry.schema import ModelSpec, Placement, RayResources
 
 
 class ReplicaPlacement(Frozen):
@@ -60,11 +60,10 @@ class ReplicaLaunch(Frozen):
 
     @property
     def kv_cache_bytes(self) -> int | None:
-        """The KV budget, decided here once: the model's `kv_cache_gib`, else the plan's; None leaves it to the
-        engine (1 GiB on a CPU, a fraction of the free memory under the process's cap on a GPU)."""
-        if isinstance(self.engine, EngineSpec) and self.engine.kv_cache_gib is not None:
-            return int(self.engine.kv_cache_gib * GIB)
-        return self.placement.kv_cache_bytes
+        """The KV budget the replica's engine is given (`registry.engine.kv_cache_budget`): the model's
+        `kv_cache_gib`, else the plan's; None leaves it to the engine when it starts."""
+        explicit = self.engine.kv_cache_bytes if isinstance(self.engine, EngineSpec) else None
+        return kv_cache_budget(explicit, self.placement.kv_cache_bytes)
 
 
 

@@ -13,7 +13,6 @@ in code with plain `model_validate` has no file to be relative to and skips it.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,11 +27,9 @@ from pydantic import (
     model_validator,
 )
 
-from policies.classify import LaneThresholds
-from policies.multilevel import MultiLevelConfig
 from registry import sources
 from registry.command import CommandSpec
-from registry.engine import EmbeddingEngineSpec, EngineSpec, engine_for_type
+from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type
 from registry.errors import FieldProblems, Problem, pydantic_problems
 from registry.fields import (
     GIB,
@@ -40,7 +37,6 @@ from registry.fields import (
     MAX_GIB,
     MAX_LOAD_BOUND,
     MAX_PREFIX_CHARS,
-    MAX_QUEUE_LEN,
     MAX_REPLICAS,
     MAX_WAIT_S,
     MAX_WEIGHT,
@@ -54,7 +50,6 @@ from registry.fields import (
     ModelName,
     ModelType,
     Routing,
-    Scheduling,
 )
 
 
@@ -194,31 +189,6 @@ class Placement(Frozen):
             raise FieldProblems([Problem("mig_instance", f"names a MIG instance to share by mps or timeslice, but "
                                                          f"isolation is {self.isolation!r} (a mig replica gets an "
                                                          f"instance of its own, an exclusive one a whole GPU)")])
-        return self
-
-
-class QueueOptions(Frozen):
-    """The engine's side of a model's policy: how its waiting queue is ordered and bounded (what a replica is
-    launched with, `registry.launch.ReplicaLaunch.queue`)."""
-
-    scheduling: Scheduling = "fcfs"
-    # policies.multilevel.MultiLevelConfig fields (aging_s, normal_min_share, long_prompt_tokens,
-    # max_long_running, share_window_tokens, urgent_step_max_share, share_window_steps, interrupt_steps,
-    # busy_chunk_tokens, busy_window_s); unset ones keep that class's defaults
-    multilevel: dict[str, float | int | bool | None] = {}
-    # policies.classify.LaneThresholds fields: the prompt/max_tokens lengths that make a request interactive
-    # or background when it does not say its priority
-    lanes: dict[str, int] = {}
-    max_queue_len: int | None = Field(default=None, ge=1, le=MAX_QUEUE_LEN, strict=True)  # per replica, then 429
-    max_queue_wait_s: float | None = Field(default=None, gt=0, le=MAX_WAIT_S)  # not started after this long: 429
-
-    @model_validator(mode="after")
-    def _consistent(self) -> QueueOptions:
-        if self.multilevel and self.scheduling != "multilevel":
-            raise FieldProblems([Problem("multilevel", f"only used with scheduling 'multilevel' "
-                                                       f"(scheduling is {self.scheduling!r})")])
-        _check_options(MultiLevelConfig, self.multilevel, "multilevel")
-        _check_options(LaneThresholds, self.lanes, "lanes")
         return self
 
 
@@ -470,17 +440,6 @@ def validate_registry(data: Any, registry_path: str | Path) -> Registry:
     """Validate registry data read from (or to be written to) `registry_path`: every rule, model roots included.
     Raises pydantic's `ValidationError` (see `validation_problems`)."""
     return Registry.model_validate(data, context={_REGISTRY_DIR: Path(registry_path).parent})
-
-
-def _check_options(options_type: Any, options: dict[str, Any], field: str) -> None:
-    """Raise FieldProblems naming `field` unless `options_type(**options)` accepts the options."""
-    try:
-        options_type(**options)
-    except TypeError as err:
-        known = ", ".join(f.name for f in dataclasses.fields(options_type))
-        raise FieldProblems([Problem(field, f"{err}; known options: {known}")]) from None
-    except ValueError as err:
-        raise FieldProblems([Problem(field, str(err))]) from None
 
 
 def _duplicates(field: str, values: list[str]) -> list[Problem]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from foundation.config_files import config_path
 from partitioner.planning.plan import InfeasiblePlan
-from registry.engine import EngineSpec
+from registry.engine import EngineSpec, kv_cache_budget
 from registry.fields import GIB, MIB, Device, Isolation
 from registry.schema import ModelSpec, Registry
 
@@ -98,19 +98,20 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
 def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: int) -> tuple[int | None, int | None]:
     """(device memory, KV-cache bytes) of one replica; either may be None (unknown). Raises ValueError.
 
-    KV budget: `engine.kv_cache_gib` when set; else what `placement.memory_gib` leaves after weights and overhead;
-    else one `max_model_len` sequence (the least that serves a full-length request). Embedding models have none.
+    KV budget (`registry.engine.kv_cache_budget`): `engine.kv_cache_gib` when set; else the plan's share, what
+    `placement.memory_gib` leaves after weights and overhead, else one `max_model_len` sequence (the least that serves
+    a full-length request). Embedding models have none.
     """
     engine = model.engine if isinstance(model.engine, EngineSpec) else None  # an encoder keeps no KV cache
     is_llm = engine is not None
-    explicit_kv = None if engine is None else _bytes(engine.kv_cache_gib)
+    explicit_kv = None if engine is None else engine.kv_cache_bytes
     one_seq = None if engine is None else _one_sequence_kv(engine, shape)
     weights = shape.weights_bytes if shape is not None else None
     total = _bytes(model.placement.memory_gib)
     if total is not None:
         if weights is None:
             return total, explicit_kv
-        budget = explicit_kv if explicit_kv is not None else (total - weights - overhead_bytes if is_llm else 0)
+        budget = kv_cache_budget(explicit_kv, total - weights - overhead_bytes) if is_llm else 0
         need = weights + max(budget, 0) + overhead_bytes
         if need > total:
             with_kv = f" + KV cache {_gib(budget)}" if budget > 0 else (", before any KV cache" if is_llm else "")
@@ -124,7 +125,7 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
             raise ValueError(f"placement.memory_gib {_gib(total)} less weights {_gib(weights)} and overhead "
                              f"{_gib(overhead_bytes)}: {exc}") from None
         return total, budget if is_llm else None
-    kv = explicit_kv if explicit_kv is not None else one_seq
+    kv = kv_cache_budget(explicit_kv, one_seq)
     _check_kv(kv, one_seq, engine)
     if weights is None:
         return None, kv

@@ -17,16 +17,19 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from partitioner.simulate.cost import StepWork
+from registry.engine import EngineOptions
+
+_DEFAULTS = EngineOptions()  # the registry's and the runtime's defaults, defined once there
 
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The engine options that shape batches (registry `engine:`; runtimes/llm/config.py's defaults)."""
+    """The engine options that shape batches (registry/engine.py's `EngineOptions`, whose defaults they take)."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    block_size: int = 16
+    max_num_seqs: int = _DEFAULTS.max_num_seqs
+    max_num_batched_tokens: int = _DEFAULTS.max_num_batched_tokens
+    max_model_len: int | None = _DEFAULTS.max_model_len
+    block_size: int = _DEFAULTS.block_size
 
 
 @dataclass(eq=False)

@@ -31,17 +31,11 @@ HTTP_SWITCH_INTERVAL_S = 0.0005
 
 
 def engine_config(launch: ReplicaLaunch) -> EngineConfig:
-    """The LLM engine's config of a chat or completion model's launch (its KV budget decided by the launch)."""
-    engine, queue = launch.engine, launch.queue
-    if not isinstance(engine, EngineSpec):
+    """The LLM engine's config of a chat or completion model's launch: its engine and queue options as they are, its
+    device, and the KV budget the launch decided."""
+    if not isinstance(launch.engine, EngineSpec):
         raise TypeError(f"a {launch.type} model's launch carries embedding engine options")
-    return EngineConfig(
-        block_size=engine.block_size, max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
-        max_num_batched_tokens=engine.max_num_batched_tokens, kv_cache_bytes=launch.kv_cache_bytes,
-        enable_prefix_caching=engine.enable_prefix_caching, weights=engine.weights, kv_dtype=engine.kv_dtype,
-        cuda_graphs=engine.cuda_graphs, overlap_steps=engine.overlap_steps, deterministic=engine.deterministic,
-        device=launch.device, scheduling=queue.scheduling, multilevel=dict(queue.multilevel), lanes=dict(queue.lanes),
-        max_queue_len=queue.max_queue_len, max_queue_wait_s=queue.max_queue_wait_s)
+    return EngineConfig.of(launch.engine, launch.queue, kv_cache_bytes=launch.kv_cache_bytes, device=launch.device)
 
 
 def embedding_config(launch: ReplicaLaunch) -> EmbeddingConfig:

@@ -10,7 +10,6 @@ overhead needs a GPU: `tests/gpu/check_partitioner.py` measures it there.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -46,7 +45,7 @@ def placed_engine(tmp_path, model: dict) -> tuple[LLMEngine, object, object]:
     plan = placer.plan_for(registry)
     assert plan is not None
     launch = replica_launch(registry.models[0], 0, placer.place(registry.models[0], 0).placement)
-    config = dataclasses.replace(engine_config(launch), device="cpu")
+    config = engine_config(launch).model_copy(update={"device": "cpu"})
     loaded = load_model(launch.source, torch.device("cpu"), BF16, select_attention("auto", torch.device("cpu")),
                         progress=False)
     return LLMEngine(loaded, config), plan.replica("m/0"), launch
