@@ -12,9 +12,11 @@ from pydantic import ValidationError
 from partitioner.simulate.engine import EngineLimits
 from registry.engine import EngineOptions, EngineSpec, QueueOptions
 from registry.fields import GIB, MAX_NUM_SEQS
+from runtimes.cuda_memory import default_kv_bytes, limit_process_memory
 from runtimes.llm import config as config_module
 from runtimes.llm.config import KV_DTYPES, EngineConfig
 from runtimes.llm.quant.weights import WEIGHT_CHOICES
+from tests.runtimes.test_cuda_memory import StrictCuda
 
 
 def test_the_runtime_the_registry_and_the_simulator_share_one_set_of_defaults():
@@ -64,13 +66,20 @@ def test_the_engines_kv_budget_on_its_device(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert EngineConfig().kv_cache_budget(cpu) == GIB
     assert EngineConfig(kv_cache_bytes=1 << 20).kv_cache_budget(cpu) == 1 << 20
-    asked: list[tuple[torch.device, float]] = []
+    device = StrictCuda(total=80 * GIB, free=70 * GIB, reserved=4 * GIB)
+    asked: list[float] = []
 
-    def left_on(device: torch.device, fraction: float) -> int:
-        asked.append((device, fraction))
-        return 8 * GIB
+    def left_on(on: torch.device, fraction: float) -> int:
+        asked.append(fraction)
+        return default_kv_bytes(on, fraction, device)
 
     monkeypatch.setattr(config_module, "default_kv_bytes", left_on)
     assert EngineConfig(kv_cache_bytes=1 << 20).kv_cache_budget(cuda) == 1 << 20 and not asked
-    assert EngineConfig(kv_cache_memory_fraction=0.25).kv_cache_budget(cuda) == 2 * GIB
-    assert asked == [(cuda, 1.0)]
+    for cap in (None, 0.25, 0.05):  # none; 20 GiB, 4 of them the weights'; 4 GiB, over it already
+        if cap is not None:
+            limit_process_memory(cap, cuda, device)
+        # the fraction of what the process may still take on the device (runtimes/cuda_memory.py)
+        assert EngineConfig().kv_cache_budget(cuda) == default_kv_bytes(cuda, 0.5, device)
+        assert EngineConfig(kv_cache_memory_fraction=0.25).kv_cache_budget(cuda) == \
+            default_kv_bytes(cuda, 0.25, device)
+    assert EngineConfig().kv_cache_budget(cuda) == 0 and set(asked) == {1.0}
