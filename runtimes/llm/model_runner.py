@@ -11,8 +11,10 @@ from runtimes.llm.attention import AttentionMetadata
 from runtimes.llm.attention.metadata import to_device
 from runtimes.llm.config import ModelConfig
 from runtimes.llm.cuda_graphs import DecodeGraphs
+from runtimes.llm.logits_processors import SamplingRow
 from runtimes.llm.model import LlamaForCausalLM, PartialForward, StepInterrupted
-from runtimes.llm.sampler import Sampler, SamplingRow
+from runtimes.llm.request import Request
+from runtimes.llm.sampler import Sampler
 from runtimes.llm.scheduler import ScheduledRequest, SchedulerOutput
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -31,6 +33,12 @@ def allocate_kv_caches(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_layers)
     ]
+
+
+def sampling_row(request: Request) -> SamplingRow:
+    """What the sampler needs of a request for its next token."""
+    return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, request.seed,
+                       request.eos_token_ids)
 
 
 @dataclass
@@ -78,15 +86,7 @@ class ModelRunner:
             tables.append(block_tables[request.request_id])
             if item.samples:
                 sampling.index.append(len(input_ids) - 1)
-                sampling.rows.append(
-                    SamplingRow(
-                        params=request.params,
-                        prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=request.output_token_ids,
-                        seed=request.seed,
-                        eos_token_ids=request.eos_token_ids,
-                    )
-                )
+                sampling.rows.append(sampling_row(request))
                 sampling.request_ids.append(request.request_id)
         if self.graphs is not None and len(input_ids) == len(tables):  # one new token per request
             hidden = self.graphs.run(input_ids, positions, tables)
@@ -114,7 +114,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
                device_ids: torch.Tensor | None = None) -> PendingStep | None:
-        """Start a decode step of one new token per request, each sampled from its logits alone (`sampler.on_device`),
+        """Start a decode step of one new token per request, each sampled from its logits alone (`Sampler.on_device`),
         by graph replay, without waiting for it: its tokens come back through `PendingStep.collect`. `device_ids`: the
         rows' input tokens on the device (a step still in flight samples them), instead of `token_ids[start]`; each
         row then counts that token among its outputs (a seeded row's noise is keyed by its output position). None

@@ -3,10 +3,10 @@
 One call samples one token for every row of a `[B, V]` logits batch, each row with its own
 `SamplingParams`. The pipeline, in order:
 
-0. `logit_bias`: each row's (token id -> bias) is added to its logits (OpenAI semantics);
-1. penalties: repetition (prompt + output tokens, vLLM semantics), then presence / frequency
-   (output tokens only, OpenAI semantics);
-2. `min_tokens`: EOS and `stop_token_ids` get logit -inf while the output is shorter than `min_tokens`;
+0-2. the logits processors (runtimes/llm/logits_processors.py), each on the rows that want it, in one batched call:
+   `logit_bias` (OpenAI semantics); penalties: repetition (prompt + output tokens, vLLM semantics), then presence /
+   frequency (output tokens only, OpenAI semantics); `min_tokens`: EOS and `stop_token_ids` get logit -inf while the
+   output is shorter than `min_tokens`; then any the engine adds (a grammar's mask);
 3. logprobs: `log_softmax` of the logits at this point, i.e. AFTER penalties and suppression but BEFORE
    temperature / top-k / top-p / min-p. This is vLLM's default ("raw" model distribution as adjusted by
    the request's penalties), so reported logprobs do not depend on how the token was sampled;
@@ -17,7 +17,7 @@ Noise: unseeded rows draw `q` in one batched call from the engine-wide generator
 draws its `[V]` vector from a generator seeded with a hash of (seed, output position): its token at each position
 is a pure function of the seed, the position and the logits, so it depends neither on the rest of the batch, nor on
 its place in it, nor on what ran before on this replica. A request resumed elsewhere with its first k tokens given
-(runtimes/llm/engine.py) samples token k + 1 exactly as the undisturbed run did, and a step rerun after a fault
+(runtimes/llm/input_processor.py) samples token k + 1 exactly as the undisturbed run did, and a step rerun after a fault
 draws the same noise again. Noise is drawn on the logits' device, by the engine's generator there and a keyed
 generator per device, so a GPU step copies no `[R, V]` noise from the host; greedy rows draw none. Draws are
 reproducible on one kind of device (a CUDA generator's stream differs from the CPU's, and may differ between GPU
@@ -25,8 +25,8 @@ models), so a seeded request resumed on another replica continues exactly where 
 
 Host to device: what the random rows need (their rows, temperatures, top-k, top-p, min-p, which are unseeded) goes
 in one copy (`upload`: from page-locked memory, not waiting, on CUDA), so a step of greedy and plain sampled rows
-waits for the device once, when its tokens are read back. Penalties, logit bias, suppression and logprobs still
-copy and read back on their own (their rows never run ahead: `on_device`).
+waits for the device once, when its tokens are read back. The processors and logprobs still copy and read back on
+their own (their rows never run ahead: `on_device`).
 Exp(1) is drawn as -log(1 - U), U uniform in [0, 1): on the CPU torch's `exponential_` took 1.09 ms for SmolLM2's
 49,152 values and this 0.24 ms, a tenth of a batch-1 decode step.
 """
@@ -39,26 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from runtimes.llm.attention.metadata import to_device
-from runtimes.llm.sampling_params import SamplingParams
+from runtimes.llm.logits_processors import BUILTIN_PROCESSORS, LogitsProcessor, SamplingRow
 
 _NEG_INF = float("-inf")
 # Exp(1) draws can be exactly 0; clamping keeps probs / q finite (1 / tiny < float32 max).
 _TINY = torch.finfo(torch.float32).tiny
-
-
-@dataclass
-class SamplingRow:
-    """One row of the batch: the sequence to sample the next token for."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    # The sequence's seed (the request's `seed`, plus the sample's index when n > 1), or None: unseeded. Its noise
-    # for the next token is keyed by (seed, len(output_token_ids)).
-    seed: int | None
-    # Suppressed with params.stop_token_ids while len(output_token_ids) < params.min_tokens
-    # (EOS is not suppressed when params.ignore_eos, as in vLLM: it does not stop the sequence then).
-    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -71,67 +56,36 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-def on_device(params: SamplingParams, num_output: int) -> bool:
-    """Whether a row's next token needs nothing but its logits (and, when random, its parameters and noise): no
-    penalties, bias or logprobs, and nothing suppressed (its `min_tokens`, if any, reached at `num_output` tokens,
-    and so at any later one). `Sampler.device_tokens` samples such rows without reading anything back."""
-    return not _has_penalties(params) and not params.logit_bias and params.logprobs is None and (
-        num_output >= params.min_tokens)
-
-
-def plain_greedy(params: SamplingParams, num_output: int) -> bool:
-    """Whether a row's next token is just the argmax of its logits: greedy and `on_device`."""
-    return params.greedy and on_device(params, num_output)
-
-
-def _suppressed_ids(row: SamplingRow) -> tuple[int, ...]:
-    p = row.params
-    if len(row.output_token_ids) >= p.min_tokens:
-        return ()
-    return (*(() if p.ignore_eos else row.eos_token_ids), *p.stop_token_ids)
-
-
-def _flat_index(
-    pairs: Sequence[tuple[int, Sequence[int]]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token ids) pairs -> (row indices, token indices) `[N]` long tensors for indexing a [B, V]."""
-    rows = [torch.full((len(ids),), i, dtype=torch.long) for i, ids in pairs]
-    toks = [torch.as_tensor(ids, dtype=torch.long) for _, ids in pairs]
-    return torch.cat(rows).to(device), torch.cat(toks).to(device)
-
-
-def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [B, 1]
-
-
 class Sampler:
-    """Samples one token per row; `generator` serves every row that has no generator of its own."""
+    """Samples one token per row; `generator` serves every row that has no generator of its own. `processors` edit
+    the logits first, in their order (runtimes/llm/logits_processors.py; default: the built-ins)."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None,
+                 processors: Sequence[LogitsProcessor] = BUILTIN_PROCESSORS) -> None:
         self.generator = generator
+        self.processors = tuple(processors)
         self._keyed: dict[torch.device, torch.Generator] = {}  # per device; reseeded per seeded row and position
+
+    def on_device(self, row: SamplingRow) -> bool:
+        """Whether the row's next token needs nothing but its logits (and, when random, its parameters and noise): no
+        processor wants it and it asks no logprobs. `device_tokens` samples such rows without reading anything back.
+        Once true for a row it stays true at its later tokens (the processors' `wants` promise it)."""
+        return row.params.logprobs is None and not any(p.wants(row) for p in self.processors)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` `[B, V]` (any float dtype, any device), one `SamplingRow` per batch row."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits [{len(rows)}, V], got {tuple(logits.shape)}")
-        if all(plain_greedy(r.params, len(r.output_token_ids)) for r in rows):  # no [B, V] work at all
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
+        wanted = [[i for i, r in enumerate(rows) if p.wants(r)] for p in self.processors]
         params = [r.params for r in rows]
-        suppress = [_suppressed_ids(r) for r in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
-        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if not want_logprobs and not any(wanted) and all(p.greedy for p in params):  # no [B, V] work at all
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, [None] * len(rows))
 
-        x = logits.to(torch.float32, copy=True)  # [B, V]; a copy, as it is edited in place below
-        if biased:
-            _add_logit_bias(x, biased)
-        self._apply_penalties(x, rows)
-        if any(suppress):
-            x[_flat_index([(i, ids) for i, ids in enumerate(suppress) if ids], x.device)] = _NEG_INF
+        x = logits.to(torch.float32, copy=True)  # [B, V]; a copy, as the processors edit it in place
+        for processor, at in zip(self.processors, wanted, strict=True):
+            if at:
+                processor.apply(x, at, rows)
         logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None  # [B, V]
 
         tokens = self._draw(x, rows)
@@ -166,26 +120,6 @@ class Sampler:
             plan = _RandomRows.upload(rows, rand, x.shape[1], x.device)
             tokens[plan.rows] = self._sample(x[plan.rows], [rows[i] for i in rand], plan)
         return tokens
-
-    @staticmethod
-    def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        """In place on `x` [B, V]. Only rows that use a penalty contribute token indices."""
-        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-        if rep:
-            seen = torch.zeros_like(x, dtype=torch.bool)  # [B, V]: token in prompt or output
-            pairs = [(i, ids) for i in rep for ids in (rows[i].prompt_token_ids, rows[i].output_token_ids)]
-            seen[_flat_index(pairs, x.device)] = True
-            penalty = _column([r.params.repetition_penalty for r in rows], x.device)  # [B, 1]
-            # vLLM: divide positive logits, multiply negative ones, so the penalty always lowers them.
-            x.copy_(torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x))
-        pf = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
-        if pf:
-            counts = torch.zeros_like(x)  # [B, V]: occurrences in the output only (OpenAI semantics)
-            row_idx, tok_idx = _flat_index([(i, rows[i].output_token_ids) for i in pf], x.device)
-            counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=x.dtype), accumulate=True)
-            freq = _column([r.params.frequency_penalty for r in rows], x.device)  # [B, 1]
-            presence = _column([r.params.presence_penalty for r in rows], x.device)  # [B, 1]
-            x -= freq * counts + presence * (counts > 0)
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow], plan: _RandomRows) -> torch.Tensor:
         """Random rows only: `x` [R, V] penalised logits -> sampled token ids [R]."""
@@ -272,14 +206,6 @@ def position_seed(seed: int, position: int) -> int:
 def _exp1(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """Exp(1) draws: -log(1 - U) for U uniform in [0, 1)."""
     return torch.rand(shape, generator=generator, device=device).neg_().log1p_().neg_()
-
-
-def _add_logit_bias(x: torch.Tensor, biased: Sequence[tuple[int, tuple[tuple[int, float], ...]]]) -> None:
-    """In place on `x` [B, V]: add each listed row's (token id, bias) pairs. Ids were checked against the
-    vocabulary when the request was accepted (SamplingParams.check_vocab)."""
-    rows, tokens = _flat_index([(i, [t for t, _ in bias]) for i, bias in biased], x.device)
-    values = torch.tensor([b for _, bias in biased for _, b in bias], dtype=x.dtype, device=x.device)
-    x.index_put_((rows, tokens), values, accumulate=True)
 
 
 def _mask_top_k_top_p(x: torch.Tensor, plan: _RandomRows) -> torch.Tensor:

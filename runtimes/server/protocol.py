@@ -31,7 +31,7 @@ class StreamOptions(_Strict):
 
 class ResumeFields(_Strict):
     """A continuation (`multiserve_resume`, sent by the gateway): the request as first sent, plus what another replica
-    had generated of it. Generation goes on after `token_ids` (runtimes/llm/engine.py `add_request`); a stream keeps
+    had generated of it. Generation goes on after `token_ids` (runtimes/llm/input_processor.py); a stream keeps
     the first one's `id` and `created` (a whole reply, of which the client has seen nothing, gets its own when they
     are not given)."""
 

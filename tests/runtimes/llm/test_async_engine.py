@@ -125,7 +125,7 @@ def test_an_interactive_arrival_stops_a_background_prefill_step_in_flight(tiny_l
         calls.append([item.request.request_id for item in plan.scheduled])
         if len(calls) == 2:  # bg's second chunk: hold it until the arrival has been announced
             in_second_step.set()
-            assert async_engine.engine._yield_wanted.wait(10)
+            assert async_engine.engine.loop.stopped.wanted.wait(10)
         return execute(plan, block_tables, interrupt)
 
     async_engine.engine.runner.execute = announced_mid_step  # type: ignore[method-assign]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtimes.llm import engine as engine_module
+from runtimes.llm import engine_setup
 from runtimes.llm.attention import paged_attention_ref, reads_only_device_metadata, select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.cuda_graphs import capture_sizes
@@ -104,7 +104,7 @@ def test_graph_decode_under_preemption_rewrites_the_rows_of_re_allocated_tables(
 
 
 def test_batches_beyond_the_largest_bucket_run_eagerly(engines, monkeypatch):
-    monkeypatch.setattr(engine_module, "capture_sizes", lambda max_num_seqs: [1, 2, 4])
+    monkeypatch.setattr(engine_setup, "capture_sizes", lambda max_num_seqs: [1, 2, 4])
     eager, graphed = engines(max_num_seqs=12)  # batches of 5..12 must take the eager path
     graphs = graphed.runner.graphs
     assert graphs is not None and graphs.max_size == 4
@@ -159,7 +159,7 @@ def test_the_stand_in_bakes_host_values_as_a_graph_does(tiny_loaded, monkeypatch
     loaded = tiny_loaded(seed=3)
     config = EngineConfig(kv_cache_bytes=256 * KV_PER_TOKEN, block_size=4, max_num_seqs=4)
     eager = LLMEngine(loaded, config)
-    monkeypatch.setattr(engine_module, "graphs_apply", lambda model, kv_dtype: True)
+    monkeypatch.setattr(engine_setup, "graphs_apply", lambda model, kv_dtype: True)
     forced = LLMEngine(loaded, config, new_graph=ReplayingGraph)
     assert forced.runner.graphs is not None
     requests = {"g": (random_prompt(5, 9), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))}

@@ -101,7 +101,9 @@ def test_a_fault_while_detokenizing_fails_that_request_only(engine):
     def broken(token: int) -> str:
         raise UnicodeError("injected")
 
-    engine._sequences["bad"].detokenizer.add = broken  # type: ignore[method-assign]
+    seq = engine.sequences.get("bad")
+    assert seq is not None
+    seq.detokenizer.add = broken  # type: ignore[method-assign]
     results = run_to_completion(engine, {})
     assert results["bad"].finish_reason == "error" and results["ok"].finish_reason == "length"
     _assert_no_leak(engine)

@@ -1,4 +1,4 @@
-"""Decode steps launched ahead (`LLMEngine._launch_ahead`), through the CPU stand-in for CUDA graphs.
+"""Decode steps launched ahead (runtimes/llm/steps/ahead.py), through the CPU stand-in for CUDA graphs.
 
 On the CPU every launch completes before it returns, so what is checked here is the bookkeeping, not the overlap in
 time: a step planned before the previous one's tokens are applied, its input tokens read from that step's device
@@ -124,7 +124,7 @@ def test_an_arrival_or_an_abort_between_steps_breaks_the_chain_and_loses_nothing
         for _ in range(6):  # prefill, then decode steps (launched ahead on the overlapping engine)
             outputs += engine.step()
         if engine is overlapping:
-            assert engine._inflight is not None
+            assert engine.loop.ahead.inflight is not None
         outputs += engine.abort_request("a1")
         engine.add_request("late", *late["late"])
         while engine.has_unfinished_requests():

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from runtimes.llm.sampler import Sampler, SamplingRow
+from runtimes.llm.logits_processors import SamplingRow
+from runtimes.llm.sampler import Sampler
 from runtimes.llm.sampling_params import SamplingParams
 
 
