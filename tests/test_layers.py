@@ -159,9 +159,10 @@ def _imports_torch(path: Path) -> bool:
 
 def _torch_reached_from(packages: tuple[str, ...], modules: dict[str, Path],
                         edges: dict[str, set[str]]) -> dict[str, list[str]]:
-    """For each module that imports torch and is reachable from `packages`' modules: one import path to it."""
+    """For each module that imports torch and is reachable from the modules of `packages` (dotted names, e.g.
+    "gateway" or "partitioner.planning"): one import path to it."""
     found: dict[str, list[str]] = {}
-    for start in sorted(m for m in modules if m.split(".")[0] in packages):
+    for start in sorted(m for m in modules if any(m == p or m.startswith(f"{p}.") for p in packages)):
         seen, frontier = {start: [start]}, [start]
         while frontier:
             module = frontier.pop()

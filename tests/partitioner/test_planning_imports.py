@@ -8,25 +8,14 @@ import subprocess
 import sys
 
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
-from tests.test_layers import ROOT, _imports, _imports_torch, _modules
+from tests.test_layers import ROOT, _imports, _modules, _torch_reached_from
 
 PLANNING = ("partitioner.planning", "partitioner.simulate")
 
 
 def test_no_planning_module_reaches_torch():
     modules = _modules()
-    edges = _imports(modules)
-    found: dict[str, list[str]] = {}
-    for start in sorted(m for m in modules if m.startswith(PLANNING)):
-        seen, frontier = {start: [start]}, [start]
-        while frontier:
-            module = frontier.pop()
-            for target in sorted(edges.get(module, ())):
-                if target not in seen:
-                    seen[target] = [*seen[module], target]
-                    frontier.append(target)
-        found.update({m: path for m, path in seen.items() if _imports_torch(modules[m])})
-    assert found == {}
+    assert _torch_reached_from(PLANNING, modules, _imports(modules)) == {}
 
 
 def test_planning_with_an_estimated_shape_loads_no_torch(tmp_path):
