@@ -18,6 +18,31 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a 64-bit signed seed; torch's 
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's whole output (constrained decoding): exactly one of the forms is set. `param` is
+    the request field it came from, which errors name (e.g. "response_format.json_schema")."""
+
+    json_schema: str | None = None  # a JSON schema, as JSON text: the output is a JSON value it validates
+    json_object: bool = False  # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None  # the output matches this regular expression in full
+    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # a context-free grammar (Lark syntax, or GBNF)
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        forms = [self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(forms) != 1:
+            raise InvalidRequestError(f"{self.param}: give exactly one of json, json_object, regex, choice, grammar",
+                                      param=self.param)
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidRequestError(f"{self.param}: choice must be a non-empty list of non-empty strings",
+                                          param=self.param)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """What to sample and when to stop. Field names and defaults follow vLLM / OpenAI.
 
@@ -42,6 +67,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # number of top alternatives per sampled token; 0 = only the sampled one
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # constrained decoding: the output follows this
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
