@@ -1,5 +1,5 @@
 """Cutting a replica's byte stream into frames (SSE events, progress lines) in time linear in its length, with every
-byte held for a frame bounded, and reading the token-id lines of the continuation protocol (runtimes/server/wire.py).
+byte held for a frame bounded, and reading the token-id lines of the continuation protocol (foundation/http/wire.py).
 
 What a replica sends is never trusted to be short, well framed or well formed: a frame longer than its bound, or a
 token line that is not a list of ids, is `UpstreamMalformed`, which ends the client's reply with an error (a 502, or

@@ -1,6 +1,6 @@
 """Gateway middleware, one concern each, as plain ASGI callables.
 
-Order (outermost first): RequestId -> AccessLog -> BodySizeLimit (runtimes/server/body_limit.py, shared with
+Order (outermost first): RequestId -> AccessLog -> BodySizeLimit (foundation/http/body_limit.py, shared with
 the replicas) -> Auth (gateway/auth.py) -> RateLimit (gateway/limits.py) [-> Traffic (gateway/traffic.py)].
 Errors they raise themselves are answered in OpenAI's shape through the shared error mapping; what they learn
 about a request goes to its context (gateway/context.py).

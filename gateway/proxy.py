@@ -391,7 +391,7 @@ class Forwarder:
             self.metrics.e2e.labels(model).observe(self.clock() - call.start)
 
     async def _whole_reply(self, request: Request, leg: _Leg, call: _Call, headers: dict[str, str]) -> Response:
-        """A non-streamed generation, read as progress (runtimes/server/wire.py PROGRESS_MEDIA_TYPE). When its replica
+        """A non-streamed generation, read as progress (foundation/http/wire.py PROGRESS_MEDIA_TYPE). When its replica
         fails, stalls, answers 503 (its engine died) or is drained with migration before the reply line has come, a
         resumable one (`call.resume`) is generated on to its end on another replica, within the resumption budget,
         and the client gets the one whole reply that ends it; any other is retried from the start elsewhere, as a

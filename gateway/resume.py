@@ -1,7 +1,7 @@
 """Resumable generations, the gateway's side: what a relayed stream has shown its client, what a non-streamed
 reply's replica has generated so far, and reading a replica's reply in a way that can be stopped at any moment.
 
-A generation stream is resumable when the gateway asked for token ids (runtimes/server/wire.py RESUMABLE_HEADER)
+A generation stream is resumable when the gateway asked for token ids (foundation/http/wire.py RESUMABLE_HEADER)
 and the replica answered with them. `StreamTracker` passes its events on whole, without their token-id comment
 lines, and keeps what a continuation needs: the ids of every token the client has been sent, the stream's `id` and
 `created`, and whether the choice has finished. When the replica fails, times out or is drained with migration
@@ -137,7 +137,7 @@ class StreamTracker:
 
 
 class ProgressTracker:
-    """Follows a non-streamed generation's progress reply (runtimes/server/wire.py PROGRESS_MEDIA_TYPE): the ids of
+    """Follows a non-streamed generation's progress reply (foundation/http/wire.py PROGRESS_MEDIA_TYPE): the ids of
     the tokens generated so far, then the final status and reply. The client sees only that reply, so a continuation
     needs nothing but the token ids, and the replica that finishes answers with the whole text.
 

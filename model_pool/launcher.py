@@ -1,7 +1,7 @@
 """Launchers start a replica and hand back a handle: the local one spawns a worker process on loopback
 with the environment the partitioner planned; the URL one adopts a replica started elsewhere.
 
-A local worker gets a fresh random token (runtimes/server/replica_auth.py) that every request to it must carry,
+A local worker gets a fresh random token (foundation/http/replica_auth.py) that every request to it must carry,
 and does not inherit the gateway's own secrets: `LocalLauncher(env_drop=...)` names the variables (the admin
 token's, the API keys') that are taken out of its environment.
 """

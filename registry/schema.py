@@ -73,7 +73,7 @@ class TrafficLogConfig(Frozen):
 
 class HttpLimits(Frozen):
     """How long a client may take to send a request, how large its head may be, how many connections are served
-    (runtimes/server/http_guard.py enforces them, at the gateway and at every replica)."""
+    (foundation/http/guard.py enforces them, at the gateway and at every replica)."""
 
     header_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WAIT_S)
     body_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S)

@@ -4,7 +4,7 @@ GET /ready and /health answer 200; POST /v1/chat/completions and /v1/completions
 OpenAI-shaped JSON, or with `"stream": true` a fixed SSE stream of `--chunks` chunks then `[DONE]`.
 Anything else is 404. Served by uvicorn (no access log), so its cost per request is uvicorn's plus a
 `json.loads` of the request body. With `--protocol` it answers a gateway that asks for token ids
-(`x-multiserve-resumable: 1`) as a multiserve replica does (runtimes/server/wire.py): a token-id comment line before
+(`x-multiserve-resumable: 1`) as a multiserve replica does (foundation/http/wire.py): a token-id comment line before
 each streamed event, and a whole reply sent as progress (a token line per token, then the reply line and the reply):
 
     python -m bench.measure.fake_backend --port 9001 [--protocol]

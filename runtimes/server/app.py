@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE when `stream`), GET /v1/models,
 GET /health, GET /ready, GET /metrics; POST /v1/embeddings answers 400 naming the endpoints that fit
 (embedding models have their own app: runtimes/server/embedding_app.py).
-Every error leaves in OpenAI's shape via runtimes.server.errors.
+Every error leaves in OpenAI's shape via foundation.http.errors.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/embeddings, GET /v1/models, GET /health, GET /ready (after a startup probe embedded one
 text), GET /metrics. POST /v1/completions and /v1/chat/completions answer 400 naming /v1/embeddings.
-Errors leave in OpenAI's shape via runtimes.server.errors, like the LLM app's.
+Errors leave in OpenAI's shape via foundation.http.errors, like the LLM app's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What every replica endpoint does before its own logic, for the LLM and the embedding apps alike: check the
 model name, refuse an endpoint this replica's model type cannot serve (400 naming the one that fits). The body's
-size is limited before that (runtimes/server/body_limit.py)."""
+size is limited before that (foundation/http/body_limit.py)."""
 
 from __future__ import annotations
 

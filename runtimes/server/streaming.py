@@ -3,7 +3,7 @@
 Whatever way a client goes away, the request's engine iterator is closed, which aborts the request and
 frees its KV blocks: a streaming response closes its event generator when the send fails or Starlette
 cancels it on `http.disconnect`; a non-streaming one, and a stream before its first token, race their work
-against `http.disconnect` (runtimes/server/disconnect.py).
+against `http.disconnect` (foundation/http/disconnect.py).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ async def sse_stream(events: AsyncGenerator[Event, None], generation: Generation
                      with_token_ids: bool = False) -> AsyncGenerator[str, None]:
     """Encode `events` as SSE, then `[DONE]`; a failure midway becomes a final error event (the status line
     has been sent already, so OpenAI and vLLM report it in-band). `with_token_ids`: each event that carries tokens
-    is preceded by a comment line with their ids (runtimes/server/wire.py TOKENS_COMMENT), for a gateway that
+    is preceded by a comment line with their ids (foundation/http/wire.py TOKENS_COMMENT), for a gateway that
     may have to resume the stream elsewhere."""
     try:
         try:
@@ -85,7 +85,7 @@ async def sse_stream(events: AsyncGenerator[Event, None], generation: Generation
 
 
 class ProgressResponse(_ClosingResponse):
-    """A non-streamed generation's progress, for a gateway that may continue it elsewhere (runtimes/server/wire.py
+    """A non-streamed generation's progress, for a gateway that may continue it elsewhere (foundation/http/wire.py
     PROGRESS_MEDIA_TYPE): token-id lines as outputs come, then the status line and the whole reply."""
 
     media_type = PROGRESS_MEDIA_TYPE

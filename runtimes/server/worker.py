@@ -109,7 +109,7 @@ def run_worker(
     """Load the launch's model, serve it as its name (and aliases) on host:port until SIGTERM/SIGINT.
 
     `step_gate`: taken around every engine step (the device's time-slice arbiter, when it is shared);
-    `replica_token`: the secret every request but /health and /ready must carry (runtimes/server/replica_auth.py);
+    `replica_token`: the secret every request but /health and /ready must carry (foundation/http/replica_auth.py);
     `stall_timeout_s`: an engine loop without progress this long makes the replica unready
     (runtimes/server/replica.py).
     """
