@@ -27,6 +27,7 @@ from pydantic import (
     model_validator,
 )
 
+from foundation.http.guard import DEFAULT_LIMITS
 from registry import sources
 from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type
@@ -73,16 +74,16 @@ class TrafficLogConfig(Frozen):
 
 class HttpLimits(Frozen):
     """How long a client may take to send a request, how large its head may be, how many connections are served
-    (foundation/http/guard.py enforces them, at the gateway and at every replica)."""
+    at the gateway's socket (foundation/http/guard.py enforces them). Each default is the guard's own
+    (`DEFAULT_LIMITS`), which every replica serves with; the bounds are the registry's."""
 
-    header_timeout_s: float = Field(default=10.0, gt=0, le=MAX_WAIT_S)
-    body_timeout_s: float = Field(default=30.0, gt=0, le=MAX_WAIT_S)
-    max_header_bytes: int = Field(default=64 * 1024, ge=1024, le=16 * MIB, strict=True)
-    # uvicorn's default. On a replica it must stay above the 4 s for which the gateway reuses an idle connection.
-    keep_alive_s: float = Field(default=5.0, gt=0, le=MAX_WAIT_S)
+    header_timeout_s: float = Field(default=DEFAULT_LIMITS.header_timeout_s, gt=0, le=MAX_WAIT_S)
+    body_timeout_s: float = Field(default=DEFAULT_LIMITS.body_timeout_s, gt=0, le=MAX_WAIT_S)
+    max_header_bytes: int = Field(default=DEFAULT_LIMITS.max_header_bytes, ge=1024, le=16 * MIB, strict=True)
+    keep_alive_s: float = Field(default=DEFAULT_LIMITS.keep_alive_s, gt=0, le=MAX_WAIT_S)
     # Past this, a request gets 503. Each connection holds a file descriptor (and, at the gateway, often one to a
     # replica): keep it under the process's descriptor limit (`ulimit -n`, often 1024 by default).
-    max_connections: int | None = Field(default=1000, ge=1, le=1 << 20, strict=True)
+    max_connections: int | None = Field(default=DEFAULT_LIMITS.max_connections, ge=1, le=1 << 20, strict=True)
 
 
 class RayConnection(Frozen):

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 import torch
 from torch import nn
 
+from registry.engine import EngineOptions
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
 from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, format_of, pack, quantize
 
-WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "q8", "q4")
+WEIGHT_CHOICES: tuple[str, ...] = get_args(EngineOptions.model_fields["weights"].annotation)  # engine.weights
 FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BLOCK_WEIGHTS = ("q8", "q4")  # always in a block format, on any device
 BLOCK_DEVICES = ("cpu", "cuda")  # where the block formats have a kernel

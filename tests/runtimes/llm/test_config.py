@@ -15,7 +15,7 @@ from registry.fields import GIB, MAX_NUM_SEQS
 from runtimes.cuda_memory import default_kv_bytes, limit_process_memory
 from runtimes.llm import config as config_module
 from runtimes.llm.config import KV_DTYPES, EngineConfig
-from runtimes.llm.quant.weights import WEIGHT_CHOICES
+from runtimes.llm.quant.weights import BLOCK_WEIGHTS, FLOAT_WEIGHTS
 from tests.runtimes.test_cuda_memory import StrictCuda
 
 
@@ -58,7 +58,7 @@ def test_a_launchs_options_are_taken_as_the_registry_validated_them():
 
 
 def test_the_registrys_choices_are_the_ones_the_runtime_resolves():
-    assert get_args(EngineOptions.model_fields["weights"].annotation) == WEIGHT_CHOICES
+    assert set(get_args(EngineOptions.model_fields["weights"].annotation)) == {"auto", *FLOAT_WEIGHTS, *BLOCK_WEIGHTS}
     assert set(get_args(EngineOptions.model_fields["kv_dtype"].annotation)) == {"auto", *KV_DTYPES}
 
 
