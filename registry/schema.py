@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from foundation.http.guard import DEFAULT_LIMITS
+from foundation.http.limits import DEFAULT_LIMITS
 from registry import sources
 from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type

@@ -24,8 +24,8 @@ A refusal is answered only where its status line reads as the answer to the requ
 response is pending or this request's response has started, the connection is just closed.
 
 `guarded_config` builds a `uvicorn.Config` serving with this protocol, with `keep_alive_s` and `max_connections`.
-The numbers come as any object with `GuardLimits`' five attributes: the gateway passes the registry's
-`gateway.http` (registry/schema.py `HttpLimits`), a replica the defaults here.
+The numbers come as any object with `GuardLimits`' five attributes (foundation/http/limits.py): the gateway passes
+the registry's `gateway.http` (registry/schema.py `HttpLimits`), a replica the defaults.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, cast
+from typing import Any, ClassVar, cast
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -45,40 +44,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from foundation.http.errors import APIError, error_response
-
-
-class GuardLimits(Protocol):
-    """What the guard reads of its limits (read-only, so that a frozen model or dataclass is one)."""
-
-    @property
-    def header_timeout_s(self) -> float: ...
-
-    @property
-    def body_timeout_s(self) -> float: ...
-
-    @property
-    def max_header_bytes(self) -> int: ...
-
-    @property
-    def keep_alive_s(self) -> float: ...
-
-    @property
-    def max_connections(self) -> int | None: ...  # None: no cap
-
-
-@dataclass(frozen=True)
-class DefaultLimits:
-    """The limits a server gets when given none (the registry's `gateway.http` defaults are the same numbers)."""
-
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    max_header_bytes: int = 64 * 1024
-    # uvicorn's default. On a replica it must stay above the 4 s for which the gateway reuses an idle connection.
-    keep_alive_s: float = 5.0
-    max_connections: int | None = 1000
-
-
-DEFAULT_LIMITS = DefaultLimits()
+from foundation.http.limits import DEFAULT_LIMITS, GuardLimits
 
 
 class _WatchedFlow(FlowControl):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from foundation.http.guard import DEFAULT_LIMITS, GuardLimits
+from foundation.http.limits import DEFAULT_LIMITS, GuardLimits
 from registry.schema import HttpLimits
 
 
