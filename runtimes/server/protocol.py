@@ -1,10 +1,14 @@
 """OpenAI-compatible request bodies (pydantic v2), validated strictly at the edge.
 
-Unknown fields are ignored (clients send many); known ones are type-checked strictly (no "1" for 1) and
-range-checked, so the 400 names the field and its limit. `to_sampling_params(vocab_size)` maps a request onto
-the engine's SamplingParams, whose own checks raise InvalidRequestError naming the field, and checks every token id
-against the model's vocabulary, so nothing out of range reaches the engine. It also refuses fields we know but
-cannot honour (`echo`, `best_of`, `suffix`, tools, functions, audio...) rather than drop them silently.
+Known fields are type-checked strictly (no "1" for 1) and range-checked, so the 400 names the field and its limit.
+`to_sampling_params(vocab_size)` maps a request onto the engine's SamplingParams, whose own checks raise
+InvalidRequestError naming the field, and checks every token id against the model's vocabulary, so nothing out of
+range reaches the engine. It also refuses fields we know but cannot honour (`echo`, `best_of`, `suffix`, tools,
+functions, audio...) rather than drop them silently, and so, like OpenAI, any top-level field it does not know: an
+ignored field could be asking for something (a constraint, a template option) that the reply would silently lack.
+A null value asks for nothing and is accepted, and so are the few fields of IGNORED_FIELDS, each of which cannot
+change the output. Structured outputs (`response_format`, `structured_outputs`, `guided_*`) are read by
+runtimes/server/structured_fields.py into SamplingParams.structured.
 """
 
 from __future__ import annotations
@@ -15,10 +19,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from foundation.http.wire import PRIORITY_MAX, PRIORITY_MIN
 from foundation.request_errors import InvalidRequestError
-from runtimes.llm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, check_token_ids
+from runtimes.llm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutput, check_token_ids
+from runtimes.server.structured_fields import STRUCTURED_FIELDS, structured_output
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+# Top-level fields accepted and ignored, each with why it cannot change the output. Any other field this server does
+# not know is refused (a 400 naming it), as OpenAI does, unless its value is null.
+IGNORED_FIELDS: dict[str, str] = {
+    "metadata": "OpenAI's tags for a stored completion, for filtering it later; the model never sees them",
+    "store": "whether OpenAI keeps the completion for evals and distillation; nothing is kept here",
+    "service_tier": "OpenAI's processing tier (price, latency); the lane comes from priority and X-Priority",
+    "safety_identifier": "a stable label of the end user for abuse monitoring, as user is",
+    "prompt_cache_key": "a hint for routing to a warm prompt cache; the prefix cache here is automatic and exact, "
+                        "so it could change only latency",
+}
+_MAX_NAMED_FIELDS = 8  # unknown fields a refusal lists
 
 
 class _Strict(BaseModel):
@@ -41,7 +57,10 @@ class ResumeFields(_Strict):
 
 
 class SamplingFields(_Strict):
-    """Fields shared by both endpoints: OpenAI's sampling knobs plus vLLM's extras."""
+    """Fields shared by both endpoints: OpenAI's sampling knobs plus vLLM's extras. Unknown fields are kept (in
+    `model_extra`) to be refused by name in `to_sampling_params`, not dropped at parsing."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
 
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -67,6 +86,16 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     multiserve_resume: ResumeFields | None = None
+    # Structured outputs, on both endpoints (as vLLM): typed loosely here and checked by structured_fields.py, so
+    # that a 400 names the field inside the object at fault (`response_format.json_schema.schema`)
+    response_format: Any = None  # OpenAI's
+    structured_outputs: Any = None  # vLLM's
+    guided_json: Any = None  # vLLM's older names for the same
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None  # a backend's name is accepted and has no effect; its options are refused
+    guided_whitespace_pattern: Any = None  # refused: it changes the output
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -87,7 +116,8 @@ class SamplingFields(_Strict):
         return value
 
     def _refuse_unsupported(self) -> None:
-        """Cross-field rules and known fields we cannot honour: refused, never silently dropped."""
+        """Unknown fields, cross-field rules and known fields we cannot honour: refused, never silently dropped."""
+        self._refuse_unknown()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         if self.best_of is not None and self.best_of != self.n:
@@ -96,6 +126,25 @@ class SamplingFields(_Strict):
         if self.multiserve_resume is not None and self.n != 1:
             raise InvalidRequestError(f"multiserve_resume continues a request of one choice: it needs n = 1, got "
                                       f"n = {self.n}", param="multiserve_resume")
+
+    def _refuse_unknown(self) -> None:
+        """A field this server does not know might ask for what it would then silently not do: refused, naming it,
+        unless its value is null (which asks for nothing) or it is one of IGNORED_FIELDS."""
+        unknown = [name for name, value in (self.model_extra or {}).items()
+                   if value is not None and name not in IGNORED_FIELDS]
+        if not unknown:
+            return
+        names = ", ".join(name if len(name) <= 64 else name[:64] + "..." for name in unknown[:_MAX_NAMED_FIELDS])
+        if len(unknown) > _MAX_NAMED_FIELDS:
+            names += f" and {len(unknown) - _MAX_NAMED_FIELDS} more"
+        raise InvalidRequestError(
+            f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {names} (this server refuses "
+            f"fields it does not know rather than ignore them)", param=unknown[0][:64])
+
+    def _structured(self) -> StructuredOutput | None:
+        """The constraint on the whole output, from whichever one field asks for it (none: free text)."""
+        return structured_output({name: getattr(self, name) for name in STRUCTURED_FIELDS},
+                                 self.guided_decoding_backend, self.guided_whitespace_pattern)
 
     @property
     def resume_token_ids(self) -> list[int]:
@@ -114,7 +163,7 @@ class SamplingFields(_Strict):
             repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logit_bias=bias, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, structured=self._structured(),
         )
         params.check_vocab(vocab_size)
         return params
@@ -193,7 +242,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # OpenAI fields this server cannot honour: typed loosely so that any value is refused by name, not by shape
     tool_choice: Any = None
@@ -216,10 +264,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.tools:
             raise InvalidRequestError("tools are not supported by this server", param="tools")
         self._refuse_unhonoured()
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidRequestError(f"response_format type {kind!r} is not supported; only 'text'",
-                                      param="response_format")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, logprobs, vocab_size)

@@ -24,7 +24,7 @@ def test_completion_request_maps_onto_sampling_params():
     body = CompletionRequest.model_validate_json(json.dumps({
         "model": "m", "prompt": ["hi"], "max_tokens": 7, "temperature": 0, "top_p": 0.5, "n": 2, "stop": "x",
         "seed": 3, "logprobs": 2, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "ignore_eos": True,
-        "min_tokens": 1, "stop_token_ids": [2], "skip_special_tokens": False, "user": "u", "unknown_field": 1,
+        "min_tokens": 1, "stop_token_ids": [2], "skip_special_tokens": False, "user": "u", "metadata": {"k": "v"},
     }))
     params = body.to_sampling_params(VOCAB)
     assert body.prompt == "hi"  # a one-element batch is unwrapped
@@ -102,7 +102,7 @@ def test_unsupported_completion_fields_are_refused(body, param):
 def test_unsupported_chat_fields_are_refused():
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for extra, param in [({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
-                         ({"response_format": {"type": "json_object"}}, "response_format")]:
+                         ({"response_format": {"type": "xml"}}, "response_format.type")]:
         with pytest.raises(InvalidRequestError) as info:
             ChatCompletionRequest.model_validate({**base, **extra}).to_sampling_params(VOCAB)
         assert info.value.param == param
