@@ -41,6 +41,29 @@ def test_routes_by_name_and_by_alias(with_gateway):
     with_gateway(scenario)
 
 
+def test_structured_output_and_other_fields_the_gateway_does_not_read_reach_the_replica_unchanged(with_gateway):
+    """The replica decides what these fields mean (and refuses those it does not know); the gateway must neither
+    drop nor alter them, also when it rewrites the body to ask for the model's own name."""
+    schema = {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}
+    json_schema = {"name": "r", "schema": schema, "strict": True}
+    fields = {"response_format": {"type": "json_schema", "json_schema": json_schema},
+              "structured_outputs": {"choice": ["yes", "no"]}, "guided_regex": "[a-z]+", "guided_choice": ["a"],
+              "guided_json": '{"type": "string"}', "guided_grammar": 'root ::= "x"',
+              "guided_decoding_backend": "xgrammar", "metadata": {"k": "v"}, "store": False,
+              "service_tier": "auto", "unknown_to_everyone": [1, {"b": None}]}
+
+    async def scenario(gw: FakeGateway) -> None:
+        for model in ("beta", "a"):  # by name the bytes as sent; by alias re-encoded with the served name
+            sent = chat(model, **fields)
+            assert (await gw.client.post("/v1/chat/completions", json=sent)).status_code == 200
+            assert gw.replicas.received[-1].body == {**sent, "model": "beta" if model == "beta" else "alpha"}
+        sent = {"model": "comp", "prompt": "hi", **fields}
+        assert (await gw.client.post("/v1/completions", json=sent)).status_code == 200
+        assert gw.replicas.received[-1].body == sent
+
+    with_gateway(scenario)
+
+
 def test_each_endpoint_reaches_the_models_that_serve_it(with_gateway):
     async def scenario(gw: FakeGateway) -> None:
         completion = await gw.client.post("/v1/completions", json={"model": "comp", "prompt": "hi"})
