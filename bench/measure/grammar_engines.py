@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_gguf(resolve_model_path(MODEL))
     result: dict[str, Any] = {
         "machine": machine_info(torch_threads=torch.get_num_threads(), llguidance=version("llguidance"),
-                                xgrammar=version("xgrammar"), torch=torch.__version__),
+                                xgrammar=version("xgrammar") if HAVE_XGRAMMAR else None, torch=torch.__version__),
         "repeats": args.repeats,
     }
     engines: list[type[Llguidance] | type[Xgrammar]] = [Llguidance]
