@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from foundation.request_errors import InvalidRequestError, OverloadedError, record_failure, request_failed
 from runtimes.engine_driver import EngineDriver, StepGate, return_freed_heap
 from runtimes.llm.engine import LLMEngine
+from runtimes.llm.grammar import CompiledGrammar
 from runtimes.llm.outputs import RequestOutput
 from runtimes.llm.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class _Add:
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
     resume_token_ids: Sequence[int] = ()
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass
@@ -64,11 +66,14 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
         went away) aborts the request and frees its blocks. `resume_token_ids`: see `LLMEngine.add_request`.
         """
         self._check_alive()
+        grammar = None
+        if params.structured is not None:  # compiled here, in a worker thread: the engine's steps go on meanwhile
+            grammar = await asyncio.to_thread(self.engine.inputs.compile_grammar, params.structured)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         # Stamped now, not when the engine thread picks the command up, so TTFT includes that wait.
         self._commands.put(_Add(request_id, prompt, params, priority, self.engine.clock(), sink, loop,
-                                resume_token_ids))
+                                resume_token_ids, grammar))
         # After the put: a yield that finds the queue already drained costs a part-step, one before it a full wait.
         self.engine.request_yield(priority)
         remaining = params.n
@@ -134,7 +139,8 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 continue
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                        arrival_time=command.arrival_time, resume_token_ids=command.resume_token_ids)
+                                        arrival_time=command.arrival_time, resume_token_ids=command.resume_token_ids,
+                                        grammar=command.grammar)
             except (InvalidRequestError, OverloadedError) as exc:  # refused: report to its caller only
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, exc)
                 continue

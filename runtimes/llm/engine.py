@@ -18,6 +18,7 @@ from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.cuda_graphs import Graph
 from runtimes.llm.engine_setup import build_parts, queue_policy
+from runtimes.llm.grammar import CompiledGrammar
 from runtimes.llm.input_processor import InputProcessor
 from runtimes.llm.loader import LoadedModel, load_model
 from runtimes.llm.logits_processors import LogitsProcessor
@@ -67,15 +68,15 @@ class LLMEngine:
         return cls(loaded, config, **kwargs)  # type: ignore[arg-type]
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, resume_token_ids: Sequence[int] = ()
-                    ) -> None:
+                    priority: int = 0, arrival_time: float | None = None, resume_token_ids: Sequence[int] = (),
+                    grammar: CompiledGrammar | None = None) -> None:
         """Validate and queue a request; raises InvalidRequestError naming the field and limit, OverloadedError
-        when its queue is full. `resume_token_ids`: see `InputProcessor.process`."""
+        when its queue is full. `resume_token_ids`, `grammar`: see `InputProcessor.process`."""
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         arrival = self.clock() if arrival_time is None else arrival_time
         sequences = self.inputs.process(request_id, prompt, params or SamplingParams(), priority, arrival,
-                                        resume_token_ids)
+                                        resume_token_ids, grammar)
         num_ahead = self.scheduler.waiting.num_ahead(priority)  # with multilevel scheduling: its lane and above
         if self._limits.queue_full(num_ahead):
             raise OverloadedError(

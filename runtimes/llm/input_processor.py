@@ -2,19 +2,22 @@
 
 The prompt is tokenized; every limit is checked, the error naming the field and the limit (InvalidRequestError,
 ContextLengthError); `n > 1` fans out into samples (seeds `seed + index`); a resumed request's tokens become its
-first outputs. Nothing changes state here: a request that fails leaves nothing behind.
+first outputs; a structured output's grammar gives each sample a matcher (past the resumed tokens). Nothing changes
+state here: a request that fails leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 from foundation.request_errors import ContextLengthError, InvalidRequestError
 from runtimes.llm.detokenizer import IncrementalDetokenizer
+from runtimes.llm.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.model_config import ModelConfig
 from runtimes.llm.request import Request
-from runtimes.llm.sampling_params import SamplingParams, check_token_ids
+from runtimes.llm.sampling_params import SamplingParams, StructuredOutput, check_token_ids
 from runtimes.llm.sequences import SequenceState
 from runtimes.llm.tokenizer import Tokenizer
 
@@ -31,19 +34,40 @@ class InputProcessor:
         self.kv = kv
         self.namespace = namespace
         self.model_name = model_name
+        self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, priority: int,
-                arrival: float, resume_token_ids: Sequence[int] = ()) -> list[SequenceState]:
+                arrival: float, resume_token_ids: Sequence[int] = (), grammar: CompiledGrammar | None = None
+                ) -> list[SequenceState]:
         """The request's sequences, validated; raises InvalidRequestError naming the field and limit.
 
         `resume_token_ids` continues a request another replica started (n = 1 only): the tokens it had generated
         count as this request's first outputs (for max_tokens, min_tokens, penalties, stop strings and the seeded
         noise's positions), are computed like a prompt, and are not output again; generation picks up after them.
-        Greedy and seeded requests so produce what the undisturbed run would have."""
+        Greedy and seeded requests so produce what the undisturbed run would have.
+
+        `grammar`: `params.structured` compiled ahead (`compile_grammar`, off the engine's thread); compiled here
+        when not given."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate(prompt_ids, params)
         resumed = self._validate_resume(list(resume_token_ids), params, max_tokens)
-        return self.sequences(request_id, prompt_ids, params, max_tokens, priority, arrival, resumed)
+        if params.structured is not None and grammar is None:
+            grammar = self.compile_grammar(params.structured)
+        sequences = self.sequences(request_id, prompt_ids, params, max_tokens, priority, arrival, resumed)
+        if grammar is not None:
+            for seq in sequences:
+                seq.request.grammar = _matcher_after(grammar, resumed)
+        return sequences
+
+    def compile_grammar(self, spec: StructuredOutput) -> CompiledGrammar:
+        """A structured output's grammar, compiled (cached; thread-safe: an async caller compiles in a worker thread);
+        raises InvalidRequestError naming the request field when it cannot be compiled."""
+        with self._compiler_lock:
+            if self._compiler is None:  # built on first use: reading the vocabulary takes a while
+                self._compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 self.model_config.eos_token_ids)
+        return self._compiler.compile(spec)
 
     def sequences(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
                   priority: int, arrival: float, resumed: Sequence[int] = ()) -> list[SequenceState]:
@@ -105,3 +129,13 @@ class InputProcessor:
             raise InvalidRequestError(f"{len(resumed)} tokens already generated leave nothing of max_tokens="
                                       f"{max_tokens} to resume", param=param)
         return resumed
+
+
+def _matcher_after(grammar: CompiledGrammar, resumed: Sequence[int]) -> GrammarMatcher:
+    """A matcher at the start of the output, advanced past a resumed request's tokens (its grammar state rebuilt)."""
+    matcher = grammar.matcher()
+    for at, token in enumerate(resumed):
+        if not matcher.accept(token):
+            raise InvalidRequestError(f"resume.token_ids: token {token} at position {at} is not allowed by the "
+                                      "request's structured output", param="resume.token_ids")
+    return matcher

@@ -1,10 +1,10 @@
 """Edits to a batch's logits before a token is drawn, as processors applied in one place (`Sampler`).
 
 A processor is one kind of edit: a logit bias, the repetition penalty, presence and frequency penalties, tokens
-suppressed until `min_tokens`; a grammar's token mask plugs in the same way. Each says which rows want it
-(`wants`), from what the row carries, and edits all of them in one batched call on the logits' device (`apply`, in
-place on the `[B, V]` fp32 logits). The order of the processors is the order of the edits (the sampler's docstring
-gives the built-ins' order and why).
+suppressed until `min_tokens`, the tokens a request's grammar does not allow (constrained decoding). Each says which
+rows want it (`wants`), from what the row carries, and edits all of them in one batched call on the logits' device
+(`apply`, in place on the `[B, V]` fp32 logits). The order of the processors is the order of the edits (see
+`BUILTIN_PROCESSORS`).
 
 A row that no processor wants, and that asks for no logprobs, needs nothing but its logits: the sampler's fast paths
 (the all-greedy argmax; tokens left on the device for a step launched ahead) take exactly those rows.
@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from runtimes.llm.grammar import GrammarMatcher, allocate_bitmask, apply_bitmask
 from runtimes.llm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -36,6 +37,7 @@ class SamplingRow:
     # Suppressed with params.stop_token_ids while len(output_token_ids) < params.min_tokens
     # (EOS is not suppressed when params.ignore_eos, as in vLLM: it does not stop the sequence then).
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarMatcher | None = None  # constrained decoding: the tokens its grammar allows next
 
 
 class LogitsProcessor(Protocol):
@@ -111,6 +113,23 @@ class MinTokens:
             logits[flat_index(pairs, logits.device)] = _NEG_INF
 
 
+class GrammarMask:
+    """Constrained decoding (`SamplingParams.structured`): tokens the row's grammar does not allow next get -inf. Each
+    matcher fills its row of one bitmask on the host (what a grammar allows is host work), applied in one call on the
+    logits' device."""
+
+    def wants(self, row: SamplingRow) -> bool:
+        return row.grammar is not None
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], batch: Sequence[SamplingRow]) -> None:
+        bitmask = allocate_bitmask(len(rows), logits.shape[1])
+        for at, i in enumerate(rows):
+            matcher = batch[i].grammar
+            assert matcher is not None
+            matcher.fill_bitmask(bitmask, at)
+        apply_bitmask(logits, bitmask, rows)
+
+
 def suppressed_ids(row: SamplingRow) -> tuple[int, ...]:
     """The token ids `MinTokens` suppresses for this row's next token."""
     p = row.params
@@ -120,9 +139,10 @@ def suppressed_ids(row: SamplingRow) -> tuple[int, ...]:
 
 
 # The built-ins, in their order: the bias first (OpenAI adds it to the model's logits), then the penalties (which
-# scale by sign, so they see the biased logit), then suppression last (nothing may lift a suppressed token).
+# scale by sign, so they see the biased logit), then suppression and the grammar's mask (nothing may lift a token
+# either takes away).
 BUILTIN_PROCESSORS: tuple[LogitsProcessor, ...] = (
-    LogitBias(), RepetitionPenalty(), PresenceFrequencyPenalty(), MinTokens())
+    LogitBias(), RepetitionPenalty(), PresenceFrequencyPenalty(), MinTokens(), GrammarMask())
 
 
 def flat_index(pairs: Sequence[tuple[int, Sequence[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

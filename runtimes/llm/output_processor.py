@@ -1,7 +1,8 @@
 """The engine's outputs: a step's new tokens turned into `RequestOutput`s.
 
 Each token is detokenized incrementally; a stop string it completes finishes the request (the text up to it is
-sent, not the stop string); a finished request's held-back text is flushed; the sampled token's logprob and its
+sent, not the stop string), as does the end of its grammar (constrained decoding: the grammar takes each token);
+a finished request's held-back text is flushed; the sampled token's logprob and its
 alternatives, the usage counts (prompt, output, cached tokens) and the request's times go along.
 """
 
@@ -28,6 +29,12 @@ class OutputProcessor:
         token = request.token_ids[-1]
         if seq.first_token_time is None:
             seq.first_token_time = now
+        grammar = request.grammar
+        if grammar is not None:  # the token was drawn under its mask: the grammar takes it
+            if not grammar.accept(token):
+                raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+            if grammar.is_terminated and not request.status.finished:  # nothing may follow: done
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         text = seq.detokenizer.add(token)
         if seq.detokenizer.stopped_by is not None and not request.status.finished:
             request.stop_reason = seq.detokenizer.stopped_by

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from runtimes.llm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtimes.llm.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -30,7 +34,7 @@ class Request:
     """
 
     __slots__ = (
-        "arrival_time", "block_hashes", "cache_namespace", "eos_token_ids", "max_tokens",
+        "arrival_time", "block_hashes", "cache_namespace", "eos_token_ids", "grammar", "max_tokens",
         "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens", "params",
         "priority", "request_id", "seed", "status", "stop_reason", "token_ids",
     )
@@ -66,6 +70,8 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of this request's full blocks, in order
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # constrained decoding (params.structured): where the output stands in its grammar, advanced per token
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

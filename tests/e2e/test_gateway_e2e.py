@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from tests.e2e.conftest import ADMIN_TOKEN, Gateway, children_of, replica_get
@@ -50,6 +53,31 @@ def _check_openai_client(client: openai.OpenAI) -> None:
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=-1)
+
+
+class Colour(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    colour: Literal["red", "green"]
+    ok: bool
+
+
+def test_structured_outputs_through_the_openai_client(gateway):
+    """Whatever the tiny model's random weights would say, the reply follows the schema, the choice or the regex:
+    OpenAI's parse helper (a strict json_schema), a streamed vLLM guided_choice, structured_outputs on completions."""
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        parsed = client.chat.completions.parse(model="tiny-chat", messages=[{"role": "user", "content": "colour?"}],
+                                               max_tokens=60, temperature=0.0, response_format=Colour)
+        assert parsed.choices[0].finish_reason == "stop" and isinstance(parsed.choices[0].message.parsed, Colour)
+        chunks = list(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "yes or no?"}], max_tokens=10, stream=True,
+            extra_body={"guided_choice": ["yes", "no"]}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) in ("yes", "no")
+        done = client.completions.create(model="tiny", prompt="digits:", max_tokens=10, temperature=1.0, seed=7,
+                                         extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+        assert re.fullmatch("[0-9]{3}", done.choices[0].text) and done.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="regex"):
+            client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                      extra_body={"structured_outputs": {"regex": "(unclosed"}})
 
 
 BAD_REQUESTS = [
