@@ -1,5 +1,6 @@
 """The simulator: the cost model against hand-computed numbers, the engine's batching, and properties of whole runs
-(requests conserved, deterministic, more share never serves worse, time-slice weights respected)."""
+(requests conserved, deterministic, more share serves every request no later when all arrive at once and never
+more than a few fewer within the SLO otherwise, time-slice weights respected)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from partitioner.planning.demand import ModelShape
@@ -18,7 +19,7 @@ from partitioner.simulate.cost import DeviceSpeed, Share, StepWork, calibration_
 from partitioner.simulate.engine import EngineLimits, ReplicaEngine, SimRequest
 from partitioner.simulate.pools import plan_pools
 from partitioner.simulate.simulator import Member, ModelResult, Pool, SimModel, simulate
-from partitioner.simulate.traffic import ModelTraffic, Traffic
+from partitioner.simulate.traffic import Arrival, ModelTraffic, Traffic
 from partitioner.simulate.workload import LengthDist, Slo
 from registry.fields import GIB
 from tests.partitioner.conftest import demand, gpus
@@ -123,21 +124,83 @@ fractions = st.floats(0.05, 1.0)
 
 
 @settings(max_examples=25, deadline=None)
+@given(sm=fractions, bw=fractions, more_sm=fractions, more_bw=fractions,
+       lengths=st.lists(st.tuples(st.integers(1, 2000), st.integers(1, 200)), min_size=1, max_size=150),
+       duration_s=st.floats(0.005, 2.0), ttft_ms=st.floats(1, 2000), tpot_ms=st.floats(1, 4))
+def test_a_larger_share_serves_every_request_no_later_when_all_arrive_at_once(sm, bw, more_sm, more_bw, lengths,
+                                                                              duration_s, ttft_ms, tpot_ms):
+    """With every request there from the start, the engine plans the same steps whatever its share (its batches
+    depend on what is queued, never on when), and a larger share makes each of them no longer: every first token and
+    every last one comes no later, so each request's TTFT and TPOT are no worse. Exactly monotone, then; arrivals
+    spread over time are what break it (the next two tests)."""
+    small, large = Share(sm, bw), Share(max(sm, more_sm), max(bw, more_bw))
+    spec = ModelTraffic(trace=tuple(Arrival(0.0, p, o) for p, o in lengths), slo=Slo.from_ms(ttft_ms, tpot_ms))
+    traffic = Traffic(duration_s, {"m": spec})
+    low, high = (simulate([_alone(s)], {"m": SimModel(SHAPE)}, traffic, drain_s=0.0)["m"] for s in (small, large))
+    assert high.finished >= low.finished
+    assert high.good >= low.good
+    assert high.generated_tokens >= low.generated_tokens
+
+
+def test_an_earlier_first_token_can_fail_the_tpot_objective():
+    """Why goodput is not monotone in speed, for a real continuous-batching engine as for this one: TPOT is measured
+    from the first token, so a faster step that brings a first token forward, ahead of a neighbour's prefill instead
+    of together with it, moves that prefill out of the request's TTFT into its TPOT. Request a (569 + 4 tokens) at 0
+    and b (438 + 1) at 6 ms. At 80 % of the SMs a's first 512-token chunk ends at 6.4 ms, after b came: a's last 57
+    prompt tokens share a step with b's prompt (a's first token at 12.6 ms), then 3 decodes of 1 ms. At 90 % the
+    chunk ends at 5.7 ms, before b came: a's first token at 6.7 ms, then b's prompt (4.9 ms) rides with a's first
+    decode, and a's TPOT is 2.3 ms. Both requests get every token sooner, a finishes 2 ms sooner, and it misses the
+    2 ms TPOT objective."""
+    spec = ModelTraffic(trace=(Arrival(0.0, 569, 4), Arrival(0.006, 438, 1)), slo=Slo.from_ms(50, 2.0))
+    traffic = Traffic(1.0, {"m": spec})
+    slow, fast = (simulate([_alone(Share(sm, 1.0))], {"m": SimModel(SHAPE)}, traffic, drain_s=0.0)["m"]
+                  for sm in (0.8, 0.9))
+    assert (slow.finished, fast.finished) == (2, 2)
+    assert fast.ttft_ms["p50"] < slow.ttft_ms["p50"] and fast.ttft_ms["p99"] < slow.ttft_ms["p99"]
+    assert slow.tpot_ms["p50"] == pytest.approx(1.01, abs=0.01) and fast.tpot_ms["p50"] == pytest.approx(2.3, abs=0.01)
+    assert (slow.good, fast.good) == (2, 1)
+
+
+def _at_the_edge(arrived: int, per_arrival: float) -> float:
+    """How many requests fewer a larger share or weight may finish, or serve within the SLO, than a smaller one:
+    two, plus a fraction of the arrivals (the tests below say why, and how the bound was measured)."""
+    return 2 + per_arrival * arrived
+
+
+# Hypothesis found these: a larger bandwidth share served 11 requests within the SLO instead of 12 (the faster engine
+# finished two requests sooner, so the KV cache they held let a waiting 581-token prompt in while a running request
+# had 3 decodes to go, and those rode with its 8 ms prefill chunks: TPOT 2.22 ms instead of 1.87), and 90 MPS threads
+# instead of 83 served 81 instead of 82 (test_an_earlier_first_token_can_fail_the_tpot_objective's case, in a run).
+@example(sm=0.625, bw=0.8125, more_sm=0.5, more_bw=0.875, rate=92.5, prompt=879, output=123)
+@settings(max_examples=25, deadline=None)
 @given(sm=fractions, bw=fractions, more_sm=fractions, more_bw=fractions, rate=st.floats(5, 300),
        prompt=st.integers(1, 2000), output=st.integers(1, 200))
-def test_a_larger_share_never_serves_fewer_requests_or_fewer_within_the_slo(sm, bw, more_sm, more_bw, rate, prompt,
-                                                                           output):
+def test_a_larger_share_never_serves_more_than_a_few_fewer_requests_or_fewer_within_the_slo(sm, bw, more_sm, more_bw,
+                                                                                           rate, prompt, output):
     small, large = Share(sm, bw), Share(max(sm, more_sm), max(bw, more_bw))
     models, traffic = {"m": SimModel(SHAPE)}, _traffic(rate, prompt, output)
     low, high = (simulate([_alone(s)], models, traffic, drain_s=0.0)["m"] for s in (small, large))
-    assert high.throughput_per_s >= low.throughput_per_s
-    assert high.goodput_per_s >= low.goodput_per_s
+    # With arrivals spread over time a faster engine's steps end at other moments, so a request can be admitted a
+    # step sooner or later, ride with prefill chunks it missed before (or miss ones it rode with), or get its first
+    # token ahead of a neighbour's prefill and take that prefill into its TPOT (the test above). A real engine batches
+    # the same way. Near the SLO's edge each such shift flips a request either way, and at the run's end one more
+    # can be left in flight (with a per-step cost dominated by reading the weights, the faster engine's smaller
+    # early batches can finish fewer by the horizon). Gains outnumber losses by far: of 23,000 random cases (fresh
+    # seeds, increments down to 0.1 %) 1 in 300 lost any and 3 in 10 gained, and the worst losses were 4 of 487
+    # arrivals within the SLO and 3 of 696 finished, 0.4 % of the arrivals past two: the bound allows twice that.
+    slack = _at_the_edge(low.arrived, 0.01)
+    assert high.finished >= low.finished - slack
+    assert high.good >= low.good - slack
 
 
+@example(weight=1.0, more=0.0, percent=83, extra=7, rate=21.0, output=44)  # mps: 81 within the SLO instead of 82
+@example(weight=9.862956543217779, more=1.8197607416075856, percent=32, extra=7, rate=93.19300561837433,
+         output=9)  # timeslice: 171 instead of 178 (the comment below)
 @settings(max_examples=20, deadline=None)
 @given(weight=st.floats(0.1, 10), more=st.floats(0, 10), percent=st.integers(1, 90), extra=st.integers(0, 9),
        rate=st.floats(20, 300), output=st.integers(1, 200))
-def test_more_weight_or_more_mps_threads_never_serve_a_model_worse(weight, more, percent, extra, rate, output):
+def test_more_weight_or_more_mps_threads_never_serve_a_model_more_than_a_few_requests_worse(weight, more, percent,
+                                                                                           extra, rate, output):
     models = dict.fromkeys("ab", SimModel(SHAPE))
     traffic = _traffic(rate, 1000, output, models=("a", "b"))
 
@@ -150,13 +213,15 @@ def test_more_weight_or_more_mps_threads_never_serve_a_model_worse(weight, more,
                                ("mps", Member("a/0", "a", KV, percent / 100), Member("a/0", "a", KV,
                                                                                      (percent + extra) / 100))):
         worse, better = served(sharing, low), served(sharing, high)
-        # A larger weight reorders the leases. At the run's end that can leave one more request in flight, and at an
-        # SLO's edge cost a few their TPOT (hypothesis found weight 8 -> 11 at 26 req/s: 82 of 83 requests within
-        # the SLO instead of 83; 9 -> 10 at 96 req/s: 159 of 315 instead of 162): never more than 1 % of the
-        # arrivals, plus one (the worst of 150 random cases: one request of 238, in throughput and goodput).
-        slack = (1 + 0.01 * worse.arrived) / traffic.duration_s if sharing == "timeslice" else 0.0
-        assert better.throughput_per_s >= worse.throughput_per_s - slack, sharing
-        assert better.goodput_per_s >= worse.goodput_per_s - slack, sharing
+        # More MPS threads make a's steps faster: the previous test's shifts, and its bound (of 15,500 random cases
+        # 1 in 100 lost any, the worst 2 of 45 arrivals within the SLO). A larger time-slice weight also reorders
+        # the leases, so a step of b (several ms) falls inside the decodes of other requests of a, often several
+        # short ones at once, or no longer does (weight 9.9 -> 11.7 at 93 req/s: 13 requests lost their TPOT and 6
+        # gained it, 171 of 304 within the SLO instead of 178). Of 13,000 random cases 1 in 50 lost any, 3 in 4
+        # gained; the worst were that 7 of 304 and 5 of 121, 2.5 % of the arrivals past two: twice that is allowed.
+        slack = _at_the_edge(worse.arrived, 0.05 if sharing == "timeslice" else 0.01)
+        assert better.finished >= worse.finished - slack, sharing
+        assert better.good >= worse.good - slack, sharing
 
 
 def test_time_slicing_gives_saturated_models_their_weights_share_of_the_device():
