@@ -45,6 +45,13 @@ from runtimes.server.streaming import (
     progress_lines,
     sse_stream,
 )
+from runtimes.server.tool_calls import (
+    NamedCallReader,
+    ReplyReader,
+    RequiredCallsReader,
+    ToolRequest,
+    template_inputs,
+)
 
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
 log = structlog.get_logger(__name__)
@@ -55,7 +62,8 @@ class _Server(ReplicaEndpoints):
 
     def __init__(self, engine: AsyncLLMEngine, served_name: str, aliases: Sequence[str],
                  clock: Callable[[], float], wall_clock: Callable[[], float], max_body_bytes: int,
-                 probe_timeout_s: float) -> None:
+                 probe_timeout_s: float, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         metrics = ServerMetrics(engine.engine, served_name)
         super().__init__(engine, served_name, aliases, engine.engine.model_name, engine.engine.max_model_len,
                          metrics, clock, wall_clock, max_body_bytes, probe_timeout_s)
@@ -64,6 +72,8 @@ class _Server(ReplicaEndpoints):
         self.logprobs = LogprobFormatter(engine.engine.tokenizer)
         self.lane_thresholds = engine.engine.config.lane_thresholds()
         self.vocab_size = engine.engine.model_config.vocab_size  # token ids in requests are checked against it
+        self.tool_parser = tool_parser  # the registry's choice (chat.tool_parser); None: from the template
+        self.reasoning_parser = reasoning_parser
 
     async def probe(self) -> None:
         """Generate one greedy token from a known-good prompt."""
@@ -110,17 +120,35 @@ class _Server(ReplicaEndpoints):
     async def chat_completions(self, request: Request) -> Response:
         body = await self.parse_body(request, ChatCompletionRequest)
         params = body.to_sampling_params(self.vocab_size)
-        prompt = await anyio.to_thread.run_sync(self._chat_prompt, body)
+        tools = body.tool_request()
+        readers = self._reply_readers(tools, params)
+        prompt = await anyio.to_thread.run_sync(self._chat_prompt, body, tools)
         lane = self._lane(request, body.priority, prompt, params)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock,
                          body.resume_token_ids, self._resumed_text(body, params))
         logprobs = self.logprobs if params.logprobs is not None else None
         num_top = body.top_logprobs or 0
         resumed = body.multiserve_resume is not None
+        # a resumed stream's readers first read, without sending it, what the first replica's stream showed
+        seen = self._streamed_text(body, params) if readers is not None and body.stream else ""
         return await self._respond(
             request, gen, body,
-            lambda meta: chat_events(gen, meta, body.include_usage, logprobs, num_top, resumed),
-            lambda meta, choices: chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top))
+            lambda meta: chat_events(gen, meta, body.include_usage, logprobs, num_top, resumed, readers, seen),
+            lambda meta, choices: chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top, readers))
+
+    def _reply_readers(self, tools: ToolRequest | None,
+                       params: SamplingParams) -> Callable[[], ReplyReader] | None:
+        """What reads each choice's text into content, reasoning and tool calls; None: the text is the content."""
+        if tools is None or tools.mode == "none":
+            return None
+        if tools.mode == "named":
+            name = tools.name
+            assert name is not None
+            return lambda: NamedCallReader(name)
+        if tools.mode == "required":
+            return RequiredCallsReader
+        raise APIError(400, 'tool_choice "auto" (the default with tools) is not supported by this server yet: give '
+                            'tool_choice "required", "none" or a function\'s name', param="tool_choice")
 
     def _resumed_text(self, body: SamplingFields, params: SamplingParams) -> str:
         """What a whole reply that another replica began starts with: the text of the tokens it had generated (a
@@ -133,15 +161,25 @@ class _Server(ReplicaEndpoints):
                                                  skip_special_tokens=params.skip_special_tokens, stop=params.stop)
         return text
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """Render the chat template and tokenize (templates write their own BOS)."""
+    def _streamed_text(self, body: SamplingFields, params: SamplingParams) -> str:
+        """The text a resumed stream's first part showed its client (nothing when it is not resumed)."""
+        if body.multiserve_resume is None or not body.resume_token_ids:
+            return ""
+        _, text = IncrementalDetokenizer.resumed(self.engine.engine.tokenizer, body.resume_token_ids,
+                                                 skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+        return text
+
+    def _chat_prompt(self, body: ChatCompletionRequest, tools: ToolRequest | None) -> list[int]:
+        """Render the chat template and tokenize (templates write their own BOS); tools and a history that called
+        them as the template takes them (runtimes/server/tool_calls.py)."""
         tokenizer = self.engine.engine.tokenizer
         if not tokenizer.chat_template:
             raise APIError(400, f"model {self.served_name!r} has no chat template; use /v1/completions",
                            param="messages")
+        messages, template_tools = template_inputs(body.template_messages(), tools, tokenizer.chat_template)
         try:
-            text = tokenizer.apply_chat_template(body.template_messages(),
-                                                 add_generation_prompt=body.add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                 tools=template_tools)
         except jinja2.TemplateError as exc:  # the template's raise_exception (e.g. roles must alternate)
             raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from exc
         return tokenizer.encode(text, add_special_tokens=False)
@@ -197,6 +235,8 @@ def build_app(
     wall_clock: Callable[[], float] = time.time,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     probe_timeout_s: float = 300.0,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> Starlette:
     """The per-replica OpenAI-compatible app for `engine`, answering to `served_name` and `aliases`.
 
@@ -204,9 +244,11 @@ def build_app(
     1-token startup probe; /ready is 200 once it passed. `app.state.replica` (a Readiness) holds
     readiness; set its `draining` to refuse new requests with 503. `app.state.metrics` is the replica's
     ServerMetrics (its own prometheus registry); `app.state.engine` the engine, which the caller owns and
-    shuts down.
+    shuts down. `tool_parser`, `reasoning_parser`: the registry's `chat:` choices for reading replies (None: found
+    from the model's chat template).
     """
-    server = _Server(engine, served_name, aliases, clock, wall_clock, max_body_bytes, probe_timeout_s)
+    server = _Server(engine, served_name, aliases, clock, wall_clock, max_body_bytes, probe_timeout_s, tool_parser,
+                     reasoning_parser)
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),

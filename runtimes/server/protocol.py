@@ -3,12 +3,13 @@
 Known fields are type-checked strictly (no "1" for 1) and range-checked, so the 400 names the field and its limit.
 `to_sampling_params(vocab_size)` maps a request onto the engine's SamplingParams, whose own checks raise
 InvalidRequestError naming the field, and checks every token id against the model's vocabulary, so nothing out of
-range reaches the engine. It also refuses fields we know but cannot honour (`echo`, `best_of`, `suffix`, tools,
-functions, audio...) rather than drop them silently, and so, like OpenAI, any top-level field it does not know: an
-ignored field could be asking for something (a constraint, a template option) that the reply would silently lack.
-A null value asks for nothing and is accepted, and so are the few fields of IGNORED_FIELDS, each of which cannot
+range reaches the engine. It also refuses fields we know but cannot honour (`echo`, `best_of`, `suffix`, the
+deprecated functions, audio...) rather than drop them silently, and so, like OpenAI, any top-level field it does not
+know: an ignored field could be asking for something (a constraint, a template option) that the reply would silently
+lack. A null value asks for nothing and is accepted, and so are the few fields of IGNORED_FIELDS, each of which cannot
 change the output. Structured outputs (`response_format`, `structured_outputs`, `guided_*`) are read by
-runtimes/server/structured_fields.py into SamplingParams.structured.
+runtimes/server/structured_fields.py into SamplingParams.structured; `tools`, `tool_choice` and
+`parallel_tool_calls` by runtimes/server/tool_calls.py (tool_choice "required" or named constrains the output too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from foundation.http.wire import PRIORITY_MAX, PRIORITY_MIN
 from foundation.request_errors import InvalidRequestError
 from runtimes.llm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutput, check_token_ids
 from runtimes.server.structured_fields import STRUCTURED_FIELDS, structured_output
+from runtimes.server.tool_calls import ToolRequest, tool_request
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -146,6 +148,19 @@ class SamplingFields(_Strict):
         return structured_output({name: getattr(self, name) for name in STRUCTURED_FIELDS},
                                  self.guided_decoding_backend, self.guided_whitespace_pattern)
 
+    def _constraint(self, tools: ToolRequest | None) -> StructuredOutput | None:
+        """The structured-output fields' constraint, or the one tool_choice makes (never both)."""
+        structured = self._structured()
+        forced = tools.constraint() if tools is not None else None
+        if forced is None or tools is None:
+            return structured
+        if structured is not None:
+            other = next(name for name in STRUCTURED_FIELDS if getattr(self, name) is not None)
+            what = "naming a function" if tools.mode == "named" else f'"{tools.mode}"'
+            raise InvalidRequestError(f"tool_choice {what} and {other} each constrain the output; give one of them",
+                                      param="tool_choice")
+        return forced
+
     @property
     def resume_token_ids(self) -> list[int]:
         return [] if self.multiserve_resume is None else self.multiserve_resume.token_ids
@@ -154,7 +169,8 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, vocab_size: int,
+                  tools: ToolRequest | None = None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         bias = tuple((int(token), value) for token, value in (self.logit_bias or {}).items())
         params = SamplingParams(
@@ -163,7 +179,7 @@ class SamplingFields(_Strict):
             repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logit_bias=bias, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, structured=self._structured(),
+            skip_special_tokens=self.skip_special_tokens, structured=self._constraint(tools),
         )
         params.check_vocab(vocab_size)
         return params
@@ -241,11 +257,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
-    # OpenAI fields this server cannot honour: typed loosely so that any value is refused by name, not by shape
+    # tools: typed loosely here and checked by tool_calls.py, so that a 400 names the field inside (tools[2].function)
+    tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    # OpenAI fields this server cannot honour: typed loosely so that any value is refused by name, not by shape
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -261,22 +278,24 @@ class ChatCompletionRequest(SamplingFields):
         self._refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported by this server", param="tools")
         self._refuse_unhonoured()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling(max_tokens, logprobs, vocab_size)
+        return self._sampling(max_tokens, logprobs, vocab_size, self.tool_request())
+
+    def tool_request(self) -> ToolRequest | None:
+        """The request's tools and tool_choice, checked (None: no tools)."""
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def _refuse_unhonoured(self) -> None:
-        """Tool and multimodal fields: refused by name (`tool_choice: "none"` asks for what we do anyway)."""
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise InvalidRequestError("tool_choice is only allowed with tools, and tools are not supported by this "
-                                      "server", param="tool_choice")
+        """The deprecated function fields and multimodal ones: refused by name."""
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(f"{name} is deprecated and not supported by this server; use tools and "
+                                          f"tool_choice", param=name)
         if self.modalities is not None and self.modalities != ["text"]:
             raise InvalidRequestError("modalities: this server only produces text (['text'])", param="modalities")
-        for name in ("functions", "function_call", "parallel_tool_calls", "audio", "prediction",
-                     "web_search_options"):
+        for name in ("audio", "prediction", "web_search_options"):
             if getattr(self, name) is not None:
                 raise InvalidRequestError(f"{name} is not supported by this server", param=name)
 

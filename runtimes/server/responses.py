@@ -7,13 +7,14 @@ Shapes follow OpenAI's API (`text_completion`, `chat.completion`, `chat.completi
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from runtimes.llm.outputs import RequestOutput, TokenLogprob
 from runtimes.llm.tokenizer import Tokenizer
 from runtimes.server.generation import Choice
+from runtimes.server.tool_calls import ReplyReader, read_whole, reply_message
 
 
 @dataclass(frozen=True)
@@ -114,18 +115,33 @@ def usage_chunk(meta: ResponseMeta, object_name: str, num_prompt_tokens: int,
 
 
 def chat_body(meta: ResponseMeta, choices: Sequence[Choice], num_prompt_tokens: int,
-              logprobs: LogprobFormatter | None, num_top: int) -> dict[str, Any]:
-    """A whole `chat.completion` response."""
+              logprobs: LogprobFormatter | None, num_top: int,
+              readers: Callable[[], ReplyReader] | None = None) -> dict[str, Any]:
+    """A whole `chat.completion` response. `readers`: each choice's text is read by a new one into its message's
+    content, reasoning_content and tool_calls (None: the text is the content)."""
     return {
         "id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
         "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            {"index": c.index, **_chat_message(c, readers),
              "logprobs": None if logprobs is None else logprobs.chat(c.logprobs, num_top),
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+             "stop_reason": c.stop_reason}
             for c in choices
         ],
         "usage": usage(num_prompt_tokens, sum(len(c.token_ids) for c in choices)),
     }
+
+
+def _chat_message(choice: Choice, readers: Callable[[], ReplyReader] | None) -> dict[str, Any]:
+    if readers is None:
+        return {"message": {"role": "assistant", "content": choice.text}, "finish_reason": choice.finish_reason}
+    reader = readers()
+    message = reply_message(read_whole(reader, choice.text))
+    return {"message": message, "finish_reason": chat_finish_reason(choice.finish_reason, reader.called)}
+
+
+def chat_finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself after calling tools (one cut short stays "length")."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def chat_chunk(meta: ResponseMeta, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,

@@ -20,7 +20,15 @@ from starlette.types import Receive, Scope, Send
 from foundation.http.errors import LOGGED_WHERE_RAISED, error_payload, to_api_error
 from foundation.http.wire import PROGRESS_MEDIA_TYPE, PROMPT_TOKENS_HEADER, REPLY_LINE, RESUMABLE_HEADER, TOKENS_COMMENT
 from runtimes.server.generation import Choice, Generation
-from runtimes.server.responses import LogprobFormatter, ResponseMeta, chat_chunk, completion_chunk, usage_chunk
+from runtimes.server.responses import (
+    LogprobFormatter,
+    ResponseMeta,
+    chat_chunk,
+    chat_finish_reason,
+    completion_chunk,
+    usage_chunk,
+)
+from runtimes.server.tool_calls import ReplyReader, merged
 
 log = structlog.get_logger(__name__)
 DONE = "data: [DONE]\n\n"
@@ -133,12 +141,24 @@ async def completion_events(gen: Generation, meta: ResponseMeta, include_usage: 
 
 
 async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, logprobs: LogprobFormatter | None,
-                      num_top: int, resumed: bool = False) -> AsyncGenerator[Event, None]:
+                      num_top: int, resumed: bool = False, readers: Callable[[], ReplyReader] | None = None,
+                      seen: str = "") -> AsyncGenerator[Event, None]:
     """`chat.completion.chunk`s: the role for each choice (unless `resumed`: the first stream sent it), content
-    deltas (the last carries finish_reason), then the usage chunk if asked."""
+    deltas (the last carries finish_reason), then the usage chunk if asked. `readers`: each choice's text goes through
+    a new one, whose deltas (content, reasoning_content, tool_calls) each output's chunk carries, merged; `seen`: what
+    a resumed stream's first part showed, read first (and not sent) so that the reader goes on where that one was."""
     # The role chunks go out with the first token, not before: a client's (and the gateway's) first byte then
     # marks the first token (TTFT), and a replica that fails during prefill can still be retried elsewhere.
     started = resumed
+    if readers is not None:
+        reading = [readers() for _ in gen.choices]
+        if seen:
+            reading[0].feed(seen)
+        async with aclosing(_read_chat_events(gen, meta, include_usage, logprobs, num_top, started,
+                                              reading)) as events:
+            async for event in events:
+                yield event
+        return
     async with aclosing(gen.outputs()) as outputs:
         async for out in outputs:
             if not started:
@@ -149,5 +169,29 @@ async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, 
             lp = None if logprobs is None else logprobs.chat(out.logprobs or (), num_top)
             yield chat_chunk(meta, out.index, {"content": out.text}, lp, out.finish_reason, out.stop_reason,
                              include_usage), out.new_token_ids
+    if include_usage:
+        yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens), ()
+
+
+async def _read_chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool,
+                            logprobs: LogprobFormatter | None, num_top: int, started: bool,
+                            reading: list[ReplyReader]) -> AsyncGenerator[Event, None]:
+    """chat_events with each choice's text read: one chunk an output still (its tokens travel with it), whose delta
+    merges what the reader made of the output's text (an empty content delta when it holds it all back)."""
+    async with aclosing(gen.outputs()) as outputs:
+        async for out in outputs:
+            if not started:
+                started = True
+                for choice in gen.choices:
+                    yield chat_chunk(meta, choice.index, {"role": "assistant", "content": ""},
+                                     include_usage=include_usage), ()
+            reader = reading[out.index]
+            deltas = reader.feed(out.text)
+            if out.finished:
+                deltas += reader.finish()
+            delta = merged(deltas) or {"content": ""}
+            lp = None if logprobs is None else logprobs.chat(out.logprobs or (), num_top)
+            yield chat_chunk(meta, out.index, delta, lp, chat_finish_reason(out.finish_reason, reader.called),
+                             out.stop_reason, include_usage), out.new_token_ids
     if include_usage:
         yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens), ()

@@ -101,7 +101,8 @@ def test_unsupported_completion_fields_are_refused(body, param):
 
 def test_unsupported_chat_fields_are_refused():
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    for extra, param in [({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    for extra, param in [({"top_logprobs": 2}, "top_logprobs"),
+                         ({"tools": [{"type": "function"}]}, "tools[0].function"),
                          ({"response_format": {"type": "xml"}}, "response_format.type")]:
         with pytest.raises(InvalidRequestError) as info:
             ChatCompletionRequest.model_validate({**base, **extra}).to_sampling_params(VOCAB)
@@ -162,7 +163,7 @@ def test_extreme_but_valid_values_pass():
     ({"function_call": "auto"}, "function_call"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"audio": {"voice": "alloy"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),

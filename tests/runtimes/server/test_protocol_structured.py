@@ -286,12 +286,12 @@ def test_harmless_known_fields_and_nulls_are_accepted(model, body):
     assert set(harmless) - {"user"} == set(IGNORED_FIELDS)
 
 
-def test_tool_fields_are_still_refused_with_their_own_messages():
+def test_tool_fields_are_refused_with_their_own_messages():
     assert _refusal(ChatCompletionRequest, _chat(tools=[{"type": "function"}], guided_choice=["a"])) == (
-        "tools", "tools are not supported by this server")
+        "tools[0].function", "tools[0].function: must be an object with a name")
     param, message = _refusal(ChatCompletionRequest, _chat(tool_choice="required",
                                                            response_format={"type": "json_object"}))
-    assert param == "tool_choice" and "only allowed with tools" in message
+    assert param == "tool_choice" and "only allowed when tools are given" in message
 
 
 # ------------------------------------------------------------------------------------------ through the app
