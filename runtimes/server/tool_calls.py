@@ -34,10 +34,9 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 # The system prompt that tells a model whose template has no tool syntax which tools it has and how to call them
 # (Hermes' format, which Qwen2.5's template also uses); `{tools}` is one JSON signature a line.
 DEFAULT_TOOL_PROMPT = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>"
+    "You may call functions. Their signatures are within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    "To call one, answer with <tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    "</tool_call>"
 )
 DEFAULT_TOOL_PARSER = "hermes"  # reads what DEFAULT_TOOL_PROMPT asks for
 ToolChoiceMode = Literal["none", "auto", "required", "named"]

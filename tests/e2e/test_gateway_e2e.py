@@ -7,6 +7,7 @@ Tests run in file order on one gateway; the last one shuts it down.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -78,6 +79,34 @@ def test_structured_outputs_through_the_openai_client(gateway):
         with pytest.raises(openai.BadRequestError, match="regex"):
             client.completions.create(model="tiny", prompt="x", max_tokens=5,
                                       extra_body={"structured_outputs": {"regex": "(unclosed"}})
+
+
+CLOCK_TOOL = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_through_the_openai_client(gateway):
+    """tool_choice naming the function or "required": the random weights' reply is a call whose arguments parse and
+    follow the parameters, as a whole reply and as the client's streamed deltas put together."""
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        for choice in ({"type": "function", "function": {"name": "now"}}, "required"):
+            ask = {"model": "tiny", "messages": [{"role": "user", "content": "time?"}], "tools": [CLOCK_TOOL],
+                   "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 60, "temperature": 1.0,
+                   "seed": 3}
+            done = client.chat.completions.create(**ask)
+            [call] = done.choices[0].message.tool_calls
+            assert done.choices[0].finish_reason == "tool_calls" and done.choices[0].message.content is None
+            assert call.id.startswith("call_") and call.function.name == "now"
+            assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+            names, arguments, finish = [], "", None
+            for chunk in client.chat.completions.create(**ask, stream=True):
+                for delta_call in chunk.choices[0].delta.tool_calls or ():
+                    names += [delta_call.function.name] if delta_call.function.name else []
+                    arguments += delta_call.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            assert names == ["now"] and finish == "tool_calls"
+            assert arguments == call.function.arguments  # the same seed: the same call
 
 
 BAD_REQUESTS = [

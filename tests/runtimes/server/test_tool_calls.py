@@ -138,7 +138,7 @@ def test_a_template_without_tool_syntax_gets_them_in_its_system_message_and_the_
     request = tool_request(TOOLS, None, None)
     messages, tools = template_inputs(HISTORY, request, "{{ messages }}")
     assert tools is None
-    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("# Tools")
+    assert messages[0]["role"] == "system" and messages[0]["content"].startswith("You may call functions.")
     assert json.dumps(TOOLS[0]) in messages[0]["content"]
     assert messages[2] == {"role": "assistant", "content":
                            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -148,7 +148,7 @@ def test_a_template_without_tool_syntax_gets_them_in_its_system_message_and_the_
     assert len(messages) == 4
     # a system message of the request's own keeps its text first
     own, _ = template_inputs([{"role": "system", "content": "Be brief."}, *HISTORY[:1]], request, "")
-    assert own[0]["content"].startswith("Be brief.\n\n# Tools") and len(own) == 2
+    assert own[0]["content"].startswith("Be brief.\n\nYou may call") and len(own) == 2
     # tool_choice "none": no tools offered, the history still as text
     none, _ = template_inputs(HISTORY, tool_request(TOOLS, "none", None), "")
     assert none[0] == HISTORY[0] and len(none) == 3
