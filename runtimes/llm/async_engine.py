@@ -38,6 +38,16 @@ class _Add:
 
 
 @dataclass
+class _Sink:
+    """Where a request's outputs go, and how many of its samples have not finished yet: several can finish in one
+    step, whose outputs are delivered after the engine has already forgotten the request."""
+
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+    num_unfinished: int
+
+
+@dataclass
 class _Abort:
     request_id: str
 
@@ -47,7 +57,7 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
         self.engine = engine
         if step_gate is not None:  # a step's device work must end within its lease: none may run ahead of it
             engine.overlap_steps = False
-        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._sinks: dict[str, _Sink] = {}
         super().__init__("llm-engine", start_thread, step_gate)
 
     async def generate(
@@ -116,9 +126,9 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                     self._deliver(out)
         except BaseException as exc:  # the thread must not die silently: fail every waiting stream
             dead = self._die(exc)
-            for sink, loop in self._sinks.values():
+            for sink in self._sinks.values():
                 with contextlib.suppress(RuntimeError):  # that caller's loop is already closed
-                    loop.call_soon_threadsafe(sink.put_nowait, dead)
+                    sink.loop.call_soon_threadsafe(sink.queue.put_nowait, dead)
             raise
 
     def _drain_commands(self, block: bool) -> bool:
@@ -148,18 +158,19 @@ class AsyncLLMEngine(EngineDriver[_Add | _Abort]):
                 error_id = record_failure("request failed at submission", command.request_id, exc)
                 command.loop.call_soon_threadsafe(command.sink.put_nowait, request_failed(error_id))
                 continue
-            self._sinks[command.request_id] = (command.sink, command.loop)
+            self._sinks[command.request_id] = _Sink(command.sink, command.loop, command.params.n)
 
     def _deliver(self, out: RequestOutput) -> None:
-        target = self._sinks.get(out.request_id)
-        if target is None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
             return
-        sink, loop = target
         try:
-            loop.call_soon_threadsafe(sink.put_nowait, out)
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
         except RuntimeError:  # the caller's event loop has closed: nobody is listening any more
             del self._sinks[out.request_id]
             self.engine.abort_request(out.request_id)
             return
-        if out.finished and self.engine.is_finished(out.request_id):
-            del self._sinks[out.request_id]
+        if out.finished:
+            sink.num_unfinished -= 1
+            if sink.num_unfinished <= 0:
+                del self._sinks[out.request_id]

@@ -151,3 +151,41 @@ def test_an_interactive_arrival_stops_a_background_prefill_step_in_flight(tiny_l
 
 async def _collect_at(engine: AsyncLLMEngine, request_id: str, prompt, params: SamplingParams, priority: int):
     return [out async for out in engine.generate(request_id, prompt, params, priority=priority)]
+
+
+class _EndSampleOneEarly:
+    """Sample 1 (seed 11) is made to stop (token STOP) at its second token, sample 0 never takes STOP: sample 1 starts a
+    step after sample 0 (it waits for the prompt), so with max_tokens=3 both finish in the same step."""
+
+    STOP = 7
+
+    def wants(self, row) -> bool:  # type: ignore[no-untyped-def]
+        return row.seed in (10, 11)
+
+    def apply(self, logits, rows, batch) -> None:  # type: ignore[no-untyped-def]
+        for i in rows:
+            if batch[i].seed == 11 and len(batch[i].output_token_ids) >= 1:
+                logits[i] = float("-inf")
+                logits[i, self.STOP] = 0.0
+            else:
+                logits[i, self.STOP] = float("-inf")
+
+
+def test_samples_that_finish_in_the_same_step_all_reach_their_caller(tiny_loaded):
+    """Outputs of a step are delivered after the engine has forgotten a request whose last samples finished in it:
+    every one must still reach the caller, or its stream waits for ever."""
+    engine = LLMEngine(tiny_loaded(seed=1), EngineConfig(kv_cache_bytes=1 << 22, block_size=4),
+                       logits_processors=[_EndSampleOneEarly()])
+    async_engine = AsyncLLMEngine(engine)
+    params = SamplingParams(n=2, temperature=0.0, seed=10, max_tokens=3, stop_token_ids=[_EndSampleOneEarly.STOP])
+
+    async def main() -> list:
+        return [out async for out in async_engine.generate("r", [5, 6, 7, 8, 9], params)]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        async_engine.shutdown()
+    finished = {out.index: out for out in outputs if out.finished}
+    assert {i: out.finish_reason for i, out in finished.items()} == {0: "length", 1: "stop"}
+    assert finished[0].time == finished[1].time  # the case this is about: both in one step (one `now` per step)
