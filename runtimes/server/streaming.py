@@ -150,15 +150,9 @@ async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, 
     # The role chunks go out with the first token, not before: a client's (and the gateway's) first byte then
     # marks the first token (TTFT), and a replica that fails during prefill can still be retried elsewhere.
     started = resumed
-    if readers is not None:
-        reading = [readers() for _ in gen.choices]
-        if seen:
-            reading[0].feed(seen)
-        async with aclosing(_read_chat_events(gen, meta, include_usage, logprobs, num_top, started,
-                                              reading)) as events:
-            async for event in events:
-                yield event
-        return
+    reading = None if readers is None else [readers() for _ in gen.choices]
+    if reading is not None and seen:
+        reading[0].feed(seen)
     async with aclosing(gen.outputs()) as outputs:
         async for out in outputs:
             if not started:
@@ -167,31 +161,18 @@ async def chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool, 
                     yield chat_chunk(meta, choice.index, {"role": "assistant", "content": ""},
                                      include_usage=include_usage), ()
             lp = None if logprobs is None else logprobs.chat(out.logprobs or (), num_top)
-            yield chat_chunk(meta, out.index, {"content": out.text}, lp, out.finish_reason, out.stop_reason,
-                             include_usage), out.new_token_ids
-    if include_usage:
-        yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens), ()
-
-
-async def _read_chat_events(gen: Generation, meta: ResponseMeta, include_usage: bool,
-                            logprobs: LogprobFormatter | None, num_top: int, started: bool,
-                            reading: list[ReplyReader]) -> AsyncGenerator[Event, None]:
-    """chat_events with each choice's text read: one chunk an output still (its tokens travel with it), whose delta
-    merges what the reader made of the output's text (an empty content delta when it holds it all back)."""
-    async with aclosing(gen.outputs()) as outputs:
-        async for out in outputs:
-            if not started:
-                started = True
-                for choice in gen.choices:
-                    yield chat_chunk(meta, choice.index, {"role": "assistant", "content": ""},
-                                     include_usage=include_usage), ()
+            if reading is None:
+                yield chat_chunk(meta, out.index, {"content": out.text}, lp, out.finish_reason, out.stop_reason,
+                                 include_usage), out.new_token_ids
+                continue
+            # one chunk an output still (its tokens travel with it), its delta what the reader made of the text
+            # (an empty content delta when it holds it all back)
             reader = reading[out.index]
             deltas = reader.feed(out.text)
             if out.finished:
                 deltas += reader.finish()
-            delta = merged(deltas) or {"content": ""}
-            lp = None if logprobs is None else logprobs.chat(out.logprobs or (), num_top)
-            yield chat_chunk(meta, out.index, delta, lp, chat_finish_reason(out.finish_reason, reader.called),
-                             out.stop_reason, include_usage), out.new_token_ids
+            yield chat_chunk(meta, out.index, merged(deltas) or {"content": ""}, lp,
+                             chat_finish_reason(out.finish_reason, reader.called), out.stop_reason,
+                             include_usage), out.new_token_ids
     if include_usage:
         yield usage_chunk(meta, "chat.completion.chunk", gen.num_prompt_tokens, gen.num_completion_tokens), ()
