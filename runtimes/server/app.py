@@ -50,6 +50,7 @@ from runtimes.server.tool_calls import (
     ReplyReader,
     RequiredCallsReader,
     ToolRequest,
+    auto_reader,
     template_inputs,
 )
 
@@ -147,8 +148,8 @@ class _Server(ReplicaEndpoints):
             return lambda: NamedCallReader(name)
         if tools.mode == "required":
             return RequiredCallsReader
-        raise APIError(400, 'tool_choice "auto" (the default with tools) is not supported by this server yet: give '
-                            'tool_choice "required", "none" or a function\'s name', param="tool_choice")
+        template = self.engine.engine.tokenizer.chat_template
+        return lambda: auto_reader(template)
 
     def _resumed_text(self, body: SamplingFields, params: SamplingParams) -> str:
         """What a whole reply that another replica began starts with: the text of the tokens it had generated (a

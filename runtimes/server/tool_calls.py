@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 
 from foundation.request_errors import InvalidRequestError
 from runtimes.llm.sampling_params import StructuredOutput
+from runtimes.server.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolParser, tool_parser_for_template
 
 MAX_TOOLS = 128
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -415,6 +416,41 @@ class RequiredCallsReader:
                 return
         self._sent += len(piece)
         deltas.append(call_delta(self._index, None, None, piece))
+
+
+class ParsedReader:
+    """tool_choice "auto": the model answers in text or calls tools in its own syntax, which a tool parser
+    (runtimes/server/tool_parsers.py) reads as the text comes."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+
+    @property
+    def called(self) -> bool:
+        return self._parser.called
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        return _deltas(self._parser.feed(text))
+
+    def finish(self) -> list[dict[str, Any]]:
+        return _deltas(self._parser.finish())
+
+
+def auto_reader(chat_template: str | None) -> ParsedReader:
+    """A reader for tool_choice "auto": the parser the template's own tool syntax implies, else the one that reads
+    what DEFAULT_TOOL_PROMPT asks for."""
+    name = tool_parser_for_template(chat_template or "") if template_has_tools(chat_template) else None
+    return ParsedReader(TOOL_PARSERS[name or DEFAULT_TOOL_PARSER]())
+
+
+def _deltas(parsed: ParsedDelta) -> list[dict[str, Any]]:
+    deltas: list[dict[str, Any]] = []
+    if parsed.reasoning:
+        deltas.append({"reasoning_content": parsed.reasoning})
+    if parsed.content:
+        deltas.append({"content": parsed.content})
+    deltas += [call_delta(call.index, call.id, call.name, call.arguments) for call in parsed.tool_calls]
+    return deltas
 
 
 class PlainReader:

@@ -16,6 +16,7 @@ from runtimes.server.tool_calls import (
     MAX_TOOLS,
     NamedCallReader,
     RequiredCallsReader,
+    auto_reader,
     merged,
     read_whole,
     reply_message,
@@ -208,3 +209,18 @@ def test_required_calls_stream_their_names_then_their_arguments(step):
 def test_required_calls_cut_short_before_a_name_are_content():
     reader = RequiredCallsReader()
     assert read_whole(reader, '[{"na') == {"content": '[{"na'} and not reader.called
+
+
+@pytest.mark.parametrize(("template", "text"), [
+    (None, 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'),  # the default prompt's syntax
+    ("{% for t in tools %}{{ t }}{% endfor %}[TOOL_CALLS]", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]'),
+])
+def test_auto_reads_calls_in_the_templates_own_syntax_whole_or_in_pieces(template, text):
+    whole = read_whole(auto_reader(template), text)
+    reader = auto_reader(template)
+    pieces = merged([d for ch in text for d in reader.feed(ch)] + reader.finish())
+    for fields in (whole, pieces):
+        assert fields["content"].strip() == "Sure."
+        [call] = fields["tool_calls"]
+        assert call["function"]["name"] == "f" and json.loads(call["function"]["arguments"]) == {"x": 1}
+    assert whole["tool_calls"][0]["function"] == pieces["tool_calls"][0]["function"]

@@ -5,6 +5,7 @@ OpenAI's deltas) and not, for every choice of n; the prompt carries the tools (i
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,3 +172,31 @@ def test_a_conversation_that_called_tools_renders(client):
 def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param):
     response = client.post(CHAT, json=_body(**extra))
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+# tool_choice "auto": the model's own text is read by the tool parser (here "hermes", the default template's). The
+# random weights are held to a text by a regex, so that what is read is known: some content, then a call.
+AUTO_TEXT = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_calls_in_the_models_text(client, stream):
+    body = _body(tool_choice="auto", seed=1, structured_outputs={"regex": re.escape(AUTO_TEXT)}, stream=stream)
+    response = client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        [(message, finish)] = _streamed(sse_events(response.text), 1)
+    else:
+        choice = response.json()["choices"][0]
+        message, finish = choice["message"], choice["finish_reason"]
+    assert finish == "tool_calls"
+    assert message["content"].strip() == "Let me check."
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "get_time" and json.loads(call["function"]["arguments"]) == {"zone": "UTC"}
+
+
+def test_auto_without_a_call_is_plain_content(client):
+    body = _body(tool_choice="auto", seed=1, structured_outputs={"regex": "No tool needed\\."})
+    choice = client.post(CHAT, json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "No tool needed."
+    assert "tool_calls" not in choice["message"]
