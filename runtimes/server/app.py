@@ -158,12 +158,11 @@ class _Server(ReplicaEndpoints):
             return ""
         if params.logprobs is not None:  # the reply would lack the first replica's logprobs
             raise APIError(400, "a continued reply cannot have logprobs", param="multiserve_resume")
-        _, text = IncrementalDetokenizer.resumed(self.engine.engine.tokenizer, body.resume_token_ids,
-                                                 skip_special_tokens=params.skip_special_tokens, stop=params.stop)
-        return text
+        return self._streamed_text(body, params)
 
     def _streamed_text(self, body: SamplingFields, params: SamplingParams) -> str:
-        """The text a resumed stream's first part showed its client (nothing when it is not resumed)."""
+        """The text of the tokens another replica generated, which a resumed stream's first part showed its client
+        (nothing when the request is not a continuation)."""
         if body.multiserve_resume is None or not body.resume_token_ids:
             return ""
         _, text = IncrementalDetokenizer.resumed(self.engine.engine.tokenizer, body.resume_token_ids,
