@@ -38,6 +38,7 @@ class SamplingRow:
     # (EOS is not suppressed when params.ignore_eos, as in vLLM: it does not stop the sequence then).
     eos_token_ids: tuple[int, ...] = ()
     grammar: GrammarMatcher | None = None  # constrained decoding: the tokens its grammar allows next
+    max_tokens: int | None = None  # the sequence's budget of output tokens (None: unknown)
 
 
 class LogitsProcessor(Protocol):
@@ -116,7 +117,8 @@ class MinTokens:
 class GrammarMask:
     """Constrained decoding (`SamplingParams.structured`): tokens the row's grammar does not allow next get -inf. Each
     matcher fills its row of one bitmask on the host (what a grammar allows is host work), applied in one call on the
-    logits' device."""
+    logits' device. A JSON output near the end of its budget is allowed only its closing plan's next token
+    (runtimes/llm/grammar/closing.py)."""
 
     def wants(self, row: SamplingRow) -> bool:
         return row.grammar is not None
@@ -124,9 +126,10 @@ class GrammarMask:
     def apply(self, logits: torch.Tensor, rows: Sequence[int], batch: Sequence[SamplingRow]) -> None:
         bitmask = allocate_bitmask(len(rows), logits.shape[1])
         for at, i in enumerate(rows):
-            matcher = batch[i].grammar
-            assert matcher is not None
-            matcher.fill_bitmask(bitmask, at)
+            row = batch[i]
+            assert row.grammar is not None
+            remaining = None if row.max_tokens is None else row.max_tokens - len(row.output_token_ids)
+            row.grammar.fill_bitmask(bitmask, at, remaining)
         apply_bitmask(logits, bitmask, rows)
 
 

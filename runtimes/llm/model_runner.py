@@ -38,7 +38,7 @@ def allocate_kv_caches(
 def sampling_row(request: Request) -> SamplingRow:
     """What the sampler needs of a request for its next token."""
     return SamplingRow(request.params, request.prompt_token_ids, request.output_token_ids, request.seed,
-                       request.eos_token_ids, request.grammar)
+                       request.eos_token_ids, request.grammar, request.max_tokens)
 
 
 @dataclass

@@ -34,7 +34,9 @@ class OutputProcessor:
             if not grammar.accept(token):
                 raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
             if grammar.is_terminated and not request.status.finished:  # nothing may follow: done
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                # closed because its budget was nearly spent (grammar/closing.py): cut short, as at max_tokens
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH if grammar.closed_early
+                                              else RequestStatus.FINISHED_STOPPED)
         text = seq.detokenizer.add(token)
         if seq.detokenizer.stopped_by is not None and not request.status.finished:
             request.stop_reason = seq.detokenizer.stopped_by

@@ -29,15 +29,16 @@ _SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's pattern for respon
 _JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
 _FORMS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs: exactly one
 # vLLM's structured_outputs options, each accepted at the value that changes nothing; `disable_fallback` asks for an
-# error rather than a fallback to another backend, and there is no other backend here to fall back to
+# error rather than a fallback to another backend, and there is no other backend here to fall back to; objects are
+# closed to their named properties either way, as with vLLM's default backend (runtimes/llm/grammar/schemas.py)
 _OPTION_DEFAULTS: dict[str, tuple[object, ...]] = {
     "disable_fallback": (None, False, True),
     "disable_any_whitespace": (None, False),
-    "disable_additional_properties": (None, False),
+    "disable_additional_properties": (None, False, True),
     "whitespace_pattern": (None,),
     "structural_tag": (None,),
 }
-_BACKEND_OPTIONS_IGNORED = ("no-fallback",)
+_BACKEND_OPTIONS_IGNORED = ("no-fallback", "disable-additional-properties")  # what is done here anyway
 # the request fields that say what the output must be (the order in which a conflict names them)
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")

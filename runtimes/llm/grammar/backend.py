@@ -28,6 +28,8 @@ import torch
 
 from foundation.request_errors import InvalidRequestError
 from runtimes.llm.grammar.bitmask import bitmask_width
+from runtimes.llm.grammar.closing import CLOSE_MARGIN, CLOSE_WINDOW, ClosingTokens, JsonScan, closing_plan
+from runtimes.llm.grammar.schemas import closed_objects, schema_problem
 from runtimes.llm.sampling_params import StructuredOutput
 from runtimes.llm.tokenizer import Tokenizer
 
@@ -48,15 +50,22 @@ class GrammarMatcher:
     """One output sequence's place in its grammar. Used by one thread at a time (the engine's loop)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, mask_words: int,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], closing: ClosingTokens | None = None) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._eos = eos_token_ids
         self._ended = False  # an EOS was accepted
+        # JSON output: closed before its budget runs out (runtimes/llm/grammar/closing.py)
+        self._closing = closing
+        self._scan = JsonScan()
+        self._plan: list[int] | None = None  # the closing plan from here on, while it is followed
+        self.closed_early = False  # the output was made to close: its budget was nearly spent
         self._words = bitmask_width(vocab_size)
         # llguidance writes ceil(V' / 32) words for its vocabulary of V' = max(vocab_size, the tokenizer's) tokens;
         # where that is wider than the bitmask (a tokenizer with ids the model cannot emit), it writes here first
         self._scratch = torch.empty(mask_words, dtype=torch.int32) if mask_words != self._words else None
+        self._mask_words = mask_words
+        self._plan_scratch: torch.Tensor | None = None  # a closing plan's masks (llguidance's width)
         self._bitmask: torch.Tensor | None = None  # the last bitmask filled, checked
         self._bitmask_shape = torch.Size()
 
@@ -74,16 +83,28 @@ class GrammarMatcher:
         if self._matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
         self._ended = accepted and token_id in self._eos
+        if accepted and self._closing is not None:
+            self._scan.feed(self._closing.token_bytes[token_id])
+            plan = self._plan
+            self._plan = plan[1:] if plan and plan[0] == token_id else None
         return accepted
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, remaining: int | None = None) -> None:
         """Write the tokens allowed next into `bitmask[row]` (int32 `[B, ceil(V / 32)]` on the CPU): those that
-        continue the grammar, and the EOS ids exactly when the output may end here. Raises RuntimeError if the
-        matcher failed (a limit of llguidance's parser was hit), which fails the sequence's request."""
+        continue the grammar, and the EOS ids exactly when the output may end here. `remaining`: the tokens the
+        sequence may still generate, this one included; near that end a JSON output is allowed only the next token
+        of its closing plan. Raises RuntimeError if the matcher failed (a limit of llguidance's parser was hit),
+        which fails the sequence's request."""
         if bitmask is not self._bitmask or bitmask.shape != self._bitmask_shape:
             self._check(bitmask)  # once per bitmask tensor (a bitmask kept from step to step is checked once)
         if not 0 <= row < self._bitmask_shape[0]:
             raise IndexError(f"row {row} of a bitmask of {self._bitmask_shape[0]} rows")
+        token = self._closing_token(remaining)
+        if token is not None:
+            bitmask[row] = 0
+            bitmask[row, token // 32] = _bit(token % 32)
+            self.closed_early = True
+            return
         address = bitmask.data_ptr() + row * self._words * 4
         if self._scratch is None:
             self._matcher.unsafe_compute_mask_ptr(address, self._words * 4)
@@ -96,6 +117,21 @@ class GrammarMatcher:
                 target[-1] &= (1 << tail) - 1
         if self._matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+
+    def _closing_token(self, remaining: int | None) -> int | None:
+        """The next token of the closing plan, when the output must follow it now (closing.py), else None."""
+        if self._closing is None or remaining is None or remaining > CLOSE_WINDOW or self._ended:
+            return None
+        plan = self._plan
+        if plan is None:
+            if self._plan_scratch is None:
+                self._plan_scratch = torch.empty(self._mask_words, dtype=torch.int32)
+            plan = closing_plan(self._matcher, self._scan, self._closing, remaining, self._eos, self._plan_scratch)
+        if not plan or len(plan) < remaining - CLOSE_MARGIN:
+            self._plan = None
+            return None
+        self._plan = plan
+        return plan[0]
 
     def _check(self, bitmask: torch.Tensor) -> None:
         shape = bitmask.shape
@@ -117,8 +153,9 @@ class CompiledGrammar:
     """A compiled constraint: makes a matcher per output sequence (thread-safe)."""
 
     def __init__(self, template: llguidance.LLMatcher, vocab_size: int, mask_words: int,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], closing: ClosingTokens | None = None) -> None:
         self._template = template  # at the start of the output; never advanced, only copied
+        self._closing = closing  # a JSON form: its outputs close before their budget runs out
         self._vocab_size = vocab_size
         self._mask_words = mask_words
         self._eos = eos_token_ids
@@ -128,7 +165,7 @@ class CompiledGrammar:
         """A fresh matcher at the start of the output."""
         with self._lock:
             copy = self._template.deep_copy()
-        return GrammarMatcher(copy, self._vocab_size, self._mask_words, self._eos)
+        return GrammarMatcher(copy, self._vocab_size, self._mask_words, self._eos, self._closing)
 
 
 class GrammarCompiler:
@@ -157,6 +194,8 @@ class GrammarCompiler:
         self._eos = frozenset(eos)
         self._tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=eos)
         self._lock = threading.Lock()
+        self._closing: ClosingTokens | None = None
+        self._closing_lock = threading.Lock()
         # spec -> CompiledGrammar, or the message of a refusal; most recently used last
         self._cache: OrderedDict[_SpecKey, CompiledGrammar | str] = OrderedDict()
         self._pending: dict[_SpecKey, concurrent.futures.Future[CompiledGrammar | str]] = {}
@@ -214,10 +253,11 @@ class GrammarCompiler:
         json_schema, json_object, regex, choice, grammar = key
         try:
             if json_schema is not None:
-                problem = _schema_problem(json_schema)
+                problem = schema_problem(json_schema)
                 if problem:
                     return problem
-                source = llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=_JSON_OPTIONS)
+                source = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(json_schema),
+                                                                       defaults=_JSON_OPTIONS)
             elif json_object:
                 source = llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_OPTIONS)
             elif regex is not None:
@@ -239,7 +279,20 @@ class GrammarCompiler:
             template.unsafe_compute_mask_ptr(first.data_ptr(), self._mask_words * 4)
         if template.is_error():
             return f"invalid {_form_name_of(key)}: {_clip(template.get_error().strip())}"
-        return CompiledGrammar(template, self.vocab_size, self._mask_words, self._eos)
+        closing = self._closing_tokens() if json_schema is not None or json_object else None
+        return CompiledGrammar(template, self.vocab_size, self._mask_words, self._eos, closing)
+
+    def _closing_tokens(self) -> ClosingTokens:
+        """The tokenizer's closing candidates, read once (on a pool thread: ~0.1 s for 50k tokens)."""
+        with self._closing_lock:
+            if self._closing is None:
+                self._closing = ClosingTokens.of(self._tokenizer, self.vocab_size)
+            return self._closing
+
+
+def _bit(index: int) -> int:
+    """Bit `index` (0-31) of an int32 word, as the signed value torch stores."""
+    return (1 << index) - (1 << 32 if index == 31 else 0)
 
 
 def _clip(message: str, limit: int = 2000) -> str:
@@ -270,14 +323,3 @@ def _form_name_of(key: _SpecKey) -> str:
 
 def _form_name(spec: StructuredOutput) -> str:
     return _form_name_of(_spec_key(spec))
-
-
-def _schema_problem(text: str) -> str | None:
-    """Why `text` is not a JSON schema llguidance can take (it wants a JSON object), or None."""
-    try:
-        schema = json.loads(text)
-    except ValueError as e:
-        return f"the JSON schema is not valid JSON: {e}"
-    if not isinstance(schema, dict):
-        return f"the JSON schema must be a JSON object, got {type(schema).__name__}"
-    return None

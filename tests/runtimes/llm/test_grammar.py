@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jsonschema
 import pytest
 import torch
 
@@ -29,11 +30,6 @@ from runtimes.llm.grammar import bitmask as bitmask_module
 from runtimes.llm.sampling_params import StructuredOutput
 from runtimes.llm.tokenizer import Tokenizer
 from tests.runtimes.llm.conftest import SMOLLM2_FILE, smollm2_dir
-
-try:
-    import jsonschema
-except ImportError:  # not a declared dependency: the walk then checks the fields by hand only
-    jsonschema = None
 
 VOCAB = 49152
 EOS = 2  # <|im_end|>, SmolLM2-Instruct's end of turn (its GGUF's one EOS id)
@@ -216,8 +212,7 @@ def test_smallest_token_walk_gives_valid_json(name: str, tok: Tokenizer, compile
         pytest.fail(f"no EOS after 1000 tokens: {tok.decode(out)!r}")
     assert matcher.is_terminated
     value = json.loads(tok.decode(out))
-    if jsonschema is not None:
-        jsonschema.validate(value, schema)
+    jsonschema.validate(value, schema)
     _check_by_hand(name, value)
 
 

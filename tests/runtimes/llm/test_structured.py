@@ -60,10 +60,36 @@ def test_every_form_is_followed_whatever_the_weights(engine, temperature):
     value = json.loads(got["schema"].text)
     assert value.keys() == {"colour", "ok", "n"} and value["colour"] in ("red", "green")
     assert isinstance(value["ok"], bool) and 0 <= value["n"] <= 99
-    if got["object"].finish_reason == "stop":  # random weights may run a string to max_tokens
-        assert isinstance(json.loads(got["object"].text), dict)
-    else:
-        assert got["object"].text.lstrip().startswith("{")
+    # random weights may run a string on to max_tokens: the object is then closed before it ("length")
+    assert isinstance(json.loads(got["object"].text), dict)
+    _assert_no_leak(engine)
+
+
+RUNAWAY = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}},
+                                            "done": {"type": "boolean"}}, "required": ["notes", "done"]}
+
+
+@pytest.mark.parametrize("max_tokens", [40, 64])  # the whole object is ~30 of the tiny model's byte tokens
+def test_a_json_output_its_budget_cuts_short_is_still_valid_and_says_length(engine, max_tokens):
+    """Random weights write strings until the budget runs out: each output is closed before it, to JSON its schema
+    accepts, with finish_reason "length"; the same tokens alone, beside others and resumed mid-close."""
+    params = _params(StructuredOutput(json_schema=json.dumps(RUNAWAY)), max_tokens=max_tokens)
+    requests = {f"j{i}": (random_prompt(20 + i, 4 + i), params) for i in range(1, 5)}
+    alone = {key: run_to_completion(engine, {key: request})[key] for key, request in requests.items()}
+    together = run_to_completion(engine, requests)
+    closed = 0
+    for key, out in alone.items():
+        value = json.loads(out.text)
+        assert isinstance(value["notes"], list) and all(isinstance(n, str) for n in value["notes"])
+        assert isinstance(value["done"], bool) and len(out.token_ids) <= max_tokens
+        closed += out.finish_reason == "length"
+        assert together[key].token_ids == out.token_ids
+    assert closed >= 2, "the random weights were meant to run on: pick other seeds"
+    key, out = next((k, o) for k, o in alone.items() if o.finish_reason == "length")
+    cut = len(out.token_ids) - 3  # inside the forced close
+    engine.add_request("r", requests[key][0], requests[key][1], resume_token_ids=out.token_ids[:cut])
+    rest = run_to_completion(engine, {})["r"]
+    assert out.token_ids[:cut] + rest.token_ids == out.token_ids and rest.finish_reason == "length"
     _assert_no_leak(engine)
 
 

@@ -179,8 +179,6 @@ def test_limits_are_inclusive():
      "not a field of structured_outputs"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
      "structured_outputs.disable_any_whitespace", "changes the output"),
-    ({"structured_outputs": {"json": SCHEMA, "disable_additional_properties": True}},
-     "structured_outputs.disable_additional_properties", "changes the output"),
     ({"structured_outputs": {"json": SCHEMA, "whitespace_pattern": " ?"}}, "structured_outputs.whitespace_pattern",
      "changes the output"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "changes the output"),
