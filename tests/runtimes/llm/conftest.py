@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import warnings
@@ -37,9 +38,17 @@ def smollm2_reference() -> Iterator[object]:
     """transformers' LlamaForCausalLM and tokenizer from the same GGUF file (it dequantizes to fp32)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
+        import gguf
         import transformers
 
-        with warnings.catch_warnings():  # conversion chatter from transformers is not ours to fix
+        # transformers parses the file's metadata with gguf-py three times (config, weights, tokenizer) and builds
+        # gguf-py's tensor name map again for each of the model's ~300 submodules: most of this fixture's time, spent
+        # recomputing the same read-only values. Both are pure functions of their arguments, so they are memoized
+        # while loading (only then: other tests use gguf-py unpatched); what transformers builds is unchanged.
+        with pytest.MonkeyPatch.context() as memo, warnings.catch_warnings():
+            memo.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+            memo.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+            # conversion chatter from transformers is not ours to fix
             warnings.simplefilter("ignore")
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(smollm2_dir()), gguf_file=SMOLLM2_FILE, dtype=torch.float32, local_files_only=True
