@@ -17,7 +17,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type, kv_cache_budget
 from registry.fields import Alias, Device, Frozen, ModelName, ModelType
-from registry.schema import ModelSpec, Placement, RayResources
+from registry.schema import ChatOptions, ModelSpec, Placement, RayResources
 
 
 class ReplicaPlacement(Frozen):
@@ -43,6 +43,7 @@ class ReplicaLaunch(Frozen):
     device: Device = "auto"
     engine: EngineSpec | EmbeddingEngineSpec = Field(default_factory=dict, validate_default=True)
     queue: QueueOptions = Field(default_factory=QueueOptions)
+    chat: ChatOptions = Field(default_factory=ChatOptions)  # how its replies are read (the model's `chat:`)
     placement: ReplicaPlacement = Field(default_factory=ReplicaPlacement)
     url: str | None = None  # launcher `url`: the replica already runs there
     ray: RayResources | None = None  # launcher `ray`: what its actor asks of its node
@@ -81,7 +82,7 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
         spec.policy.model_dump(include=set(QueueOptions.model_fields)))
     return ReplicaLaunch(
         model=spec.name, index=index, type=spec.type, source=spec.source_ref(), aliases=tuple(spec.aliases),
-        device=spec.device, engine=spec.engine, queue=queue, placement=placement or ReplicaPlacement(),
+        device=spec.device, engine=spec.engine, queue=queue, chat=spec.chat, placement=placement or ReplicaPlacement(),
         url=spec.urls[index] if index < len(spec.urls) else None,
         ray=(spec.ray or RayResources()) if spec.launcher == "ray" else None,
         command=spec.command, served_name=spec.served_name if spec.launcher == "command" else None)

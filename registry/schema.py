@@ -209,6 +209,21 @@ class PolicySpec(QueueOptions):
     load_bound: float = Field(default=1.25, ge=1.0, le=MAX_LOAD_BOUND)
 
 
+# the reply parsers of runtimes/server/tool_parsers.py and reasoning_parsers.py (a test keeps the lists the same)
+ToolParserName = Literal["hermes", "llama3_json", "mistral"]
+ReasoningParserName = Literal["think", "none"]
+
+
+class ChatOptions(Frozen):
+    """How a chat model's replies are read (our engine's replicas): `tool_parser` finds tool calls in a reply to
+    `tool_choice: "auto"`; `reasoning_parser` splits the model's thinking out as `reasoning_content` ("none": never).
+    Unset: the parser the chat template's own syntax implies (tool calls: else `hermes`, which reads what the default
+    tool prompt asks for)."""
+
+    tool_parser: ToolParserName | None = None
+    reasoning_parser: ReasoningParserName | None = None
+
+
 class ModelSpec(Frozen):
     """One model of the registry and how to run it."""
 
@@ -228,6 +243,7 @@ class ModelSpec(Frozen):
     # its kind follows `type` (registry/engine.py): the LLM engine's options, or the encoder's for embedding models
     engine: EngineSpec | EmbeddingEngineSpec = Field(default_factory=dict, validate_default=True)
     policy: PolicySpec = Field(default_factory=PolicySpec)
+    chat: ChatOptions = Field(default_factory=ChatOptions)  # how replies are read: tool calls, reasoning
     fallbacks: list[ModelName] = []  # names (not aliases) of models of the same type, tried in order
     # tried when a replica answers `context_length_exceeded`: models with a longer context window
     context_window_fallbacks: list[ModelName] = []
@@ -245,7 +261,7 @@ class ModelSpec(Frozen):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
-        problems = [*self._launcher_problems(), *self._embedding_problems(),
+        problems = [*self._launcher_problems(), *self._embedding_problems(), *self._chat_problems(),
                     *_duplicates("aliases", self.aliases)]
         problems += _duplicates("fallbacks", self.fallbacks)
         problems += _duplicates("context_window_fallbacks", self.context_window_fallbacks)
@@ -258,6 +274,17 @@ class ModelSpec(Frozen):
         if problems:
             raise FieldProblems(problems)
         return self
+
+    def _chat_problems(self) -> list[Problem]:
+        """`chat:` is read by our engine's replicas, for models that chat."""
+        if "chat" not in self.model_fields_set:
+            return []
+        if self.type != "chat":
+            return [Problem("chat", f"how chat replies are read: only for type 'chat' (type is {self.type!r})")]
+        if self.launcher in ("url", "command"):
+            return [Problem("chat", f"read by multiserve's own engine; a {self.launcher!r} replica's server reads "
+                                    "its replies itself (e.g. vLLM's --tool-call-parser in command.args)")]
+        return []
 
     def _embedding_problems(self) -> list[Problem]:
         """What the embedding runtime does not do (its requests take turns in one queue, with no queue limits)."""

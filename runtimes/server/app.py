@@ -45,14 +45,7 @@ from runtimes.server.streaming import (
     progress_lines,
     sse_stream,
 )
-from runtimes.server.tool_calls import (
-    NamedCallReader,
-    ReplyReader,
-    RequiredCallsReader,
-    ToolRequest,
-    auto_reader,
-    template_inputs,
-)
+from runtimes.server.tool_calls import ReplyReader, ToolRequest, reply_readers, template_inputs
 
 SHUTDOWN_SETTLE_TIMEOUT_S = 5.0
 log = structlog.get_logger(__name__)
@@ -122,7 +115,7 @@ class _Server(ReplicaEndpoints):
         body = await self.parse_body(request, ChatCompletionRequest)
         params = body.to_sampling_params(self.vocab_size)
         tools = body.tool_request()
-        readers = self._reply_readers(tools, params)
+        readers = self._reply_readers(tools)
         prompt = await anyio.to_thread.run_sync(self._chat_prompt, body, tools)
         lane = self._lane(request, body.priority, prompt, params)
         gen = Generation(self.engine, f"chatcmpl-{uuid.uuid4().hex}", prompt, params, lane, self.metrics, self.clock,
@@ -137,19 +130,10 @@ class _Server(ReplicaEndpoints):
             lambda meta: chat_events(gen, meta, body.include_usage, logprobs, num_top, resumed, readers, seen),
             lambda meta, choices: chat_body(meta, choices, gen.num_prompt_tokens, logprobs, num_top, readers))
 
-    def _reply_readers(self, tools: ToolRequest | None,
-                       params: SamplingParams) -> Callable[[], ReplyReader] | None:
+    def _reply_readers(self, tools: ToolRequest | None) -> Callable[[], ReplyReader] | None:
         """What reads each choice's text into content, reasoning and tool calls; None: the text is the content."""
-        if tools is None or tools.mode == "none":
-            return None
-        if tools.mode == "named":
-            name = tools.name
-            assert name is not None
-            return lambda: NamedCallReader(name)
-        if tools.mode == "required":
-            return RequiredCallsReader
-        template = self.engine.engine.tokenizer.chat_template
-        return lambda: auto_reader(template)
+        return reply_readers(tools, self.engine.engine.tokenizer.chat_template, self.tool_parser,
+                             self.reasoning_parser)
 
     def _resumed_text(self, body: SamplingFields, params: SamplingParams) -> str:
         """What a whole reply that another replica began starts with: the text of the tokens it had generated (a

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from foundation.request_errors import InvalidRequestError
 from runtimes.llm.sampling_params import StructuredOutput
+from runtimes.server.reasoning_parsers import REASONING_PARSERS, chain, reasoning_parser_for_template
 from runtimes.server.tool_parsers import TOOL_PARSERS, ParsedDelta, ToolParser, tool_parser_for_template
 
 MAX_TOOLS = 128
@@ -436,11 +437,38 @@ class ParsedReader:
         return _deltas(self._parser.finish())
 
 
-def auto_reader(chat_template: str | None) -> ParsedReader:
-    """A reader for tool_choice "auto": the parser the template's own tool syntax implies, else the one that reads
-    what DEFAULT_TOOL_PROMPT asks for."""
-    name = tool_parser_for_template(chat_template or "") if template_has_tools(chat_template) else None
-    return ParsedReader(TOOL_PARSERS[name or DEFAULT_TOOL_PARSER]())
+def reply_readers(request: ToolRequest | None, chat_template: str | None, tool_parser: str | None = None,
+                  reasoning_parser: str | None = None) -> Callable[[], ReplyReader] | None:
+    """What reads each choice's text into content, reasoning_content and tool calls (a new reader per choice); None:
+    the text is the content.
+
+    tool_choice "required" or named: the constrained output is the call(s). "auto": `tool_parser` (the registry's
+    `chat.tool_parser`), else the parser the template's own tool syntax implies, else the one that reads what
+    DEFAULT_TOOL_PROMPT asks for. With or without tools, `reasoning_parser` (`chat.reasoning_parser`; "none": never;
+    None: the one the template implies) first splits off the model's thinking, so that a call it only thinks about
+    is not taken for one it makes."""
+    if request is not None and request.mode == "named":
+        name = request.name
+        assert name is not None
+        return lambda: NamedCallReader(name)
+    if request is not None and request.mode == "required":
+        return RequiredCallsReader
+    template = chat_template or ""
+    reasoning: tuple[str, bool] | None = None
+    if reasoning_parser is None:
+        reasoning = reasoning_parser_for_template(template)
+    elif reasoning_parser != "none":
+        implied = reasoning_parser_for_template(template)
+        reasoning = reasoning_parser, implied is not None and implied[0] == reasoning_parser and implied[1]
+    tools: str | None = None
+    if request is not None and request.mode == "auto":
+        implied_tools = tool_parser_for_template(template) if template_has_tools(chat_template) else None
+        tools = tool_parser or implied_tools or DEFAULT_TOOL_PARSER
+    if reasoning is None and tools is None:
+        return None
+    return lambda: ParsedReader(chain(
+        REASONING_PARSERS[reasoning[0]](starts_inside=reasoning[1]) if reasoning is not None else None,
+        TOOL_PARSERS[tools]() if tools is not None else None))
 
 
 def _deltas(parsed: ParsedDelta) -> list[dict[str, Any]]:

@@ -67,7 +67,8 @@ def _load_llm(launch: ReplicaLaunch, config: EngineConfig, step_gate: StepGate |
     structlog.get_logger(__name__).info("model loaded", model=engine.engine.model_name,
                                         max_model_len=engine.engine.max_model_len, kv_blocks=kv.num_blocks,
                                         block_size=kv.block_size)
-    return engine, build_app(engine, launch.model, launch.aliases)
+    return engine, build_app(engine, launch.model, launch.aliases, tool_parser=launch.chat.tool_parser,
+                             reasoning_parser=launch.chat.reasoning_parser)
 
 
 def _load_embedding(launch: ReplicaLaunch, config: EmbeddingConfig,

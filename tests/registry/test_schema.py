@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 from pydantic import ValidationError
 
@@ -178,6 +180,17 @@ INVALID = {
     "embedding with a queue limit": (
         registry_text("{name: e, type: embedding, source: {path: /e}, policy: {max_queue_len: 3}}"),
         "models[0].policy.max_queue_len: not supported for embedding models"),
+    "unknown tool parser": (registry_text(chat("a", ", chat: {tool_parser: qwen}")),
+                            "models[0].chat.tool_parser: Input should be 'hermes', 'llama3_json' or 'mistral'"),
+    "unknown chat key": (registry_text(chat("a", ", chat: {template: x}")),
+                         "models[0].chat.template: unknown field"),
+    "chat options for an embedder": (
+        registry_text("{name: e, type: embedding, source: {path: m}, chat: {reasoning_parser: think}}"),
+        "models[0].chat: how chat replies are read: only for type 'chat' (type is 'embedding')"),
+    "chat options for a url replica": (
+        registry_text("{name: u, type: chat, launcher: url, urls: ['http://127.0.0.1:9'], "
+                      "chat: {tool_parser: hermes}}"),
+        "models[0].chat: read by multiserve's own engine; a 'url' replica's server reads its replies itself"),
     "gateway port": (registry_text(chat("a"), extra="gateway: {port: 70000}\n"),
                      "gateway.port: Input should be less than or equal to 65535"),
     "no models key": ("gateway: {port: 8000}\n", "models: Field required"),
@@ -276,3 +289,18 @@ def test_a_ray_launcher_asks_its_resources_and_says_how_to_install_ray(monkeypat
     with pytest.raises(RegistryError, match=r"models\[0\]\.launcher: 'ray' needs Ray installed where the gateway "
                                             r"runs: pip install 'multiserve\[ray\]'"):
         parse_registry(registry_text(chat("a", ", launcher: ray")), "r.yaml")
+
+
+def test_chat_options_reach_the_replica_and_name_the_servers_parsers():
+    from registry.schema import ReasoningParserName, ToolParserName
+    from runtimes.server.reasoning_parsers import REASONING_PARSERS  # the parsers the worker's app reads with
+    from runtimes.server.tool_parsers import TOOL_PARSERS
+
+    spec = ModelSpec.model_validate({"name": "a", "type": "chat", "source": {"path": "m.gguf"},
+                                     "chat": {"tool_parser": "mistral", "reasoning_parser": "none"}})
+    launch = replica_launch(spec, 0)
+    assert (launch.chat.tool_parser, launch.chat.reasoning_parser) == ("mistral", "none")
+    plain = ModelSpec.model_validate({"name": "b", "type": "chat", "source": {"path": "m.gguf"}})
+    assert replica_launch(plain, 0).chat.tool_parser is None
+    assert set(typing.get_args(ToolParserName)) == set(TOOL_PARSERS)
+    assert set(typing.get_args(ReasoningParserName)) == {*REASONING_PARSERS, "none"}

@@ -16,10 +16,10 @@ from runtimes.server.tool_calls import (
     MAX_TOOLS,
     NamedCallReader,
     RequiredCallsReader,
-    auto_reader,
     merged,
     read_whole,
     reply_message,
+    reply_readers,
     required_schema,
     template_inputs,
     tool_request,
@@ -216,11 +216,59 @@ def test_required_calls_cut_short_before_a_name_are_content():
     ("{% for t in tools %}{{ t }}{% endfor %}[TOOL_CALLS]", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]'),
 ])
 def test_auto_reads_calls_in_the_templates_own_syntax_whole_or_in_pieces(template, text):
-    whole = read_whole(auto_reader(template), text)
-    reader = auto_reader(template)
+    readers = reply_readers(tool_request(TOOLS, "auto", None), template)
+    assert readers is not None
+    whole = read_whole(readers(), text)
+    reader = readers()
     pieces = merged([d for ch in text for d in reader.feed(ch)] + reader.finish())
     for fields in (whole, pieces):
         assert fields["content"].strip() == "Sure."
         [call] = fields["tool_calls"]
         assert call["function"]["name"] == "f" and json.loads(call["function"]["arguments"]) == {"x": 1}
     assert whole["tool_calls"][0]["function"] == pieces["tool_calls"][0]["function"]
+
+
+MISTRAL_TEMPLATE = "{% for t in tools %}{{ t }}{% endfor %}[TOOL_CALLS]"
+THINKING_TEMPLATE = "{{ messages }}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+
+
+def test_the_registrys_tool_parser_wins_over_the_templates():
+    readers = reply_readers(tool_request(TOOLS, "auto", None), MISTRAL_TEMPLATE, tool_parser="hermes")
+    assert readers is not None
+    fields = read_whole(readers(), '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    assert fields["tool_calls"][0]["function"]["name"] == "f"
+    mistral = reply_readers(tool_request(TOOLS, "auto", None), MISTRAL_TEMPLATE)
+    assert mistral is not None
+    assert "tool_calls" not in read_whole(mistral(), '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("tools", [None, "none", "auto"])
+def test_a_thinking_templates_replies_carry_reasoning_content(tools):
+    """The template opens `<think>` in its generation prompt: the reply starts inside it; what follows `</think>`
+    is content, read for calls when tool_choice is "auto" (a call only thought about is not made)."""
+    request = None if tools is None else tool_request(TOOLS, tools, None)
+    readers = reply_readers(request, THINKING_TEMPLATE)
+    assert readers is not None
+    text = ('Maybe <tool_call>{"name": "f", "arguments": {}}</tool_call>?</think>\n\nThe answer.'
+            '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    whole = read_whole(readers(), text)
+    reader = readers()
+    pieces = merged([d for ch in text for d in reader.feed(ch)] + reader.finish())
+    for fields in (whole, pieces):
+        assert fields["reasoning_content"] == 'Maybe <tool_call>{"name": "f", "arguments": {}}</tool_call>?'
+        if tools == "auto":
+            assert fields["content"].strip() == "The answer."
+            [call] = fields["tool_calls"]
+            assert json.loads(call["function"]["arguments"]) == {"x": 1}
+        else:
+            assert fields["content"].startswith("The answer.<tool_call>") and "tool_calls" not in fields
+
+
+def test_reasoning_none_or_a_plain_template_leaves_the_text_as_content():
+    assert reply_readers(None, THINKING_TEMPLATE, reasoning_parser="none") is None
+    assert reply_readers(None, "{{ messages }}") is None
+    assert reply_readers(tool_request(TOOLS, "none", None), None) is None
+    readers = reply_readers(None, "{{ messages }}", reasoning_parser="think")  # asked for: a <think> block at the start
+    assert readers is not None
+    assert read_whole(readers(), "<think>hm</think>Yes.") == {"reasoning_content": "hm", "content": "Yes."}
+    assert read_whole(readers(), "Yes.") == {"content": "Yes."}
