@@ -109,6 +109,31 @@ def test_forced_tool_calls_through_the_openai_client(gateway):
             assert arguments == call.function.arguments  # the same seed: the same call
 
 
+def test_tool_choice_auto_through_the_openai_client(gateway):
+    """tools with no tool_choice (OpenAI's default "auto"): the model's text is read for calls in the syntax the
+    default tool prompt asks for. The random weights are held to such a text by a regex, so the call is known; the
+    client gets it as tool_calls, whole and streamed, and the text around it as content."""
+    text = 'Checking. <tool_call>\n{"name": "now", "arguments": {"zone": "CET"}}\n</tool_call>'
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "time?"}], "tools": [CLOCK_TOOL],
+               "max_tokens": 90, "extra_body": {"guided_regex": re.escape(text)}}
+        done = client.chat.completions.create(**ask)
+        message = done.choices[0].message
+        assert done.choices[0].finish_reason == "tool_calls" and message.content.strip() == "Checking."
+        [call] = message.tool_calls
+        assert call.function.name == "now" and json.loads(call.function.arguments) == {"zone": "CET"}
+        content, names, arguments, finish = "", [], "", None
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for delta_call in delta.tool_calls or ():
+                names += [delta_call.function.name] if delta_call.function.name else []
+                arguments += delta_call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert (content.strip(), names, json.loads(arguments), finish) == ("Checking.", ["now"], {"zone": "CET"},
+                                                                           "tool_calls")
+
+
 BAD_REQUESTS = [
     ("invalid json", "/v1/completions", b"{not json", 400, "JSON"),
     ("wrong type", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),

@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from foundation.http.wire import RESUME_FIELD
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
@@ -200,3 +201,38 @@ def test_auto_without_a_call_is_plain_content(client):
     choice = client.post(CHAT, json=body).json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "No tool needed."
     assert "tool_calls" not in choice["message"]
+
+
+RESUMED = [pytest.param({"tool_choice": NAMED}, id="named"),
+           pytest.param({"tool_choice": "required", "parallel_tool_calls": False}, id="required"),
+           pytest.param({"tool_choice": "auto", "structured_outputs": {"regex": re.escape(AUTO_TEXT)}}, id="auto")]
+
+
+@pytest.mark.parametrize("choice", RESUMED)
+def test_a_call_stream_cut_anywhere_goes_on_exactly_on_another_replica(client, choice):
+    """A stream of tool-call deltas broken after any token (before the name, inside the arguments) and continued
+    from its tokens (`multiserve_resume`): what the client saw plus the continuation is the whole stream's call,
+    announced once (one id, one name), its arguments in order."""
+    from tests.runtimes.server.test_resume_protocol import RESUMABLE, stream
+
+    body = _body(**choice, seed=4, max_tokens=200)
+    whole = stream(client, CHAT, body, RESUMABLE)
+    ids = [t for _, tokens in whole for t in tokens]
+    [(expected, finish)] = _streamed([e for e, _ in whole], 1)
+    assert finish == "tool_calls" and len(expected["tool_calls"]) == 1
+    first = whole[0][0]
+    assert isinstance(first, dict)
+    for cut in sorted({1, len(ids) // 3, len(ids) // 2, len(ids) - 1}):
+        shown, count = [], 0
+        for event, tokens in whole:  # what the client had seen once `cut` tokens were out
+            if count >= cut:
+                break
+            shown.append(event)
+            count += len(tokens)
+        resume = {"token_ids": ids[:count], "id": first["id"], "created": first["created"]}
+        rest = stream(client, CHAT, {**body, RESUME_FIELD: resume}, RESUMABLE)
+        [(message, finish)] = _streamed([*shown, *(e for e, _ in rest)], 1)
+        assert finish == "tool_calls", cut
+        [call] = message["tool_calls"]
+        assert call["function"] == expected["tool_calls"][0]["function"], cut
+        assert message["content"] == expected["content"], cut
