@@ -162,9 +162,10 @@ def _schema_object(value: Any, param: str) -> dict[str, Any]:
 
 
 def _schema_text(schema: dict[str, Any], param: str) -> str:
-    """The schema as JSON text with its keys sorted, so that equal schemas read (and cache) alike."""
+    """The schema as JSON text, its keys in the order given: a JSON reply's properties come in the schema's order (as
+    OpenAI writes them), which a schema may rely on (say "reasoning" before "answer")."""
     try:
-        text = json.dumps(schema, sort_keys=True, allow_nan=False)
+        text = json.dumps(schema, allow_nan=False)
     except RecursionError:
         raise _invalid(param, "the schema nests too deeply") from None
     except ValueError:

@@ -217,3 +217,17 @@ def test_an_unnamed_key_is_refused_where_the_schema_names_its_properties(compile
     ids = tok.encode('{"name": "a", "date": "b", "participants": [], "extra"', add_special_tokens=False)
     accepted = [matcher.accept(t) for t in ids]
     assert not all(accepted)
+
+
+def test_properties_come_in_the_schemas_order(compiler: GrammarCompiler, tok: Tokenizer):
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 3},
+                                               "answer": {"type": "integer"}}, "required": ["reasoning", "answer"]}
+    matcher = compiler.compile(StructuredOutput(json_schema=json.dumps(schema))).matcher()
+    bitmask = allocate_bitmask(1, VOCAB)
+    out: list[int] = []
+    while not matcher.is_terminated:
+        matcher.fill_bitmask(bitmask, 0)
+        token = min(t for t in _allowed(bitmask) if t != EOS)
+        assert matcher.accept(token)
+        out.append(token)
+    assert list(json.loads(tok.decode(out))) == ["reasoning", "answer"]
