@@ -288,10 +288,28 @@ class ModelPool:
     # ------------------------------------------------------------------------------------ supervision
 
     async def run(self) -> None:
-        """Supervise forever: one `tick()` every probe interval."""
+        """Supervise forever: one `tick()` every probe interval; between two, every `rollout_poll_s`, a quick pass
+        (`_quick_pass`) over the replicas still starting and the restarts that are due, as a rollout polls the
+        replica it waits for: a replica serves as soon as it is ready, and a crashed one starts again when its
+        backoff ends, not up to a probe interval later. Ready replicas are probed once per interval only (their
+        `unhealthy_after` counts those probes)."""
         while True:
             await self.tick()
-            await self.sleep(self.settings.probe_interval_s)
+            next_tick = self.clock() + self.settings.probe_interval_s
+            while (left := next_tick - self.clock()) > 0:
+                await self.sleep(min(left, self.settings.rollout_poll_s))
+                if self.clock() < next_tick:
+                    await self._quick_pass()
+
+    async def _quick_pass(self) -> None:
+        """Supervise only the replicas that are starting, or whose restart is due (the caller sleeps between)."""
+        async with self._lock:
+            now = self.clock()
+            due = [(g, r) for g in self.groups.values() for r in g.replicas
+                   if r.state == ReplicaState.STARTING or self._schedule.restart_at.get(r.replica_id, now + 1) <= now]
+            if due:
+                await asyncio.gather(*(self._supervise(g, r) for g, r in due))
+                self._move_waiting()
 
     async def tick(self) -> None:
         """One pass: restart what crashed (with backoff), probe everything else."""

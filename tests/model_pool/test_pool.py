@@ -136,6 +136,41 @@ def test_replicas_become_ready_after_a_successful_probe():
     run(scenario)
 
 
+def test_run_probes_starting_replicas_and_fires_due_restarts_between_ticks_and_ready_ones_once_a_tick():
+    """`run()`: a tick every probe interval (2 s); between two, every rollout_poll_s (0.25 s), a pass over the
+    replicas still starting and the restarts that are due. A replica ready 3.1 s in serves from 3.25 s, not from the
+    tick at 4 s; a crash seen at the tick at 6 s restarts when its 0.5 s backoff ends, not at the tick at 8 s; the
+    ready replica is probed once a tick."""
+    async def scenario(h: Harness) -> None:
+        h.replicas.set("beta/0", "not_ready")
+        await h.pool.apply(registry(model("alpha"), model("beta")))
+        start = h.clock()
+        seen: dict[float, tuple[ReplicaState, int]] = {}  # at each sleep's end, before that pass
+        done = asyncio.Event()
+
+        def on_sleep(_: float) -> None:
+            now = h.clock() - start
+            seen[now] = (h.replica("beta/0").state, len(h.launcher.handles_of("alpha/0")))
+            if now >= 3.1:
+                h.replicas.set("beta/0", "ok")
+            first = h.launcher.latest("alpha/0")
+            if now >= 5.0 and len(h.launcher.handles_of("alpha/0")) == 1 and first.exit_code() is None:
+                first.crash()
+            if now >= 9.9:
+                done.set()
+
+        h.sleep.on_sleep = on_sleep
+        supervisor = asyncio.create_task(h.pool.run())
+        await done.wait()
+        supervisor.cancel()
+        assert sorted(seen) == [i / 4 for i in range(1, 41)]  # a pass every 0.25 s (a tick on the even seconds)
+        assert seen[3.25][0] == STARTING and seen[3.5][0] == READY  # the pass at 3.25 s found it ready
+        assert seen[6.5][1] == 1 and seen[6.75][1] == 2  # crashed at 5 s, seen at 6 s, started again at 6.5 s
+        assert h.replicas.probes["fake-alpha-0"] == 5  # ticks at 0, 2, 4, 8 s; the pass at 6.75 s (starting)
+
+    run(scenario, settings=PoolSettings(probe_interval_s=2.0, rollout_poll_s=0.25, restart_backoff_s=0.5))
+
+
 def test_scaling_up_starts_only_the_new_replicas():
     async def scenario(h: Harness) -> None:
         await h.pool.apply(registry(model("alpha", 2), model("beta")))
