@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a GGUF file or a Hugging Face directory (config.json + *.safetensors).
+"""Load a decoder (model_config.FAMILIES) from a GGUF file or a Hugging Face directory (config.json + *.safetensors).
 
 A GGUF file is read through `gguf_file.GGUFFile` (a memory map). Its tensors are kept in their blocks
 (`quant/weights.py`) or dequantized with gguf-py (llama.cpp's own, numpy-vectorized) to fp32 one at a time and
@@ -177,24 +177,42 @@ def _load_weights(
         config.intermediate_size
     rows_of = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows),
                "gate_proj": (0, inter), "up_proj": (inter, inter)}  # a part's (first row, rows) in its fused weight
-    total = 2 + (0 if config.tie_word_embeddings else 1) + 9 * config.num_layers
+    per_layer = 9 + 3 * config.qkv_bias + config.o_bias + 2 * config.qk_norm
+    total = 2 + (0 if config.tie_word_embeddings else 1) + per_layer * config.num_layers
     for hf_name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not progress):
         name = hf_name.removeprefix("model.")
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        key = target_of(name)
-        rows = None if key == name else rows_of[name.rsplit(".", 2)[-2]]
+        prefix, proj, tail = _split(name)
+        if tail == "bias" and proj in _BIASES:  # beside the projection: self_attn.qkv_bias, self_attn.o_bias
+            key = f"{prefix}.{_BIASES[proj]}"
+            rows = rows_of.get(proj)
+        else:
+            key = target_of(name)
+            rows = None if key == name else rows_of[proj]
         _copy(params, key, tensor, device, dtype, formats.get(key), rows=rows, what=name)
         loaded.add(name)
     expected: dict[str, str] = {}  # checkpoint name -> how a missing one is named
     for name in params:
-        head, _, tail = name.rpartition(".")
-        prefix, _, proj = head.rpartition(".")
+        prefix, proj, tail = _split(name)
         parts = [f"{prefix}.{part}.{tail}" for part, whole in FUSED_INTO.items() if whole == proj]
+        if tail in _BIASES.values():
+            parts = [f"{prefix}.{proj}.{part}.bias" for part, whole in _BIASES.items() if whole == tail]
         expected |= {part: f"{part} (of {name})" for part in parts} if parts else {name: name}
     missing = sorted(shown for name, shown in expected.items() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+# a projection's bias in the checkpoint -> the parameter beside the projection that holds it (model.Attention)
+_BIASES = {"q_proj": "qkv_bias", "k_proj": "qkv_bias", "v_proj": "qkv_bias", "o_proj": "o_bias"}
+
+
+def _split(name: str) -> tuple[str, str, str]:
+    """`layers.3.self_attn.q_proj.bias` -> ("layers.3.self_attn", "q_proj", "bias")."""
+    head, _, tail = name.rpartition(".")
+    prefix, _, proj = head.rpartition(".")
+    return prefix, proj, tail
 
 
 def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor | BlockTensor, device: torch.device,
@@ -251,7 +269,11 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# llama.cpp's converter permutes Q and K rows for its interleaved RoPE in these families only (Qwen's is the
+# rotate-halves RoPE Hugging Face uses, and its converter leaves the rows as they are)
+_PERMUTED_QK = ("llama", "mistral")
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -270,10 +292,10 @@ def _hf_name(gguf_name: str) -> str:
         return _GGUF_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
         raise ValueError("GGUF rope_freqs (Llama 3.1 rope scaling) is not supported yet")
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if match is None or match.group(2) not in _GGUF_LAYER_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.weight"
+    return f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
 
 
 def _float_values(tensor: Any) -> np.ndarray:
@@ -293,7 +315,8 @@ def _gguf_tensors(reader: Any, config: ModelConfig,
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         kind = name.rsplit(".", 2)[-2]
-        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(kind)
+        heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(kind) \
+            if config.family in _PERMUTED_QK else None
         if keep_blocks(name):
             blocks = tensor.data if heads is None else unpermute_qk(tensor.data, heads)
             yield name, BlockTensor(blocks, int(tensor.tensor_type), int(tensor.shape[0]))

@@ -169,6 +169,12 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        # what a family adds (runtimes/llm/model_config.py): biases, kept beside the projections (which may hold their
+        # weight in a block format), and Qwen3's per-head norms of q and k
+        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if cfg.qkv_bias else None
+        self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size)) if cfg.o_bias else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.attention_fn = attention_fn
         self.scale = cfg.head_dim**-0.5
@@ -182,8 +188,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         # RoPE on q and k together, one pass over [T, Hq + KVH, D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((_per_head(self.q_norm, q), _per_head(self.k_norm, k)), dim=1)
         if (ops := fused.ops_for(qkv)) is not None:
             ops.rotary_(qk, *rope)  # in place, in qkv
         else:
@@ -193,7 +204,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         fused.kv_writer(k, k_cache)(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.attention_fn(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out if self.o_bias is None else out + self.o_bias
+
+
+def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [T, heads, D]
+    """An RMSNorm over each head's D values."""
+    return norm(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
 class MLP(nn.Module):
@@ -245,7 +262,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so)."""
+    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so): the one
+    decoder skeleton; a family's additions (model_config.FAMILIES) are options of its attention."""
 
     packed_lm_head: torch.Tensor | None = None  # oneDNN copy of the LM head's weight (CPU loader), see `Linear`
     logits_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # a dense head's, see `Linear`
@@ -309,6 +327,9 @@ class LlamaForCausalLM(nn.Module):
         a prefill, anything but fp32 activations on the CPU with the C++ attention kernel (over an fp32 or fp16 cache),
         a projection it has no kernel for."""
         layers = cast(list[DecoderLayer], self.layers)
+        cfg = self.config
+        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:  # the one-call stack is Llama's layer only
+            return None
         if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype in KERNEL_CACHE_DTYPES
                 and layers[0].self_attn.attention_fn is paged_attention_cpu):
             return None
@@ -316,7 +337,6 @@ class LlamaForCausalLM(nn.Module):
             return None
         rows = decode_rows(meta)
         assert rows is not None  # a pure decode step
-        cfg = self.config
         k_caches, v_caches = zip(*kv_caches, strict=True)
         return torch.ops.multiserve_fused.decode_layers(
             x, *rope, *stack, list(k_caches), list(v_caches), meta.slot_mapping, rows.rows,

@@ -1,5 +1,7 @@
-"""A Llama-family decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata.
-Imports no torch: the planner reads a local model's shape with it in the gateway process, which holds no engine."""
+"""A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the
+families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (without a sliding window), Qwen2 /
+Qwen2.5 (biases on q, k and v) and Qwen3 (a per-head RMSNorm on q and k). Imports no torch: the planner reads a
+local model's shape with it in the gateway process, which holds no engine."""
 
 from __future__ import annotations
 
@@ -26,9 +28,17 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+# Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_family(name: object, where: str) -> ValueError:
+    return ValueError(f"unsupported {where} {name!r} (supported: {', '.join(FAMILIES)})")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder."""
+    """Shape of a decoder of one of FAMILIES: the Llama layout, and what a family adds to it."""
 
     vocab_size: int
     hidden_size: int
@@ -44,6 +54,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    family: str = "llama"
+    qkv_bias: bool = False  # q, k and v projections have biases (Qwen2; Llama's and Qwen3's `attention_bias`)
+    o_bias: bool = False  # the output projection has a bias (Llama's and Qwen3's `attention_bias`)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -55,7 +69,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """From a Hugging Face `config.json` of a Llama-family model."""
+        """From a Hugging Face `config.json` of a model of one of FAMILIES."""
+        family = cfg.get("model_type", "llama")
+        if family not in FAMILIES:
+            raise unsupported_family(family, "model_type")
+        if family in ("mistral", "qwen2") and cfg.get("sliding_window") is not None and (
+                family == "mistral" or cfg.get("use_sliding_window")):
+            raise ValueError(f"{family} with sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
+                             "supported yet")
+        if cfg.get("mlp_bias"):
+            raise ValueError("MLP biases (mlp_bias: true) are not supported")
+        attention_bias = bool(cfg.get("attention_bias", False))
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
@@ -89,6 +113,10 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            family=family,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            qk_norm=family == "qwen3",
         )
 
     @classmethod
@@ -100,13 +128,18 @@ def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig]:
     """A GGUF file (its metadata, and its memory-mapped tensors: no tensor data is read yet) and its model's
     config."""
     file = GGUFFile(path)
-    return file, gguf_model_config(file.metadata, has_output=any(t.name == "output.weight" for t in file.tensors))
+    names = frozenset(t.name for t in file.tensors)
+    return file, gguf_model_config(file.metadata, has_output="output.weight" in names, tensor_names=names)
 
 
-def gguf_model_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
+def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: frozenset[str] = frozenset()
+                      ) -> ModelConfig:
+    """From a GGUF file's metadata; `tensor_names` tell what the metadata does not (biases, q/k norms)."""
     arch = meta.get("general.architecture")
-    if arch not in ("llama",):
-        raise ValueError(f"unsupported GGUF architecture {arch!r} (supported: llama)")
+    if arch not in FAMILIES:
+        raise unsupported_family(arch, "GGUF architecture")
+    if meta.get(f"{arch}.attention.sliding_window") is not None and arch == "mistral":
+        raise ValueError("mistral with sliding-window attention is not supported yet")
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -136,4 +169,8 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool) -> ModelConfig:
         tie_word_embeddings=not has_output,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        family=arch,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )

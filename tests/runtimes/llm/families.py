@@ -1,0 +1,110 @@
+"""Tiny random-weight checkpoints of each decoder family the runtime runs (runtimes/llm/model_config.FAMILIES),
+built by transformers itself, written as a Hugging Face directory or as a GGUF file the way llama.cpp's converter
+writes that family. The byte-level tokenizer of tests/runtimes/llm/tiny.py goes with each.
+
+Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings), Qwen3's per-head q/k norms with a
+`head_dim` that is not hidden / heads, Mistral's layout; biases and norms are random, so a wrong mapping cannot hide
+behind zeros or ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.runtimes.llm.tiny import CHATML, EOS_ID, TOKENS, permute_qk, save_hf_dir, tokenizer_metadata
+
+FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2": {"tie_word_embeddings": False, "rope_theta": 1e6},
+    "qwen3": {"head_dim": 32, "tie_word_embeddings": True, "rope_theta": 1e6},
+    "mistral": {"sliding_window": None, "tie_word_embeddings": False},
+    "llama": {"attention_bias": True, "tie_word_embeddings": True},  # Llama's own option: biases on q, k, v and o
+}
+_PERMUTED = ("llama", "mistral")  # llama.cpp permutes Q/K rows only for these
+
+
+def hf_family_model(family: str, seed: int = 0, **overrides: Any):
+    """A random transformers model of `family` (fp32, eval mode): 2 layers, 4 heads, 2 KV heads."""
+    import transformers
+
+    config_class = transformers.AutoConfig.for_model(family).__class__
+    fields = {"vocab_size": len(TOKENS), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-6, "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": EOS_ID,
+              **FAMILY_CONFIGS[family], **overrides}
+    config = config_class(**fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
+    return model
+
+
+def save_family_dir(model, path: Path) -> Path:
+    return save_hf_dir(model, path)
+
+
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_family_gguf(model, path: Path) -> Path:
+    """`model` as an F32 GGUF file of its family, as llama.cpp's converter writes it (architecture name, metadata
+    keys, tensor names; Q/K rows permuted for Llama and Mistral only)."""
+    import gguf
+
+    cfg = model.config
+    family = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), family)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    meta = tokenizer_metadata()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_chat_template(CHATML)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = np.ascontiguousarray(tensor.detach().float().numpy())
+        if name in names:
+            out = names[name]
+        else:
+            parts = name.split(".")  # model.layers.N.<module...>.weight|bias
+            out = f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if family in _PERMUTED and ".attn_q." in out:
+            array = permute_qk(array, cfg.num_attention_heads)
+        elif family in _PERMUTED and ".attn_k." in out:
+            array = permute_qk(array, cfg.num_key_value_heads)
+        writer.add_tensor(out, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
