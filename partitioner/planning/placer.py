@@ -29,7 +29,7 @@ from partitioner.planning.demand import ModelShape, replica_demands
 from partitioner.planning.placement import PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
-from partitioner.planning.shapes import plan_shapes
+from partitioner.planning.shapes import family_problems, plan_shapes
 from registry.errors import Problem
 from registry.launch import ReplicaPlacement
 from registry.schema import ModelSpec, Registry
@@ -125,7 +125,9 @@ class ReplicaPlacer:
         """What keeps `registry` from being placed on this host: the registry store's `check`. With
         `require_applied`, a plan whose MIG devices or MPS daemons do not exist yet is refused too, naming them and
         the command that makes them: a replica never starts half-isolated (on a placeholder MIG device, or with
-        MPS variables no daemon answers)."""
+        MPS variables no daemon answers). First, models of a family the runtime does not run (`family_problems`)."""
+        if families := family_problems(registry):
+            return families
         result = self._plan(registry)
         if isinstance(result, InfeasiblePlan):
             return [Problem("(partition plan)", problem) for problem in result.problems]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from partitioner.devices.inventory import Inventory
 from partitioner.planning.demand import ModelShape
 from registry.engine import EngineSpec
+from registry.errors import Problem
 from registry.schema import ModelSpec, Registry
 from registry.sources import resolve_model_path
 
@@ -69,6 +70,25 @@ def with_estimates(registry: Registry, shapes: Mapping[str, ModelShape],
             if model.placement.memory_gib is None:
                 unknown[model.name] = f"its shape could not be read from {model.source_ref()}: {exc!r}"
     return found, unknown
+
+
+def family_problems(registry: Registry) -> list[Problem]:
+    """Models our LLM engine would load whose files are of a family it does not run (or not a model it can read):
+    refused when the registry is validated, naming the model's `source` and what the runtime said (the families it
+    runs), rather than when a replica starts. Files that are not on this machine (another Ray node's, a package not
+    installed here) are left to the worker, and a damaged file to its reader there."""
+    problems = []
+    for i, model in enumerate(registry.models):
+        if not (isinstance(model.engine, EngineSpec) and model.launcher in ("local", "ray")
+                and model.source is not None and model.source.kind != "url"):
+            continue
+        try:
+            estimate_shape(model.source_ref())
+        except ValueError as exc:  # the config readers' refusal: an unsupported family, a feature it lacks
+            problems.append(Problem(f"models[{i}].source", f"{model.source_ref()} cannot be served: {exc}"))
+        except Exception:  # not here, or damaged: the worker reports it where the files are
+            continue
+    return problems
 
 
 def estimate_shape(source: str | Path) -> ModelShape:

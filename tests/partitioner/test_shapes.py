@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 import pytest
 import structlog
@@ -193,3 +194,26 @@ def test_a_cpu_inventory_opens_no_model(tmp_path, monkeypatch):
     assert plan_shapes(reg, {}, cpu) == ({}, {})
     current, _ = planned(reg, tmp_path, cpu)
     assert current is not None and current.replica("smol/0").device_key == "cpu"
+
+
+def test_a_family_the_runtime_does_not_run_is_refused_when_the_registry_is_validated(tiny_models, tmp_path):
+    """A Gemma 2 directory named as a chat model's source: the registry's check names `models[1].source` and the
+    families the runtime runs, on a CPU host too, before any replica starts; files not on this machine, embedding
+    models and other engines' replicas are not read."""
+    from runtimes.llm.model_config import FAMILIES
+
+    path, model = tiny_models[True]
+    gemma = tmp_path / "gemma"
+    gemma.mkdir()
+    (gemma / "config.json").write_text(json.dumps({**model.config.to_dict(), "model_type": "gemma2"}))
+    reg = registry(ok={"source": {"path": str(path)}},
+                   gemma={"source": {"path": str(gemma)}},
+                   absent={"source": {"path": str(tmp_path / "not-here.gguf")}},
+                   other={"launcher": "command", "command": {"argv": [sys.executable, "-m", "http.server", "{port}"]}, "device": "cpu",
+                          "source": {"path": str(gemma)}})
+    placer = ReplicaPlacer(lambda: reg, lambda: Inventory((), "cpu"), tmp_path)
+    [problem] = placer.problems(reg)
+    assert problem.field == "models[1].source" and "'gemma2'" in problem.message
+    assert all(family in problem.message for family in FAMILIES)
+    fixed = registry(ok={"source": {"path": str(path)}})
+    assert ReplicaPlacer(lambda: fixed, lambda: Inventory((), "cpu"), tmp_path).problems(fixed) == []
