@@ -77,3 +77,22 @@ def test_the_planner_reads_a_familys_shape_from_its_files(tmp_path):
     for path in (save_family_dir(ref, tmp_path / "dir"), write_family_gguf(ref, tmp_path / "qwen3.gguf")):
         shape = estimate_shape(str(path))
         assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (2, 2, 32)
+
+
+def test_the_quantized_route_stays_close_to_fp32(family, tmp_path):
+    """Each family's projections in a block format (its biases and q/k norms in fp32 beside them): over a text,
+    transformers-free, the quantized model's next-token choices and log-probabilities stay near the fp32 model's
+    (the gate of test_quantized.py's float checkpoint: most choices the same, logits within a few percent). Q8 only:
+    4-bit blocks of these tiny random matrices are too coarse to gate (q4's gate is on the real SmolLM2)."""
+    from runtimes.llm.quant.cpu import QuantLinear
+    from tests.runtimes.llm.test_quantized import _logits
+
+    path = save_family_dir(hf_family_model(family, seed=2), tmp_path)
+    dense = load_model(path, torch.device("cpu"), torch.float32, progress=False)
+    quantized = load_model(path, torch.device("cpu"), torch.float32, progress=False, weights="q8")
+    assert isinstance(quantized.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    ids = list(range(5, 40))
+    reference, logits = _logits(dense, ids), _logits(quantized, ids)
+    agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    drift = ((logits - reference).abs().max() / reference.abs().max()).item()
+    assert agreement >= 0.9 and drift < 0.05, (agreement, drift)
