@@ -70,14 +70,15 @@ def load_model(
     else:
         reader, config = read_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(reader.metadata)
-        source_types = {_hf_name(t.name): int(t.tensor_type) for t in reader.tensors}
+        source_types = {part: int(t.tensor_type) for t in reader.tensors
+                        for part in _part_names(_hf_name(t.name, config.family))}
         name = path.stem
     formats = {} if weights is None else block_formats(weights, device, config.num_layers,
                                                         config.tie_word_embeddings, source_types)
     if path.is_dir():
-        tensors: Checkpoint = _hf_tensors(path)
+        tensors: Checkpoint = _unfused(_hf_tensors(path), config)
     else:
-        tensors = _gguf_tensors(reader, config, keep_blocks=lambda hf: target_of(hf) in formats)
+        tensors = _unfused(_gguf_tensors(reader, config, keep_blocks=lambda hf: target_of(hf) in formats), config)
     if tokenizer.eos_token_ids and not config.eos_token_ids:
         config = replace(config, eos_token_ids=tokenizer.eos_token_ids)
     model = load_state_dict(config, tensors, device, dtype, attention_fn, progress, desc=f"loading {name}",
@@ -238,6 +239,40 @@ def _copy(params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor | Blo
         param.copy_(source.to(device=device, dtype=param.dtype))
 
 
+# checkpoints that store a projection fused (Phi-3): its parts, in order, and their share of the rows
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _part_names(name: str) -> list[str]:
+    """A fused checkpoint weight's part names (`layers.0.self_attn.qkv_proj.weight` -> its q, k and v), else the
+    name itself."""
+    prefix, proj, tail = _split(name)
+    return [f"{prefix}.{part}.{tail}" for part in _FUSED_PARTS[proj]] if proj in _FUSED_PARTS else [name]
+
+
+def _unfused(tensors: Checkpoint, config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """The checkpoint with each fused weight as its parts (rows of a float tensor or of a block tensor), so that the
+    loader sees one layout whatever the file's: a part goes back into its rows of the model's fused weight."""
+    q, kv, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.intermediate_size
+    rows = {"qkv_proj": (q, kv, kv), "gate_up_proj": (inter, inter)}
+    for name, tensor in tensors:
+        parts = _part_names(name)
+        if len(parts) == 1:
+            yield name, tensor
+            continue
+        sizes = rows[_split(name)[1]]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"weight {name!r} has {tensor.shape[0]} rows, the model expects {sum(sizes)}")
+        start = 0
+        for part, size in zip(parts, sizes, strict=True):
+            if isinstance(tensor, BlockTensor):
+                yield part, BlockTensor(tensor.blocks[start:start + size], tensor.ggml_type, tensor.in_features)
+            else:
+                yield part, tensor[start:start + size]
+            start += size
+
+
 def _from_numpy(array: np.ndarray) -> torch.Tensor:
     """A tensor over `array`, which may be a read-only view of the memory map: the loader only copies from it."""
     with warnings.catch_warnings():
@@ -269,7 +304,7 @@ _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
 # llama.cpp's converter permutes Q and K rows for its interleaved RoPE in these families only (Qwen's is the
 # rotate-halves RoPE Hugging Face uses, and its converter leaves the rows as they are)
@@ -286,8 +321,11 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _hf_name(gguf_name: str) -> str:
-    """A GGUF tensor's Hugging Face name (`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`)."""
+def _hf_name(gguf_name: str, family: str = "llama") -> str:
+    """A GGUF tensor's Hugging Face name (`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`); Phi-3's
+    `ffn_up` is its fused gate|up."""
+    if family == "phi3" and re.fullmatch(r"blk\.\d+\.ffn_up\.weight", gguf_name):
+        return gguf_name.replace("blk.", "layers.").replace("ffn_up", "mlp.gate_up_proj")
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
@@ -313,7 +351,7 @@ def _gguf_tensors(reader: Any, config: ModelConfig,
     """(Hugging Face name, tensor) for each GGUF tensor: dequantized to fp32, or, where `keep_blocks(name)`, its
     blocks as the file stores them (`BlockTensor`, a view of the memory map). Q and K rows are un-permuted."""
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.family)
         kind = name.rsplit(".", 2)[-2]
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(kind) \
             if config.family in _PERMUTED_QK else None

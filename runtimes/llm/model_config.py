@@ -1,7 +1,8 @@
 """A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the
-families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (without a sliding window), Qwen2 /
-Qwen2.5 (biases on q, k and v) and Qwen3 (a per-head RMSNorm on q and k). Imports no torch: the planner reads a
-local model's shape with it in the gateway process, which holds no engine."""
+families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (a sliding window only where it is
+no shorter than the context), Phi-3 (its checkpoint's fused qkv and gate|up are the skeleton's own; no longrope
+yet), Qwen2 / Qwen2.5 (biases on q, k and v) and Qwen3 (a per-head RMSNorm on q and k). Imports no torch: the
+planner reads a local model's shape with it in the gateway process, which holds no engine."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class RopeScaling:
 
 
 # Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 def unsupported_family(name: object, where: str) -> ValueError:
@@ -73,10 +74,13 @@ class ModelConfig:
         family = cfg.get("model_type", "llama")
         if family not in FAMILIES:
             raise unsupported_family(family, "model_type")
-        if family in ("mistral", "qwen2") and cfg.get("sliding_window") is not None and (
-                family == "mistral" or cfg.get("use_sliding_window")):
-            raise ValueError(f"{family} with sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
-                             "supported yet")
+        window = cfg.get("sliding_window") if family != "qwen2" or cfg.get("use_sliding_window") else None
+        if window is not None and int(window) < int(cfg.get("max_position_embeddings", 2048)):
+            raise ValueError(f"{family} with sliding-window attention (sliding_window={window}, shorter than its "
+                             "context) is not supported yet")
+        rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if float(rotary) != 1.0:
+            raise ValueError(f"partial rotary embeddings (partial_rotary_factor={rotary}) are not supported yet")
         if cfg.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias: true) are not supported")
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -138,8 +142,10 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     arch = meta.get("general.architecture")
     if arch not in FAMILIES:
         raise unsupported_family(arch, "GGUF architecture")
-    if meta.get(f"{arch}.attention.sliding_window") is not None and arch == "mistral":
-        raise ValueError("mistral with sliding-window attention is not supported yet")
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is not None and int(window) < int(meta.get(f"{arch}.context_length", 0)):
+        raise ValueError(f"{arch} with sliding-window attention (sliding_window={window}, shorter than its context) "
+                         "is not supported yet")
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)

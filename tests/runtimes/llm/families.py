@@ -4,7 +4,7 @@ writes that family. The byte-level tokenizer of tests/runtimes/llm/tiny.py goes 
 
 Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings), Qwen3's per-head q/k norms with a
 `head_dim` that is not hidden / heads, Mistral's layout; biases and norms are random, so a wrong mapping cannot hide
-behind zeros or ones.
+behind zeros or ones; Phi-3's checkpoint stores q|k|v and gate|up fused, as llama.cpp's GGUF does.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": False, "rope_theta": 1e6},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": True, "rope_theta": 1e6},
     "mistral": {"sliding_window": None, "tie_word_embeddings": False},
+    "phi3": {"sliding_window": None, "tie_word_embeddings": False, "pad_token_id": 0},  # fused qkv and gate|up
     "llama": {"attention_bias": True, "tie_word_embeddings": True},  # Llama's own option: biases on q, k, v and o
 }
 _PERMUTED = ("llama", "mistral")  # llama.cpp permutes Q/K rows only for these
@@ -55,7 +56,8 @@ def save_family_dir(model, path: Path) -> Path:
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
+          "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused weights, as llama.cpp names them
 
 
 def write_family_gguf(model, path: Path) -> Path:
