@@ -75,6 +75,8 @@ def load_model(
         name = path.stem
     formats = {} if weights is None else block_formats(weights, device, config.num_layers,
                                                         config.tie_word_embeddings, source_types)
+    if config.num_experts:  # experts stay in floating point (block formats for them: not yet)
+        formats = {name: fmt for name, fmt in formats.items() if ".mlp." not in name}
     if path.is_dir():
         tensors: Checkpoint = _unfused(_hf_tensors(path), config)
     else:
@@ -181,7 +183,7 @@ def _load_weights(
     per_layer = 9 + 3 * config.qkv_bias + config.o_bias + 2 * config.qk_norm
     total = 2 + (0 if config.tie_word_embeddings else 1) + per_layer * config.num_layers
     for hf_name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not progress):
-        name = hf_name.removeprefix("model.")
+        name = _MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], hf_name.removeprefix("model."))
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         prefix, proj, tail = _split(name)
@@ -204,6 +206,10 @@ def _load_weights(
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
+
+# Mixtral's checkpoint names for its sparse MLP -> Qwen3-MoE's (and the model's): the router and each expert's parts
+_MIXTRAL_PARTS = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in _MIXTRAL_PARTS))
 
 # a projection's bias in the checkpoint -> the parameter beside the projection that holds it (model.Attention)
 _BIASES = {"q_proj": "qkv_bias", "k_proj": "qkv_bias", "v_proj": "qkv_bias", "o_proj": "o_bias"}

@@ -229,19 +229,61 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class MixtureOfExperts(nn.Module):
+    """A sparse MLP (Mixtral, Qwen3-MoE): the router's softmax over `num_experts`, each token's top
+    `experts_per_token` (their probabilities renormalised to sum to 1 where the family does), and the weighted sum
+    of those experts' outputs. The tokens are grouped by expert, so each expert runs once a step over all of its
+    tokens; a token's contributions are added in ascending expert order whatever its batch."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        experts = [MLP(cfg) for _ in range(cfg.num_experts)]
+        for expert in experts:  # no second (oneDNN-packed) copy of every expert: each sees a few rows a step
+            expert.gate_up_proj.packable = False
+        self.experts = nn.ModuleList(experts)
+        self.top_k = cfg.experts_per_token
+        self.renormalize = cfg.renormalize_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        probs = self.gate(x).float().softmax(-1)  # [T, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        flat = chosen.flatten()  # [T * k]: token t's choices at t * k ...
+        order = flat.argsort(stable=True)  # grouped by expert, each group in token order
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                picks = order[start:start + count]
+                tokens = picks // self.top_k
+                out.index_add_(0, tokens, expert(x[tokens]) * weights[picks, None])
+                start += count
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rope, attention_fn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | MixtureOfExperts = MixtureOfExperts(cfg) if cfg.num_experts else MLP(cfg)
 
     def projections(self) -> tuple[tuple[str, nn.Module], ...]:
-        """The weights a step multiplies by, by name, in `decode_layers`' order."""
+        """The weights a step multiplies by, by name, in `decode_layers`' order (a mixture's router, then each
+        expert's)."""
         attn, mlp = self.self_attn, self.mlp
-        return (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
-                ("down_proj", mlp.down_proj))
+        attention = (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj))
+        if isinstance(mlp, MixtureOfExperts):
+            experts: list[tuple[str, nn.Module]] = [
+                (f"experts.{i}.{name}", proj) for i, e in enumerate(cast(list[MLP], mlp.experts))
+                for name, proj in (("gate_up_proj", e.gate_up_proj), ("down_proj", e.down_proj))]
+            return (*attention, ("gate", mlp.gate), *experts)
+        return (*attention, ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj))
 
     def forward(
         self,
@@ -328,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
         a projection it has no kernel for."""
         layers = cast(list[DecoderLayer], self.layers)
         cfg = self.config
-        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm:  # the one-call stack is Llama's layer only
+        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.num_experts:  # the one-call stack is Llama's layer only
             return None
         if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype in KERNEL_CACHE_DTYPES
                 and layers[0].self_attn.attention_fn is paged_attention_cpu):

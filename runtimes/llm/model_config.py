@@ -1,7 +1,8 @@
 """A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the
 families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (a sliding window only where it is
 no shorter than the context), Phi-3 (its checkpoint's fused qkv and gate|up are the skeleton's own; no longrope
-yet), Qwen2 / Qwen2.5 (biases on q, k and v) and Qwen3 (a per-head RMSNorm on q and k). Imports no torch: the
+yet), Qwen2 / Qwen2.5 (biases on q, k and v), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts
+Mixtral and Qwen3-MoE (from Hugging Face directories). Imports no torch: the
 planner reads a local model's shape with it in the gateway process, which holds no engine."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class RopeScaling:
 
 
 # Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families
-FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
 def unsupported_family(name: object, where: str) -> ValueError:
@@ -59,6 +60,12 @@ class ModelConfig:
     qkv_bias: bool = False  # q, k and v projections have biases (Qwen2; Llama's and Qwen3's `attention_bias`)
     o_bias: bool = False  # the output projection has a bias (Llama's and Qwen3's `attention_bias`)
     qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
+    # mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is `num_experts` MLPs of `intermediate_size`, each
+    # token taking the `experts_per_token` its router scores highest, weighted by their softmax probabilities
+    # (renormalised over those chosen with `renormalize_experts`)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    renormalize_experts: bool = True
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -85,6 +92,12 @@ class ModelConfig:
             raise ValueError("MLP biases (mlp_bias: true) are not supported")
         attention_bias = bool(cfg.get("attention_bias", False))
         num_heads = int(cfg["num_attention_heads"])
+        # Qwen3-MoE's released configs say num_experts; transformers >= 5 writes num_local_experts for both
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) \
+            if family in ("mixtral", "qwen3_moe") else 0
+        if family == "qwen3_moe" and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
+            raise ValueError("qwen3_moe with dense layers among the sparse ones (mlp_only_layers, "
+                             "decoder_sparse_step) is not supported yet")
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -105,7 +118,7 @@ class ModelConfig:
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg["moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -120,7 +133,10 @@ class ModelConfig:
             family=family,
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            num_experts=num_experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
+            renormalize_experts=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         )
 
     @classmethod
@@ -142,6 +158,9 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     arch = meta.get("general.architecture")
     if arch not in FAMILIES:
         raise unsupported_family(arch, "GGUF architecture")
+    if meta.get(f"{arch}.expert_count"):
+        raise ValueError(f"mixture-of-experts GGUF files ({arch}.expert_count={meta[f'{arch}.expert_count']}) are not "
+                         "supported yet: serve the model's Hugging Face directory")
     window = meta.get(f"{arch}.attention.sliding_window")
     if window is not None and int(window) < int(meta.get(f"{arch}.context_length", 0)):
         raise ValueError(f"{arch} with sliding-window attention (sliding_window={window}, shorter than its context) "

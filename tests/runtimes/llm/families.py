@@ -4,7 +4,8 @@ writes that family. The byte-level tokenizer of tests/runtimes/llm/tiny.py goes 
 
 Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings), Qwen3's per-head q/k norms with a
 `head_dim` that is not hidden / heads, Mistral's layout; biases and norms are random, so a wrong mapping cannot hide
-behind zeros or ones; Phi-3's checkpoint stores q|k|v and gate|up fused, as llama.cpp's GGUF does.
+behind zeros or ones; Phi-3's checkpoint stores q|k|v and gate|up fused, as llama.cpp's GGUF does; the mixtures of
+experts route each token to 2 of 4 experts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None, "tie_word_embeddings": False},
     "phi3": {"sliding_window": None, "tie_word_embeddings": False, "pad_token_id": 0},  # fused qkv and gate|up
     "llama": {"attention_bias": True, "tie_word_embeddings": True},  # Llama's own option: biases on q, k, v and o
+    # mixtures of experts: 4 experts, top 2; Qwen3-MoE's probabilities as the router gave them, Mixtral's renormalised
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+                "tie_word_embeddings": False},
 }
+MIXTURES = ("mixtral", "qwen3_moe")  # from Hugging Face directories only (their GGUF layout: not yet)
 _PERMUTED = ("llama", "mistral")  # llama.cpp permutes Q/K rows only for these
 
 

@@ -13,7 +13,13 @@ from runtimes.llm.loader import load_model
 from runtimes.llm.model_config import FAMILIES, ModelConfig
 from runtimes.llm.sampling_params import SamplingParams
 from tests.runtimes.llm.engine_utils import random_prompt, run_to_completion
-from tests.runtimes.llm.families import FAMILY_CONFIGS, hf_family_model, save_family_dir, write_family_gguf
+from tests.runtimes.llm.families import (
+    FAMILY_CONFIGS,
+    MIXTURES,
+    hf_family_model,
+    save_family_dir,
+    write_family_gguf,
+)
 
 NUM_TOKENS = 24
 
@@ -23,7 +29,11 @@ def family(request) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("source", ["hf", "gguf"])
+SOURCES = [(family, source) for family in sorted(FAMILY_CONFIGS) for source in ("hf", "gguf")
+           if not (family in MIXTURES and source == "gguf")]
+
+
+@pytest.mark.parametrize(("family", "source"), SOURCES)
 def test_a_family_matches_transformers(family, source, tmp_path):
     ref = hf_family_model(family, seed=1)
     path = save_family_dir(ref, tmp_path / family) if source == "hf" else write_family_gguf(
@@ -31,7 +41,8 @@ def test_a_family_matches_transformers(family, source, tmp_path):
     loaded = load_model(path, torch.device("cpu"), torch.float32, progress=False)
     config = loaded.config
     assert config.family == family
-    assert (config.qkv_bias, config.qk_norm) == (family in ("qwen2", "llama"), family == "qwen3")
+    assert (config.qkv_bias, config.qk_norm) == (family in ("qwen2", "llama"), family in ("qwen3", "qwen3_moe"))
+    assert (config.num_experts, config.experts_per_token) == ((4, 2) if family in MIXTURES else (0, 0))
     prompts = [random_prompt(seed, 5 + 3 * seed) for seed in range(3)]
     engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=16))
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
@@ -54,7 +65,7 @@ def test_a_family_matches_transformers(family, source, tmp_path):
 
 def test_a_family_it_does_not_run_is_refused_by_name():
     config = hf_family_model("qwen2").config.to_dict()
-    for model_type in ("gemma2", "mixtral", "qwen3_moe"):
+    for model_type in ("gemma2", "qwen2_moe", "deepseek_v3"):
         with pytest.raises(ValueError) as refused:
             ModelConfig.from_hf_config({**config, "model_type": model_type})
         assert repr(model_type) in str(refused.value) and all(f in str(refused.value) for f in FAMILIES)
@@ -96,3 +107,10 @@ def test_the_quantized_route_stays_close_to_fp32(family, tmp_path):
     agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
     drift = ((logits - reference).abs().max() / reference.abs().max()).item()
     assert agreement >= 0.85 and drift < 0.05, (agreement, drift)  # 0.85: SmolLM2's q8 gate
+
+
+def test_a_mixture_of_experts_gguf_is_refused_by_name():
+    from runtimes.llm.model_config import gguf_model_config
+
+    with pytest.raises(ValueError, match="mixture-of-experts GGUF"):
+        gguf_model_config({"general.architecture": "llama", "llama.expert_count": 8}, has_output=True)
