@@ -209,8 +209,8 @@ def test_a_family_the_runtime_does_not_run_is_refused_when_the_registry_is_valid
     reg = registry(ok={"source": {"path": str(path)}},
                    gemma={"source": {"path": str(gemma)}},
                    absent={"source": {"path": str(tmp_path / "not-here.gguf")}},
-                   other={"launcher": "command", "command": {"argv": [sys.executable, "-m", "http.server", "{port}"]}, "device": "cpu",
-                          "source": {"path": str(gemma)}})
+                   other={"launcher": "command", "device": "cpu", "source": {"path": str(gemma)},
+                          "command": {"argv": [sys.executable, "-m", "http.server", "{port}"]}})
     placer = ReplicaPlacer(lambda: reg, lambda: Inventory((), "cpu"), tmp_path)
     [problem] = placer.problems(reg)
     assert problem.field == "models[1].source" and "'gemma2'" in problem.message
