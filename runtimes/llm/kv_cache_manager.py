@@ -9,6 +9,11 @@ a block indexed under the same parent (a full cached block, or the partly filled
 request left). Those tokens' KV is copied into the request's own new block (`copy_prefix`, the engine's KV copy), so
 a prompt sent again computes only its last token, and a conversation's next turn only its new tokens. The copy is
 exact: a token's KV depends only on the tokens up to it, and the kernels compute it with the same bits in any batch.
+
+With sliding-window attention on every layer (`window`), a request's blocks that lie wholly before its next token's
+window are never read again: `release_behind_window` hands them back to the pool as the request advances (still
+indexed, so another request with the same prefix can hit them while they last). Their ids stay in the request's
+table (positions keep their blocks), and the attention kernels never read them.
 """
 
 from __future__ import annotations
@@ -46,12 +51,15 @@ MAX_PARTIAL_CANDIDATES = 64  # the newest blocks after one prefix compared with 
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, copy_prefix: CopyPrefix | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, copy_prefix: CopyPrefix | None = None,
+                 window: int = 0) -> None:
         self.block_size = block_size
+        self.window = window  # every layer's attention window in tokens (0: some layer sees the whole context)
         self.pool = BlockPool(num_blocks, block_size)
         self.copy_prefix = copy_prefix  # None: only whole blocks are reused
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # request id -> its blocks already in the cache index
+        self._num_released: dict[str, int] = {}  # request id -> its leading blocks handed back (behind its window)
         self.stats = PrefixCacheStats()
 
     @property
@@ -179,6 +187,21 @@ class KVCacheManager:
                             tuple(request.token_ids[i * bs : (i + 1) * bs]))
         self._num_registered[request.request_id] = num_full
 
+    def release_behind_window(self, request: Request) -> int:
+        """Hand back the request's blocks wholly before the window of its next token (at `num_computed_tokens`):
+        no later query of it reads them. Called once a step's results are applied, after `commit` (so a full block
+        is indexed before it goes back). Returns how many blocks were released."""
+        table = self.block_tables.get(request.request_id)
+        if not self.window or table is None:
+            return 0
+        behind = max(0, request.num_computed_tokens + 1 - self.window) // self.block_size
+        done = self._num_released.get(request.request_id, 0)
+        if behind <= done:
+            return 0
+        self.pool.free(table[done:behind])
+        self._num_released[request.request_id] = behind
+        return behind - done
+
     def _parent_hash(self, request: Request, block_index: int) -> int:
         """The prefix hash before the request's block `block_index` (its hashes cover the blocks before it)."""
         return request.block_hashes[block_index - 1] if block_index else hash(request.cache_namespace)
@@ -188,6 +211,7 @@ class KVCacheManager:
         last block is indexed with the tokens it holds, for `find_partial` (nothing writes it any more)."""
         table = self.block_tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        released = self._num_released.pop(request.request_id, 0)
         if not table:
             return
         bs = self.block_size
@@ -198,4 +222,4 @@ class KVCacheManager:
             self._update_hashes(request, last * bs)
             self.pool.add_child(table[last], self._parent_hash(request, last),
                                 tuple(request.token_ids[last * bs : computed]))
-        self.pool.free(reversed(table))
+        self.pool.free(reversed(table[released:]))

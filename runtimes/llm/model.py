@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,13 @@ from runtimes.llm.attention.cpu_paged import KERNEL_CACHE_DTYPES, decode_rows, p
 from runtimes.llm.config import ModelConfig, RopeScaling
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+class AttentionFn(Protocol):
+    """A paged attention backend (runtimes/llm/attention): query [T, H, D] over the caches -> [T, H, D]."""
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, window: int = 0) -> torch.Tensor: ...
+
 
 # `decode_layers`' per-layer arguments: norm weights, projection weights, their packed copies, their kernels (0: dense
 # fp32, else the GGML type of a block format's panels)
@@ -162,9 +168,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn, window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = window  # sliding-window attention: the tokens a query sees, its own included (0: all)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
@@ -203,7 +210,10 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         fused.kv_writer(k, k_cache)(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.attention_fn(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        if self.window:
+            out = self.attention_fn(q, k_cache, v_cache, meta, self.scale, window=self.window)  # [T, Hq, D]
+        else:
+            out = self.attention_fn(q, k_cache, v_cache, meta, self.scale)
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
         return out if self.o_bias is None else out + self.o_bias
 
@@ -266,10 +276,10 @@ class MixtureOfExperts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, attention_fn: AttentionFn, window: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, attention_fn)
+        self.self_attn = Attention(cfg, rope, attention_fn, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | MixtureOfExperts = MixtureOfExperts(cfg) if cfg.num_experts else MLP(cfg)
 
@@ -318,7 +328,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, attention_fn) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, attention_fn, cfg.window(i))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -370,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
         a projection it has no kernel for."""
         layers = cast(list[DecoderLayer], self.layers)
         cfg = self.config
-        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.num_experts:  # the one-call stack is Llama's layer only
+        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.num_experts or cfg.layer_windows:  # Llama's layer only
             return None
         if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype in KERNEL_CACHE_DTYPES
                 and layers[0].self_attn.attention_fn is paged_attention_cpu):

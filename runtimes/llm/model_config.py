@@ -1,9 +1,9 @@
 """A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the
-families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (a sliding window only where it is
-no shorter than the context), Phi-3 (its checkpoint's fused qkv and gate|up are the skeleton's own; no longrope
-yet), Qwen2 / Qwen2.5 (biases on q, k and v), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts
-Mixtral and Qwen3-MoE (from Hugging Face directories). Imports no torch: the
-planner reads a local model's shape with it in the gateway process, which holds no engine."""
+families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
+checkpoint's fused qkv and gate|up are the skeleton's own; no longrope yet), Qwen2 / Qwen2.5 (biases on q, k and v;
+sliding windows on upper layers where configured), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts
+Mixtral and Qwen3-MoE (from Hugging Face directories). Imports no torch: the planner reads a local model's shape with
+it in the gateway process, which holds no engine."""
 
 from __future__ import annotations
 
@@ -66,10 +66,25 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     renormalize_experts: bool = True
+    # sliding-window attention (Mistral, Phi-3, Qwen2's upper layers): layer i's queries see the last
+    # layer_windows[i] tokens (their own included); 0, or no entries, is the whole context
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window in tokens, 0 for the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def sliding_window(self) -> int:
+        """The window every layer keeps to, 0 where some layer sees the whole context: how many tokens back a
+        sequence's KV cache must reach (blocks before that may be freed)."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token across all layers."""
@@ -81,10 +96,6 @@ class ModelConfig:
         family = cfg.get("model_type", "llama")
         if family not in FAMILIES:
             raise unsupported_family(family, "model_type")
-        window = cfg.get("sliding_window") if family != "qwen2" or cfg.get("use_sliding_window") else None
-        if window is not None and int(window) < int(cfg.get("max_position_embeddings", 2048)):
-            raise ValueError(f"{family} with sliding-window attention (sliding_window={window}, shorter than its "
-                             "context) is not supported yet")
         rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if float(rotary) != 1.0:
             raise ValueError(f"partial rotary embeddings (partial_rotary_factor={rotary}) are not supported yet")
@@ -137,6 +148,8 @@ class ModelConfig:
             num_experts=num_experts,
             experts_per_token=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
             renormalize_experts=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+            layer_windows=_hf_layer_windows(cfg, family, int(cfg["num_hidden_layers"]),
+                                            int(cfg.get("max_position_embeddings", 2048))),
         )
 
     @classmethod
@@ -161,10 +174,6 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     if meta.get(f"{arch}.expert_count"):
         raise ValueError(f"mixture-of-experts GGUF files ({arch}.expert_count={meta[f'{arch}.expert_count']}) are not "
                          "supported yet: serve the model's Hugging Face directory")
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if window is not None and int(window) < int(meta.get(f"{arch}.context_length", 0)):
-        raise ValueError(f"{arch} with sliding-window attention (sliding_window={window}, shorter than its context) "
-                         "is not supported yet")
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -198,4 +207,37 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        layer_windows=_windows(int(get("block_count")), meta.get(f"{arch}.attention.sliding_window"),
+                               int(get("context_length"))),
     )
+
+
+def _windows(num_layers: int, window: object, context: int, sliding: list[bool] | None = None) -> tuple[int, ...]:
+    """Each layer's window (`sliding`: which layers have one; all when None), or () when no layer has one that is
+    shorter than the context (a window that long changes nothing)."""
+    if window is None:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window!r}")
+    if window >= context:
+        return ()
+    layers = tuple(window if sliding is None or sliding[i] else 0 for i in range(num_layers))
+    return layers if any(layers) else ()
+
+
+def _hf_layer_windows(cfg: Mapping[str, Any], family: str, num_layers: int, context: int) -> tuple[int, ...]:
+    """Layer windows as transformers applies them: `layer_types` where the config lists them; else Qwen's
+    `use_sliding_window` from layer `max_window_layers` up; else `sliding_window` on every layer."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ValueError(f"layer_types must list sliding_attention or full_attention for each of the "
+                             f"{num_layers} layers, got {types!r}")
+        return _windows(num_layers, window, context, [t == "sliding_attention" for t in types])
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
+        if not cfg.get("use_sliding_window"):
+            return ()
+        first = int(cfg.get("max_window_layers", num_layers))
+        return _windows(num_layers, window, context, [i >= first for i in range(num_layers)])
+    return _windows(num_layers, window, context)

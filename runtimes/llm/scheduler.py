@@ -279,6 +279,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv.commit(request)
+            self.kv.release_behind_window(request)
             token = sampled.get(request.request_id)
             if token is None:  # a prompt chunk that did not reach the end
                 continue

@@ -224,6 +224,7 @@ struct Geometry {
   int64_t block_size, row;                 // row: values between consecutive cached tokens (num_kv_heads x head_dim)
   int64_t q_row_stride, q_head_stride;
   float scale;
+  int64_t window;  // a query at position p reads tokens (p - window, p]; 0: the whole context
 };
 
 // One KV head's cached rows of a sequence, token by token, without a division per token.
@@ -280,17 +281,30 @@ struct Workspace {
 };
 
 // Query rows [r0, r1) of one sequence (its row r at position start + r, query row q_row0 + r; it attends to tokens
-// 0..start + r) for the query heads of KV head `kvh`. The rows' query heads are "query vectors" m = r * group + g;
-// each K tile of 8 rows and V tile of kValueTile rows is read once for all of them.
+// lo..start + r, lo = 0 or, with a window, start + r + 1 - window) for the query heads of KV head `kvh`. The rows'
+// query heads are "query vectors" m = r * group + g; each K tile of 8 rows and V tile of kValueTile rows is read once
+// for all of them.
+//
+// Tiles sit at absolute positions (multiples of 8 from token 0), and a vector's softmax runs over its tiles from the
+// one holding its first token, the tokens before it in that tile masked to exp(-inf) = 0; its values are added
+// token by token in position order. So what a vector computes depends on its position and its sequence's cached
+// tokens only, never on the rows it was grouped with: the same bits decoded or prefilled, whole or in chunks, with a
+// window or without one that reaches back as far. Tokens before the first row's window are not read at all.
 template <typename T, int D>
 void attend_rows(const float* query, float* out, const T* k_cache, const T* v_cache, const int32_t* table,
                  int64_t q_row0, int64_t start, int64_t r0, int64_t r1, int64_t kvh, const Geometry& g,
                  Workspace& w) {
   const int64_t dp = D > 0 ? D : g.dp, group = g.group, num_q = (r1 - r0) * group;
-  const int64_t len_max = start + r1, stride = (len_max + 7) / 8 * 8;
-  // length of query vector m; rows are in position order, so the vectors still reading tile t0 are a suffix
+  // length of query vector m, and its first token; rows are in position order, so the vectors still reading tile t0
+  // are those from first_reading(t0) to last_reading(t0)
   const auto len_of = [&](int64_t m) { return start + r0 + m / group + 1; };
+  const auto lo_of = [&](int64_t m) { return g.window > 0 ? std::max<int64_t>(0, len_of(m) - g.window) : 0; };
   const auto first_reading = [&](int64_t t0) { return std::max<int64_t>(0, t0 - start - r0) * group; };
+  const auto last_reading = [&](int64_t t_end) {  // vectors whose first token is before t_end
+    if (g.window <= 0) return num_q;
+    return std::clamp<int64_t>((t_end + g.window - 1 - start - r0) * group, 0, num_q);
+  };
+  const int64_t begin = lo_of(0) / 8 * 8, len_max = start + r1, stride = (len_max - begin + 7) / 8 * 8;
   w.q.resize(num_q * dp);
   w.scores.resize(num_q * stride);
   w.acc.assign(num_q * dp, 0.f);
@@ -305,20 +319,26 @@ void attend_rows(const float* query, float* out, const T* k_cache, const T* v_ca
     std::fill(dst + g.head_dim, dst + dp, 0.f);
   }
   const float* rows[kValueTile];
-  Walk<T> keys{k_cache, table, g.block_size, g.row, kvh * g.head_dim};
-  for (int64_t t0 = 0; t0 < len_max; t0 += 8) {
+  Walk<T> keys{k_cache, table, g.block_size, g.row, kvh * g.head_dim, begin / g.block_size, begin % g.block_size};
+  for (int64_t t0 = begin; t0 < len_max; t0 += 8) {
     next_rows<T, D>(keys, std::min<int64_t>(8, len_max - t0), 8, g, w.k_buf.data(), w.zero.data(), rows);
-    for (int64_t m = first_reading(t0); m < num_q; ++m)
-      store8(w.scores.data() + m * stride + t0, scores8<D>(w.q.data() + m * dp, rows, dp));
+    for (int64_t m = first_reading(t0), end = last_reading(t0 + 8); m < end; ++m)
+      store8(w.scores.data() + m * stride + t0 - begin, scores8<D>(w.q.data() + m * dp, rows, dp));
   }
-  for (int64_t m = 0; m < num_q; ++m) w.inv[m] = softmax_row(w.scores.data() + m * stride, len_of(m));
-  Walk<T> values{v_cache, table, g.block_size, g.row, kvh * g.head_dim};
-  for (int64_t t0 = 0; t0 < len_max; t0 += kValueTile) {
+  for (int64_t m = 0; m < num_q; ++m) {
+    const int64_t lo = lo_of(m), lo8 = lo / 8 * 8;
+    float* s = w.scores.data() + m * stride + lo8 - begin;
+    std::fill(s, s + (lo - lo8), -INFINITY);
+    w.inv[m] = softmax_row(s, len_of(m) - lo8);
+  }
+  Walk<T> values{v_cache, table, g.block_size, g.row, kvh * g.head_dim, begin / g.block_size, begin % g.block_size};
+  for (int64_t t0 = begin; t0 < len_max; t0 += kValueTile) {
     const int64_t n = std::min(kValueTile, len_max - t0);
     next_rows<T, D>(values, n, n, g, w.v_buf.data(), w.zero.data(), rows);
-    for (int64_t m = first_reading(t0); m < num_q; ++m) {
-      accumulate_row<D>(w.acc.data() + m * dp, w.scores.data() + m * stride + t0, rows,
-                        std::min(n, len_of(m) - t0), dp);
+    for (int64_t m = first_reading(t0), end = last_reading(t0 + n); m < end; ++m) {
+      const int64_t from = std::max(t0, lo_of(m)), to = std::min(t0 + n, len_of(m));
+      accumulate_row<D>(w.acc.data() + m * dp, w.scores.data() + m * stride + from - begin, rows + (from - t0),
+                        to - from, dp);
     }
   }
   for (int64_t m = 0; m < num_q; ++m) {
@@ -365,14 +385,16 @@ void attend_all(const at::Tensor& query, const T* kc, const T* vc, const std::ve
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
     const Seq& s = seqs[i];
     const int64_t start = s.seq_len - s.q_len;
+    // the tokens a row reads: its position + 1, or the window
+    const auto reads = [&](int64_t len) { return g.window > 0 ? std::min(len, g.window) : len; };
     if (s.q_len == 1 && whole_decodes) {  // enough sequences to keep every thread busy: one item each
-      items.push_back({i, 0, num_kv_heads, 0, 1, num_kv_heads * s.seq_len});
+      items.push_back({i, 0, num_kv_heads, 0, 1, num_kv_heads * reads(s.seq_len)});
       continue;
     }
     for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh)
       for (int64_t r0 = 0; r0 < s.q_len; r0 += rows_per_item) {
         const int64_t r1 = std::min(s.q_len, r0 + rows_per_item);
-        items.push_back({i, kvh, kvh + 1, r0, r1, (r1 - r0) * (start + (r0 + r1) / 2 + 1)});
+        items.push_back({i, kvh, kvh + 1, r0, r1, (r1 - r0) * reads(start + (r0 + r1) / 2 + 1)});
       }
   }
   // Costliest first, handed out one at a time: items differ in length, so equal ranges would leave threads idle.
@@ -396,7 +418,8 @@ void attend_all(const at::Tensor& query, const T* kc, const T* vc, const std::ve
 // k_cache, v_cache [num_blocks, block_size, KVH, D] contiguous, fp32 or fp16 (read as _Float16, GCC and Clang's half
 // type), H a multiple of KVH.
 void run(const char* op, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& block_tables, const std::vector<Seq>& seqs, double scale, at::Tensor& out) {
+         const at::Tensor& block_tables, const std::vector<Seq>& seqs, double scale, int64_t window,
+         at::Tensor& out) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   k_cache.scalar_type() == v_cache.scalar_type() &&
                   (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
@@ -417,7 +440,7 @@ void run(const char* op, const at::Tensor& query, const at::Tensor& k_cache, con
                 " does not fit its table (", capacity, " slots) or the query (", query.size(0), " rows)");
   }
   const Geometry g{heads, heads / kv_heads, head_dim, (head_dim + 7) / 8 * 8, block_size, kv_heads * head_dim,
-                   query.stride(0), query.stride(1), static_cast<float>(scale)};
+                   query.stride(0), query.stride(1), static_cast<float>(scale), window};
   float* o = out.data_ptr<float>();
   if (k_cache.scalar_type() == at::kHalf) {
     attend_all(query, reinterpret_cast<const _Float16*>(k_cache.data_ptr<at::Half>()),
@@ -435,10 +458,13 @@ void check_tables(const char* op, const at::Tensor& block_tables, const at::Tens
 }
 
 // Every query row of a step: sequence i's rows are [query_start_loc[i], query_start_loc[i + 1]), its last positions
-// of seq_lens[i]. query_start_loc [B + 1] int32; seq_lens [B] int32; block_tables [B, max_blocks] int32.
+// of seq_lens[i]. query_start_loc [B + 1] int32; seq_lens [B] int32; block_tables [B, max_blocks] int32. A row at
+// position p reads tokens (p - window, p] (window 0: all of 0..p); block-table entries of blocks wholly before the
+// first row's window are never read, so they may name blocks handed back to the pool.
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                     double scale, at::Tensor& out) {
+                     double scale, int64_t window, at::Tensor& out) {
+  TORCH_CHECK(window >= 0, "paged_attention: window ", window, " < 0");
   const int64_t num_seqs = seq_lens.size(0);
   check_tables("paged_attention", block_tables, seq_lens, num_seqs);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
@@ -450,7 +476,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   std::vector<Seq> seqs(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i)
     seqs[i] = {starts[i], starts[i + 1] - starts[i], lens[i], tables + i * block_tables.stride(0)};
-  run("paged_attention", query, k_cache, v_cache, block_tables, seqs, scale, out);
+  run("paged_attention", query, k_cache, v_cache, block_tables, seqs, scale, window, out);
 }
 
 // Decode rows only (one new token per sequence), as runtimes/llm/cpu_fused.cpp calls it: rows [B] int64 (each
@@ -467,14 +493,14 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   std::vector<Seq> seqs(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) seqs[i] = {row_ids[i], 1, lens[i], tables + i * block_tables.stride(0)};
-  run("paged_decode_attention", query, k_cache, v_cache, block_tables, seqs, scale, out);
+  run("paged_decode_attention", query, k_cache, v_cache, block_tables, seqs, scale, 0, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(multiserve_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_tables, float scale, Tensor(a!) out) -> ()");
+        "Tensor block_tables, float scale, int window, Tensor(a!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor block_tables, "
         "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");

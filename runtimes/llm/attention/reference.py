@@ -3,6 +3,9 @@
 Decode-only rows (one query each) are batched into SDPA calls over gathered, length-masked keys, one
 call per group of similar lengths (see `_decode_groups`); rows with several queries (prefill or chunked
 prefill) run one SDPA call each with a causal mask offset by the tokens already in the cache.
+
+Every function takes `window`: a query at position p then sees the keys at (p - window, p] (sliding-window
+attention: Mistral, Gemma's local layers); 0 is the whole context.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ def write_kv(
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """Contiguous [length, KVH, D] view of one sequence's cached tokens."""
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Contiguous [length - first, KVH, D] copy of one sequence's cached tokens [first, length)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    return cache.index_select(0, table[:num_blocks].long()).flatten(0, 1)[:length]
+    skipped = first // block_size
+    tokens = cache.index_select(0, table[skipped:num_blocks].long()).flatten(0, 1)
+    return tokens[first - skipped * block_size : length - skipped * block_size]
 
 
 # A decode group's rows have at least this fraction of its longest row's blocks, so padding adds at most
@@ -53,7 +58,7 @@ _GROUP_MIN_ROWS = 4
 class _DecodeGroup:
     rows: torch.Tensor  # [b] rows of `query` with one new token
     block_ids: torch.Tensor  # [b * nb] their block tables trimmed to the group's longest, flattened (int64)
-    mask: torch.Tensor  # [b, 1, 1, L] key position < length
+    mask: torch.Tensor  # [b, 1, 1, L] the keys each row sees (before its length, in its window)
 
 
 def _query_starts(meta: AttentionMetadata) -> list[int]:
@@ -63,58 +68,79 @@ def _query_starts(meta: AttentionMetadata) -> list[int]:
     return starts
 
 
-def _decode_groups(meta: AttentionMetadata, block_size: int, device: torch.device) -> list[_DecodeGroup]:
+def _decode_groups(meta: AttentionMetadata, block_size: int, device: torch.device,
+                   window: int = 0) -> list[_DecodeGroup]:
     """Decode rows, longest first, cut into groups whose lengths are close, so padding stays small.
-    Derived once per step (not once per layer)."""
-    cached = meta.derived.get("reference.decode")
+    Derived once per step and window (not once per layer)."""
+    key = f"reference.decode.{window}"
+    cached = meta.derived.get(key)
     if cached is not None:
         return cached
     starts = _query_starts(meta)
-    rows = sorted((i for i, q_len in enumerate(meta.query_lens_host) if q_len == 1),
-                  key=lambda i: -meta.seq_lens_host[i])
+    # a row reads its blocks from the one holding its window's first key (with no window, from block 0)
+    skip = {i: max(0, meta.seq_lens_host[i] - window) // block_size if window else 0
+            for i, q_len in enumerate(meta.query_lens_host) if q_len == 1}
+    reads = {i: -(-meta.seq_lens_host[i] // block_size) - skip[i] for i in skip}
+    rows = sorted(skip, key=lambda i: (-reads[i], -meta.seq_lens_host[i]))
     cuts: list[list[int]] = []
     for i in rows:
-        blocks = -(-meta.seq_lens_host[i] // block_size)
-        if not cuts or (len(cuts[-1]) >= _GROUP_MIN_ROWS and blocks < _GROUP_MIN_FRACTION * cuts[-1][0]):
-            cuts.append([blocks])  # [group's block count, rows...]
+        if not cuts or (len(cuts[-1]) >= _GROUP_MIN_ROWS and reads[i] < _GROUP_MIN_FRACTION * cuts[-1][0]):
+            cuts.append([reads[i]])  # [group's block count, rows...]
         cuts[-1].append(i)
     groups = []
+    width = meta.block_tables.shape[1]
     for num_blocks, *members in cuts:
         lens = torch.tensor([meta.seq_lens_host[i] for i in members], device=device)
-        max_len = meta.seq_lens_host[members[0]]
-        tables = meta.block_tables.index_select(0, torch.tensor(members, device=device))[:, :num_blocks]
+        tables = meta.block_tables.index_select(0, torch.tensor(members, device=device))
+        if window:  # each row's blocks from its own first; entries past a row's table are masked out
+            first = torch.tensor([skip[i] for i in members], device=device)
+            columns = (first[:, None] + torch.arange(num_blocks, device=device)[None, :]).clamp_(max=width - 1)
+            tables = tables.gather(1, columns)
+            positions = first[:, None] * block_size + torch.arange(num_blocks * block_size, device=device)[None, :]
+            seen = (positions < lens[:, None]) & (positions >= lens[:, None] - window)
+        else:
+            tables = tables[:, :num_blocks]
+            seen = torch.arange(meta.seq_lens_host[members[0]], device=device)[None, :] < lens[:, None]
         groups.append(_DecodeGroup(
             rows=torch.tensor([starts[i] for i in members], device=device),
             block_ids=tables.flatten().long(),
-            mask=(torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :],
+            mask=seen[:, None, None, :],
         ))
-    meta.derived["reference.decode"] = groups
+    meta.derived[key] = groups
     return groups
 
 
-def _prefill_rows(meta: AttentionMetadata, dtype: torch.dtype,
-                  device: torch.device) -> list[tuple[int, int, int, torch.Tensor | None]]:
-    """(seq, start, q_len, additive mask [q, s] or None) of each sequence with several new tokens, once per step.
+def _prefill_rows(meta: AttentionMetadata, dtype: torch.dtype, device: torch.device,
+                  window: int = 0) -> list[tuple[int, int, int, int, torch.Tensor | None]]:
+    """(seq, start, q_len, first key read, additive mask [q, keys read] or None) of each sequence with several new
+    tokens, once per step and window.
 
     A whole prompt (nothing cached before it) is plain causal attention: no mask, `is_causal`. A chunk after
-    cached tokens sees all of them and itself causally: an additive float mask. Both keep SDPA on its fused CPU
-    kernel; a boolean mask sends it to the unfused math path, measured 3.5x slower for a 128-token chunk over
-    728 tokens of context and 2.6x for a 600-token prompt (SmolLM2's head shapes).
+    cached tokens sees all of them and itself causally, and a window hides the keys before each query's: an additive
+    float mask. Both keep SDPA on its fused CPU kernel; a boolean mask sends it to the unfused math path, measured
+    3.5x slower for a 128-token chunk over 728 tokens of context and 2.6x for a 600-token prompt (SmolLM2's head
+    shapes). Keys before the first query's window are not read (their blocks may have gone back to the pool).
     """
-    cached = meta.derived.get("reference.prefill")
+    key = f"reference.prefill.{window}"
+    cached = meta.derived.get(key)
     if cached is not None:
         return cached
     starts, prefill = _query_starts(meta), []
     for i, q_len in enumerate(meta.query_lens_host):
         if q_len > 1:
             s_len = meta.seq_lens_host[i]
+            first = max(0, s_len - q_len + 1 - window) if window else 0
             mask = None
-            if q_len != s_len:
+            if q_len != s_len or first or (window and window < s_len):
                 q_pos = torch.arange(s_len - q_len, s_len, device=device)
-                hidden = torch.arange(s_len, device=device)[None, :] > q_pos[:, None]
-                mask = torch.zeros(q_len, s_len, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
-            prefill.append((i, starts[i], q_len, mask))
-    meta.derived["reference.prefill"] = prefill
+                k_pos = torch.arange(first, s_len, device=device)[None, :]
+                hidden = k_pos > q_pos[:, None]
+                if window:
+                    hidden |= k_pos <= q_pos[:, None] - window
+                mask = torch.zeros(q_len, s_len - first, dtype=dtype, device=device).masked_fill_(hidden,
+                                                                                               float("-inf"))
+            prefill.append((i, starts[i], q_len, first, mask))
+    meta.derived[key] = prefill
     return prefill
 
 
@@ -132,11 +158,12 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [T, H, D]
-    """Causal attention of each sequence's new tokens over its whole cached context."""
+    """Causal attention of each sequence's new tokens over its cached context (the last `window` tokens of it)."""
     gqa = query.shape[1] != k_cache.shape[2]  # query head h reads KV head h // group, without copies
     out = torch.empty_like(query)
-    for group in _decode_groups(meta, k_cache.shape[1], query.device):
+    for group in _decode_groups(meta, k_cache.shape[1], query.device, window):
         num_rows, max_len = group.mask.shape[0], group.mask.shape[-1]
         q = query.index_select(0, group.rows).unsqueeze(2)  # [b, H, 1, D]
         k = _gather_blocks(k_cache, group.block_ids, num_rows, max_len)  # [b, KVH, L, D]
@@ -144,7 +171,7 @@ def paged_attention_ref(
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask,
                                            scale=scale, enable_gqa=gqa)  # [b, H, 1, D]
         out.index_copy_(0, group.rows, o.squeeze(2))
-    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out)
+    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out, window)
     return out
 
 
@@ -155,15 +182,16 @@ def prefill_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,  # [T, H, D]
+    window: int = 0,
 ) -> None:
     """The rows of sequences with several new tokens (prefill, chunked prefill): one SDPA call each, with a
     causal mask offset by the tokens already cached. Decode rows of `out` are left as they are."""
     gqa = query.shape[1] != k_cache.shape[2]
-    for i, start, q_len, mask in _prefill_rows(meta, query.dtype, query.device):
+    for i, start, q_len, first, mask in _prefill_rows(meta, query.dtype, query.device, window):
         s_len = meta.seq_lens_host[i]
         q = query[start : start + q_len].transpose(0, 1)[None]  # [1, H, q, D]: 4-D, as the fused kernel wants
-        k = _gather(k_cache, meta.block_tables[i], s_len).transpose(0, 1)[None]  # [1, KVH, s, D]
-        v = _gather(v_cache, meta.block_tables[i], s_len).transpose(0, 1)[None]
+        k = _gather(k_cache, meta.block_tables[i], s_len, first).transpose(0, 1)[None]  # [1, KVH, s - first, D]
+        v = _gather(v_cache, meta.block_tables[i], s_len, first).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=gqa)
         out[start : start + q_len] = o[0].transpose(0, 1)

@@ -40,7 +40,7 @@ INVARIANT_BLOCK_M = 16  # the query tile of every batch-invariant step (the smal
 @triton.jit
 def _decode_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_ot, stride_oh, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -57,15 +57,17 @@ def _decode_kernel(
     m_i = tl.full([], float("-inf"), tl.float32)  # running max of the (log2-scaled) scores
     l_i = tl.zeros([], tl.float32)  # running softmax denominator
     acc = tl.zeros([HEAD_DIM], tl.float32)  # [D] running numerator
-    for b in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first key in the window
+    for b in range(first // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
         # int64: block_id * stride_kb overflows int32 for caches over 2**31 elements.
         block_id = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
-        key_mask = b * BLOCK_SIZE + offs_n < seq_len  # [N], only the last block is partial
+        k_pos = b * BLOCK_SIZE + offs_n
+        key_mask = (k_pos < seq_len) & (k_pos >= first)  # [N], only the first and last blocks are partial
         k_off = block_id * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(k_cache_ptr + k_off, mask=key_mask[:, None], other=0.0).to(tl.float32)  # [N, D]
         s = tl.sum(k * q[None, :], axis=1) * qk_scale  # [N]
         s = tl.where(key_mask, s, float("-inf"))
-        # Block 0 always holds a valid key (seq_len >= 1), so m_new is finite and exp2 never sees inf - inf.
+        # The first block read holds a valid key (`first`), so m_new is finite and exp2 never sees inf - inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.exp2(s - m_new)  # [N]
@@ -81,7 +83,7 @@ def _decode_kernel(
 @triton.jit
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale,
+    qk_scale, window,
     stride_ot, stride_oh, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -110,7 +112,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # Causal limit: no query of the tile sees past the tile's last position, so later blocks are skipped.
     kv_len = tl.minimum(seq_len, ctx_len + tile_start + BLOCK_M)
-    for b in range(0, tl.cdiv(kv_len, BLOCK_SIZE)):
+    # Window limit: no query of the tile sees before the tile's first query's window, so earlier blocks are skipped.
+    first = tl.where(window > 0, tl.maximum(ctx_len + tile_start + 1 - window, 0), 0)
+    for b in range(first // BLOCK_SIZE, tl.cdiv(kv_len, BLOCK_SIZE)):
         block_id = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)  # int64: see decode kernel
         k_pos = b * BLOCK_SIZE + offs_n  # [N]
         k_valid = k_pos < seq_len
@@ -128,10 +132,15 @@ def _prefill_kernel(
         # (offs_m >= q_len) still see key 0, so every row has a finite max after block 0 and no NaN
         # appears; the store drops them.
         mask = k_pos[None, :] <= q_pos[:, None]  # [M, N]
+        # a real row's window; padded rows keep every key they see causally
+        mask = mask & ((k_pos[None, :] > q_pos[:, None] - window) | (window <= 0) | (offs_m[:, None] >= q_len))
         s = tl.where(mask, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [M, N]
+        # A row whose window starts in a later block has seen no key yet (m_new = -inf): a zero shift keeps its
+        # state at exact zeros (alpha = p = 0) instead of inf - inf; elsewhere m_safe is m_new, bit for bit.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])  # [M, N]
         if USE_DOT:
             # Flash-attention practice: P in the operand dtype (exact for fp32, rounded for fp16/bf16).
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")  # [M, D]
@@ -191,6 +200,7 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
     batch_invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D], query dtype
     """Causal attention of each sequence's new tokens over its whole cached context (Triton).
@@ -200,7 +210,8 @@ def paged_attention_triton(
     varlen kernel; with `batch_invariant`, the varlen kernel for every step, its query tile fixed at
     `INVARIANT_BLOCK_M`: a token's row then takes the same instructions decoded or in a prompt, in any batch (each
     row's online softmax is its own; masked keys past a row's position add exact zeros). See the module docstring
-    for the shape and dtype constraints.
+    for the shape and dtype constraints. `window`: each query sees the keys at (p - window, p] (0: all); blocks
+    wholly before a query tile's windows are not read.
     """
     _check_inputs(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -210,7 +221,7 @@ def paged_attention_triton(
         return out
     args = (
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E,
+        scale * _LOG2E, window,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -237,9 +248,9 @@ def paged_attention_triton(
 
 
 def paged_attention_triton_invariant(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                                     meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """`paged_attention_triton` with `batch_invariant` (`engine.deterministic`: runtimes/llm/batch_invariant.py)."""
-    return paged_attention_triton(query, k_cache, v_cache, meta, scale, batch_invariant=True)
+    return paged_attention_triton(query, k_cache, v_cache, meta, scale, window, batch_invariant=True)
 
 
 def write_kv_triton(

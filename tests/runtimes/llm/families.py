@@ -3,9 +3,10 @@ built by transformers itself, written as a Hugging Face directory or as a GGUF f
 writes that family. The byte-level tokenizer of tests/runtimes/llm/tiny.py goes with each.
 
 Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings), Qwen3's per-head q/k norms with a
-`head_dim` that is not hidden / heads, Mistral's layout; biases and norms are random, so a wrong mapping cannot hide
-behind zeros or ones; Phi-3's checkpoint stores q|k|v and gate|up fused, as llama.cpp's GGUF does; the mixtures of
-experts route each token to 2 of 4 experts.
+`head_dim` that is not hidden / heads, Mistral's layout with a sliding window shorter than prompt + output; biases
+and norms are random, so a wrong mapping cannot hide behind zeros or ones; Phi-3's checkpoint stores q|k|v and
+gate|up fused, as llama.cpp's GGUF does (and a window too); the mixtures of experts route each token to 2 of 4
+experts.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from tests.runtimes.llm.tiny import CHATML, EOS_ID, TOKENS, permute_qk, save_hf_
 FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": False, "rope_theta": 1e6},
     "qwen3": {"head_dim": 32, "tie_word_embeddings": True, "rope_theta": 1e6},
-    "mistral": {"sliding_window": None, "tie_word_embeddings": False},
-    "phi3": {"sliding_window": None, "tie_word_embeddings": False, "pad_token_id": 0},  # fused qkv and gate|up
+    # sliding windows shorter than prompt + output (not a multiple of the tests' KV block size)
+    "mistral": {"sliding_window": 7, "tie_word_embeddings": False},
+    "phi3": {"sliding_window": 10, "tie_word_embeddings": False, "pad_token_id": 0},  # fused qkv and gate|up
     "llama": {"attention_bias": True, "tie_word_embeddings": True},  # Llama's own option: biases on q, k, v and o
     # mixtures of experts: 4 experts, top 2; Qwen3-MoE's probabilities as the router gave them, Mixtral's renormalised
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False,
@@ -87,6 +89,8 @@ def write_family_gguf(model, path: Path) -> Path:
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3"):  # every layer's window
+        writer.add_sliding_window(cfg.sliding_window)
     writer.add_vocab_size(cfg.vocab_size)
     meta = tokenizer_metadata()
     writer.add_tokenizer_model("gpt2")

@@ -82,10 +82,11 @@ def _context(length: int, heads: int, kv_heads: int, head_dim: int, dtype: torch
             torch.randn(length, kv_heads, head_dim, generator=gen).to(dtype))
 
 
-def _attend(step: list[tuple[Context, int, int]], block_size: int, layout_seed: int) -> list[torch.Tensor]:
+def _attend(step: list[tuple[Context, int, int]], block_size: int, layout_seed: int,
+            window: int = 0) -> list[torch.Tensor]:
     """One step over `(context, start, stop)` entries: each sequence's rows [start, stop) with its first `stop` tokens
-    cached, their blocks scattered over a shared pool in an order `layout_seed` picks (unowned slots NaN). Returns each
-    entry's output rows."""
+    cached, their blocks scattered over a shared pool in an order `layout_seed` picks (unowned slots NaN, and with a
+    `window` the blocks wholly before the first row's window too, as if freed). Returns each entry's output rows."""
     shuffle = random.Random(layout_seed)
     needed = [-(-stop // block_size) for _, _, stop in step]
     ids = list(range(sum(needed) + 2))  # two spare blocks
@@ -97,13 +98,14 @@ def _attend(step: list[tuple[Context, int, int]], block_size: int, layout_seed: 
     for ((q, k, v), start, stop), n in zip(step, needed, strict=True):
         table, ids = ids[:n], ids[n:]
         tables.append(table)
-        for pos in range(stop):
+        first = max(0, start + 1 - window) // block_size * block_size if window else 0
+        for pos in range(first, stop):
             k_cache[table[pos // block_size], pos % block_size] = k[pos]
             v_cache[table[pos // block_size], pos % block_size] = v[pos]
         queries.append(q[start:stop])
     meta = AttentionMetadata.build([stop - start for _, start, stop in step], [stop for _, _, stop in step], tables,
                                    block_size)
-    out = paged_attention_cpu(torch.cat(queries), k_cache, v_cache, meta, q0.shape[-1] ** -0.5)
+    out = paged_attention_cpu(torch.cat(queries), k_cache, v_cache, meta, q0.shape[-1] ** -0.5, window)
     return list(out.split([stop - start for _, start, stop in step]))
 
 
@@ -112,19 +114,22 @@ SHAPES = [(4, 2, 16), (3, 3, 8), (9, 3, 64), (2, 1, 128), (6, 2, 12)]  # heads, 
 
 @settings(max_examples=60, deadline=None)  # each example is ~10-100 small kernel calls
 @given(length=st.integers(1, 70), data=st.data(), shape=st.sampled_from(SHAPES), block_size=st.sampled_from([1, 3, 16]),
-       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16))
+       dtype=st.sampled_from([torch.float32, torch.float16]), seed=st.integers(0, 2**16),
+       window=st.sampled_from([0, 0, 1, 5, 24]))
 def test_a_row_is_the_same_however_it_is_computed(length: int, data: st.DataObject, shape: tuple[int, int, int],
-                                                  block_size: int, dtype: torch.dtype, seed: int) -> None:
+                                                  block_size: int, dtype: torch.dtype, seed: int, window: int) -> None:
     """A row's output depends on its query, its length and the cached values only: decoded on its own, inside its
     whole prompt's prefill, inside any chunking of that prefill, next to other sequences (decodes, prefills, chunks)
-    in any order and over any block placement, it is the same, bit for bit."""
+    in any order and over any block placement, it is the same, bit for bit; with a sliding window too, whose
+    earlier blocks are never read."""
     ctx = _context(length, *shape, dtype, seed)
-    whole = _attend([(ctx, 0, length)], block_size, seed)[0]
-    decoded = torch.cat([_attend([(ctx, p, p + 1)], block_size, seed + p)[0] for p in range(length)])
+    whole = _attend([(ctx, 0, length)], block_size, seed, window)[0]
+    assert not whole.isnan().any()
+    decoded = torch.cat([_attend([(ctx, p, p + 1)], block_size, seed + p, window)[0] for p in range(length)])
     assert torch.equal(decoded, whole)
     cuts = sorted(data.draw(st.sets(st.integers(1, length - 1), max_size=6), label="cuts")) if length > 1 else []
     chunks = list(pairwise([0, *cuts, length]))
-    chunked = torch.cat([_attend([(ctx, a, b)], block_size, seed + a)[0] for a, b in chunks])
+    chunked = torch.cat([_attend([(ctx, a, b)], block_size, seed + a, window)[0] for a, b in chunks])
     assert torch.equal(chunked, whole)
     # one chunk of it, in a batch of other sequences at a random place
     a, b = data.draw(st.sampled_from(chunks), label="chunk")
@@ -135,7 +140,7 @@ def test_a_row_is_the_same_however_it_is_computed(length: int, data: st.DataObje
         others.append((other, max(0, other_len - other_new), other_len))
     at = data.draw(st.integers(0, len(others)), label="place")
     step = [*others[:at], (ctx, a, b), *others[at:]]
-    assert torch.equal(_attend(step, block_size, seed + 7)[at], whole[a:b])
+    assert torch.equal(_attend(step, block_size, seed + 7, window)[at], whole[a:b])
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
@@ -184,4 +189,7 @@ def test_bad_metadata_is_refused() -> None:
     too_long = torch.tensor([5, 9 + 4 * meta.block_tables.shape[1]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="does not fit"):
         torch.ops.multiserve_cpu.paged_attention(query, k_cache, v_cache, meta.query_start_loc, too_long,
-                                                 meta.block_tables, 0.25, torch.empty(query.shape))
+                                                 meta.block_tables, 0.25, 0, torch.empty(query.shape))
+    with pytest.raises(RuntimeError, match="window -1 < 0"):
+        torch.ops.multiserve_cpu.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                                 meta.block_tables, 0.25, -1, torch.empty(query.shape))

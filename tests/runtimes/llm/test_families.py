@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtimes.llm.attention import paged_attention_ref, select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.loader import load_model
@@ -36,10 +37,20 @@ SOURCES = [(family, source) for family in sorted(FAMILY_CONFIGS) for source in (
 @pytest.mark.parametrize(("family", "source"), SOURCES)
 def test_a_family_matches_transformers(family, source, tmp_path):
     ref = hf_family_model(family, seed=1)
+    _matches_transformers(ref, family, source, tmp_path)
+
+
+def _matches_transformers(ref, family, source, tmp_path):
+    """The HF route through the PyTorch reference attention, the GGUF route through the CPU kernel (the engine's)."""
     path = save_family_dir(ref, tmp_path / family) if source == "hf" else write_family_gguf(
         ref, tmp_path / f"{family}.gguf")
-    loaded = load_model(path, torch.device("cpu"), torch.float32, progress=False)
+    attention = paged_attention_ref if source == "hf" else select_attention("cpu", torch.device("cpu"))
+    loaded = load_model(path, torch.device("cpu"), torch.float32, attention, progress=False)
     config = loaded.config
+    window = getattr(ref.config, "sliding_window", None)
+    types = getattr(ref.config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * 2
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    assert config.layer_windows == (windows if any(windows) else ())
     assert config.family == family
     assert (config.qkv_bias, config.qk_norm) == (family in ("qwen2", "llama"), family in ("qwen3", "qwen3_moe"))
     assert (config.num_experts, config.experts_per_token) == ((4, 2) if family in MIXTURES else (0, 0))
@@ -71,12 +82,17 @@ def test_a_family_it_does_not_run_is_refused_by_name():
         assert repr(model_type) in str(refused.value) and all(f in str(refused.value) for f in FAMILIES)
 
 
-@pytest.mark.parametrize(("family", "extra"), [("mistral", {"sliding_window": 64}),
-                                               ("qwen2", {"use_sliding_window": True, "sliding_window": 64}),
-                                               ("llama", {"mlp_bias": True})])
+def test_qwen2_with_windows_on_its_upper_layers_matches_transformers(tmp_path):
+    """Qwen2's `use_sliding_window` from `max_window_layers` up: a full-attention layer below a windowed one."""
+    ref = hf_family_model("qwen2", seed=3, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    assert ref.config.layer_types == ["full_attention", "sliding_attention"]
+    _matches_transformers(ref, "qwen2", "hf", tmp_path)
+
+
+@pytest.mark.parametrize(("family", "extra"), [("llama", {"mlp_bias": True})])
 def test_what_a_family_may_add_that_the_runtime_lacks_is_refused(family, extra):
     config = {**hf_family_model(family).config.to_dict(), **extra}
-    with pytest.raises(ValueError, match=r"sliding|mlp_bias"):
+    with pytest.raises(ValueError, match=r"mlp_bias"):
         ModelConfig.from_hf_config(config)
 
 

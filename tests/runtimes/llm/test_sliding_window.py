@@ -1,0 +1,176 @@
+"""Sliding-window attention: each backend keeps a query at position p to the keys at (p - window, p] and reads no
+block wholly before its window; a family's layer windows are read as transformers applies them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernels' import (tests/conftest.py sets it too)
+
+import pytest
+import torch
+
+from runtimes.llm.attention.cpu_paged import load_kernel, paged_attention_cpu
+from runtimes.llm.attention.metadata import AttentionMetadata
+from runtimes.llm.attention.reference import paged_attention_ref
+from runtimes.llm.attention.triton_paged import paged_attention_triton, paged_attention_triton_invariant
+from runtimes.llm.model_config import ModelConfig, gguf_model_config
+from tests.runtimes.llm.paged_case import paged_case
+
+SCENARIOS = {  # (query_lens, seq_lens)
+    "decode": ([1, 1, 1, 1, 1], [40, 3, 17, 64, 90]),
+    "prefill": ([30, 77], [30, 77]),
+    "chunked": ([8, 17, 20], [20, 50, 75]),
+    "mixed": ([1, 9, 1, 4], [13, 9, 30, 20]),
+}
+
+
+def _dense(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float, window: int) -> torch.Tensor:
+    """Row by row from the definition: softmax over the keys at (p - window, p], in fp64."""
+    out = torch.empty(query.shape, dtype=torch.float64)
+    block_size, group = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+        table = meta.block_tables[i].tolist()
+        for r in range(q_len):
+            p = s_len - q_len + r
+            seen = range(max(0, p + 1 - window) if window else 0, p + 1)
+            k = torch.stack([k_cache[table[t // block_size], t % block_size] for t in seen]).double()
+            v = torch.stack([v_cache[table[t // block_size], t % block_size] for t in seen]).double()
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [t, H, D]
+            weights = (torch.einsum("hd,thd->ht", query[start + r].double(), k) * scale).softmax(-1)
+            out[start + r] = torch.einsum("ht,thd->hd", weights, v)
+        start += q_len
+    return out
+
+
+def _free_blocks_before_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                                window: int) -> None:
+    """NaN in each sequence's blocks that lie wholly before its first new token's window (as if handed back to the
+    pool and reused): a backend that reads one returns NaN."""
+    block_size = k_cache.shape[1]
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+        first = max(0, s_len - q_len + 1 - window)
+        for b in meta.block_tables[i, : first // block_size].tolist():
+            k_cache[b] = v_cache[b] = float("nan")
+
+
+BACKENDS = {
+    "reference": paged_attention_ref,
+    "cpu": paged_attention_cpu,
+    "triton": paged_attention_triton,
+    "triton-invariant": paged_attention_triton_invariant,
+}
+
+
+# Triton's interpreter is slow: two windows there (one under a block, one over several)
+CASES = [(backend, window, scenario) for backend in BACKENDS for window in (1, 5, 16, 37) for scenario in SCENARIOS
+         if "triton" not in backend or window in (5, 37)]
+
+
+@pytest.mark.parametrize(("backend", "window", "scenario"), CASES)
+def test_every_backend_keeps_to_the_window(scenario: str, window: int, backend: str) -> None:
+    if backend == "cpu":
+        load_kernel()
+    query_lens, seq_lens = SCENARIOS[scenario]
+    # block_size 16 and head_dim 16: the Triton prefill kernel's tl.dot path
+    query, k_cache, v_cache, meta, _ = paged_case(query_lens, seq_lens, 16 if "triton" in backend else 4, 4, 2,
+                                                      16, torch.float32, seed=window)
+    expected = _dense(query, k_cache, v_cache, meta, 0.25, window)
+    _free_blocks_before_windows(k_cache, v_cache, meta, window)
+    if backend == "reference":  # its batched decodes read (and mask) padding blocks, so it must not see NaN
+        k_cache, v_cache = (c.nan_to_num(0.0) for c in (k_cache, v_cache))
+    got = BACKENDS[backend](query, k_cache, v_cache, meta, 0.25, window=window)
+    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=2e-6)
+
+
+def test_a_window_as_long_as_the_context_is_no_window() -> None:
+    load_kernel()
+    query, k_cache, v_cache, meta, _ = paged_case(*SCENARIOS["mixed"], 4, 4, 2, 16, torch.float32)
+    whole = paged_attention_cpu(query, k_cache, v_cache, meta, 0.25)
+    assert torch.equal(paged_attention_cpu(query, k_cache, v_cache, meta, 0.25, window=max(meta.seq_lens_host)),
+                       whole)
+
+
+# ---- the layer windows a config gives ----
+
+_BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize(("extra", "windows"), [
+    ({"model_type": "mistral", "sliding_window": 64}, (64, 64, 64, 64)),
+    ({"model_type": "mistral", "sliding_window": None}, ()),
+    ({"model_type": "mistral", "sliding_window": 4096}, ()),  # no shorter than the context: no window
+    ({"model_type": "phi3", "sliding_window": 100}, (100, 100, 100, 100)),
+    ({"model_type": "qwen2", "sliding_window": 64}, ()),  # Qwen only with use_sliding_window
+    ({"model_type": "qwen2", "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2},
+     (0, 0, 64, 64)),
+    ({"model_type": "qwen3", "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"] * 2},
+     (32, 0, 32, 0)),
+])
+def test_layer_windows_are_read_as_transformers_applies_them(extra: dict, windows: tuple[int, ...]) -> None:
+    config = ModelConfig.from_hf_config({**_BASE, **extra})
+    assert config.layer_windows == windows
+    assert config.sliding_window == (min(windows) if windows and all(windows) else 0)
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"sliding_window": -4}, "sliding_window"),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 4}, "layer_types"),
+])
+def test_bad_windows_are_refused_by_name(extra: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config({**_BASE, "model_type": "mistral", **extra})
+
+
+def test_a_gguf_window_applies_to_every_layer() -> None:
+    meta = {"general.architecture": "phi3", "phi3.block_count": 3, "phi3.context_length": 4096,
+            "phi3.embedding_length": 64, "phi3.feed_forward_length": 128, "phi3.attention.head_count": 4,
+            "phi3.attention.sliding_window": 2047, "phi3.vocab_size": 100}
+    assert gguf_model_config(meta, has_output=True).layer_windows == (2047, 2047, 2047)
+    meta["phi3.attention.sliding_window"] = 4096
+    assert gguf_model_config(meta, has_output=True).layer_windows == ()
+
+
+# ---- the engine: blocks behind every layer's window go back to the pool ----
+
+
+def test_the_engine_frees_blocks_behind_the_window_and_stays_exact(tmp_path) -> None:
+    """A Mistral-layout model with a 7-token window, prompts longer than it prefilled in chunks: the greedy tokens
+    are transformers', a request holds only the blocks its window reaches while it runs, its released blocks stay
+    hittable for a prompt sent again (same tokens), and every block is back in the pool at the end."""
+    from runtimes.llm.attention import select_attention
+    from runtimes.llm.config import EngineConfig
+    from runtimes.llm.engine import LLMEngine
+    from runtimes.llm.loader import load_model
+    from runtimes.llm.sampling_params import SamplingParams
+    from tests.runtimes.llm.engine_utils import random_prompt, run_to_completion
+    from tests.runtimes.llm.families import hf_family_model, save_family_dir
+
+    ref = hf_family_model("mistral", seed=4, sliding_window=7)
+    ref.generation_config.eos_token_id = None
+    loaded = load_model(save_family_dir(ref, tmp_path / "m"), torch.device("cpu"), torch.float32,
+                        select_attention("cpu", torch.device("cpu")), progress=False)
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=8))
+    assert engine.kv.window == 7
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompt = random_prompt(5, 23)  # three chunks of at most 8 tokens
+    engine.add_request("a", prompt, params)
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+        if engine.has_unfinished_requests():
+            held.append(engine.kv.num_blocks - engine.kv.num_free_blocks)
+    # a whole request would hold up to 11 blocks (43 tokens); the window needs its 7 tokens' blocks plus a chunk's
+    assert max(held) <= 5, held
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    again = run_to_completion(engine, {"b": (prompt, params)})["b"]
+    assert again.num_cached_tokens > 0  # the released blocks were still indexed
+    assert tokens == again.token_ids == expected
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
