@@ -73,22 +73,37 @@ def with_estimates(registry: Registry, shapes: Mapping[str, ModelShape],
 
 
 def family_problems(registry: Registry) -> list[Problem]:
-    """Models our LLM engine would load whose files are of a family it does not run (or not a model it can read):
+    """Models our engines would load whose files are of a family they do not run (or not a model they can read):
     refused when the registry is validated, naming the model's `source` and what the runtime said (the families it
-    runs), rather than when a replica starts. Files that are not on this machine (another Ray node's, a package not
-    installed here) are left to the worker, and a damaged file to its reader there."""
+    runs), rather than when a replica starts. An LLM's config is read by the LLM engine's readers; an embedding
+    model's directory by the encoder's (its config.json and sentence-transformers modules: architecture, positions,
+    activation, pooling). Files that are not on this machine (another Ray node's, a package not installed here) are
+    left to the worker, and a damaged file to its reader there."""
     problems = []
     for i, model in enumerate(registry.models):
-        if not (isinstance(model.engine, EngineSpec) and model.launcher in ("local", "ray")
-                and model.source is not None and model.source.kind != "url"):
+        if not (model.launcher in ("local", "ray") and model.source is not None and model.source.kind != "url"):
             continue
+        check = estimate_shape if isinstance(model.engine, EngineSpec) else check_embedding_source
         try:
-            estimate_shape(model.source_ref())
+            check(model.source_ref())
         except ValueError as exc:  # the config readers' refusal: an unsupported family, a feature it lacks
             problems.append(Problem(f"models[{i}].source", f"{model.source_ref()} cannot be served: {exc}"))
         except Exception:  # not here, or damaged: the worker reports it where the files are
             continue
     return problems
+
+
+def check_embedding_source(source: str | Path) -> None:
+    """Raise ValueError when the embedding model at `source` is not one the encoder runtime runs (what its loader
+    would refuse: a file rather than a directory, another architecture, a pooling it does not do), and
+    FileNotFoundError when it is not on this machine. Reads JSON files only: no weights, no torch."""
+    from runtimes.embedding.model_config import check_encoder_dir
+
+    path = resolve_model_path(source)
+    if not path.is_dir():
+        raise ValueError("an embedding model is a directory (config.json, model.safetensors, tokenizer.json), "
+                         "not a file")
+    check_encoder_dir(path)
 
 
 def estimate_shape(source: str | Path) -> ModelShape:

@@ -1,113 +1,14 @@
-"""Encoder shape, pooling recipe and embedding-engine limits. All immutable after construction.
+"""Limits of an embedding engine. Immutable after construction.
 
-`EncoderConfig` comes from a Hugging Face BERT `config.json`; `PoolingConfig` from the sentence-transformers
-files next to it (`modules.json`, the Pooling module's `config.json`, `sentence_bert_config.json`), so the
-vectors we return are the ones sentence-transformers would return for the same model directory.
+What a model directory says about its encoder and its pooling is read in runtimes/embedding/model_config.py
+(`EncoderConfig`, `PoolingConfig`), which imports no torch.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
 
 import torch
-
-PoolingMode = Literal["cls", "mean", "max"]
-_POOLING_FLAGS: dict[str, PoolingMode] = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_max_tokens": "max",
-}
-_UNSUPPORTED_POOLING = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
-                        "pooling_mode_lasttoken")
-
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    """Shape of a BERT-family encoder (absolute positions, post-LN, GELU)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    type_vocab_size: int = 2
-    layer_norm_eps: float = 1e-12
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> EncoderConfig:
-        """From a Hugging Face `config.json` of a BERT model; other architectures are refused by name."""
-        if cfg.get("model_type", "bert") != "bert":
-            raise ValueError(f"unsupported encoder model_type {cfg.get('model_type')!r} (supported: bert)")
-        if cfg.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"unsupported position_embedding_type {cfg['position_embedding_type']!r}")
-        if cfg.get("hidden_act", "gelu") != "gelu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (supported: gelu)")
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=int(cfg["num_attention_heads"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            max_position_embeddings=int(cfg["max_position_embeddings"]),
-            type_vocab_size=int(cfg.get("type_vocab_size", 2)),
-            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
-        )
-
-    @classmethod
-    def from_hf_dir(cls, path: Path) -> EncoderConfig:
-        return cls.from_hf_config(json.loads((path / "config.json").read_text()))
-
-
-@dataclass(frozen=True)
-class PoolingConfig:
-    """How token states become one vector: `mode` over the attended tokens, then L2 `normalize` or not.
-
-    `max_seq_length` is the model's input limit in tokens (special tokens included), None when the
-    directory does not say (the encoder's position table is the limit then).
-    """
-
-    mode: PoolingMode = "mean"
-    normalize: bool = False
-    max_seq_length: int | None = None
-
-    @classmethod
-    def from_sentence_transformers_dir(cls, path: Path) -> PoolingConfig:
-        """Read `modules.json` and its Pooling / Normalize modules; a plain HF directory means mean pooling,
-        as sentence-transformers assumes for it."""
-        bert_cfg = path / "sentence_bert_config.json"
-        max_len = json.loads(bert_cfg.read_text()).get("max_seq_length") if bert_cfg.exists() else None
-        max_len = None if max_len is None else int(max_len)
-        modules_file = path / "modules.json"
-        if not modules_file.exists():
-            return cls(max_seq_length=max_len)
-        modules = json.loads(modules_file.read_text())
-        kinds = {m["type"].rsplit(".", 1)[-1]: m for m in modules}
-        mode: PoolingMode = "mean"
-        if "Pooling" in kinds:
-            mode = _pooling_mode(json.loads((path / kinds["Pooling"]["path"] / "config.json").read_text()))
-        return cls(mode=mode, normalize="Normalize" in kinds, max_seq_length=max_len)
-
-
-def _pooling_mode(cfg: Mapping[str, Any]) -> PoolingMode:
-    unsupported = [flag for flag in _UNSUPPORTED_POOLING if cfg.get(flag)]
-    modes = [mode for flag, mode in _POOLING_FLAGS.items() if cfg.get(flag)]
-    if unsupported or len(modes) != 1:
-        raise ValueError(f"unsupported pooling config {dict(cfg)}: exactly one of cls, mean or max pooling is "
-                         "supported")
-    return modes[0]
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ import torch
 from foundation.request_errors import InvalidRequestError, record_failure
 from registry.sources import resolve_model_path
 from runtimes.embedding.batching import BatchItem, Bucket, DynamicBatcher
-from runtimes.embedding.config import EmbeddingConfig, PoolingConfig
+from runtimes.embedding.config import EmbeddingConfig
 from runtimes.embedding.inputs import InputProcessor
 from runtimes.embedding.model import BertEncoder, load_encoder, pool
+from runtimes.embedding.model_config import PoolingConfig, lowercases_inputs
 from runtimes.fault_isolation import PROBE_TEXT, EngineFaultError, run_isolating
 
 
@@ -40,13 +41,16 @@ class LoadedEncoder:
 
 def load_encoder_dir(path: Path, device: torch.device, dtype: torch.dtype, max_model_len: int | None = None
                      ) -> LoadedEncoder:
-    """Encoder, pooling recipe and tokenizer of a sentence-transformers (or plain HF BERT) directory."""
-    model = load_encoder(path, device, dtype)
+    """Encoder, pooling recipe and tokenizer of a sentence-transformers (or plain HF BERT-family) directory.
+    The pooling recipe is read first: a directory we cannot pool as its model does is refused before its weights
+    are read."""
     pooling = PoolingConfig.from_sentence_transformers_dir(path)
-    limit = min(pooling.max_seq_length or model.config.max_position_embeddings, model.config.max_position_embeddings)
+    model = load_encoder(path, device, dtype)
+    limit = min(pooling.max_seq_length or model.config.max_input_len, model.config.max_input_len)
     if max_model_len is not None:
         limit = min(limit, max_model_len)
-    return LoadedEncoder(model, pooling, InputProcessor.from_dir(path, limit), path.name)
+    inputs = InputProcessor.from_dir(path, limit, lowercase=lowercases_inputs(path))
+    return LoadedEncoder(model, pooling, inputs, path.name)
 
 
 @dataclass(frozen=True)

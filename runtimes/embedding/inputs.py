@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Encoding, Tokenizer
+from tokenizers import Encoding, Tokenizer, normalizers
 
 from foundation.request_errors import InvalidRequestError
 
@@ -29,9 +29,15 @@ class PreparedInputs:
 
 
 class InputProcessor:
-    """Tokenizes texts and applies the length policy; `limit` is the model's input limit in tokens."""
+    """Tokenizes texts and applies the length policy; `limit` is the model's input limit in tokens. With
+    `lowercase` (sentence-transformers' `do_lower_case`) texts are lowercased first, by a Lowercase normalizer
+    ahead of the tokenizer's own, as sentence-transformers adds one."""
 
-    def __init__(self, tokenizer: Tokenizer, limit: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, limit: int, lowercase: bool = False) -> None:
+        if lowercase:
+            own = tokenizer.normalizer
+            tokenizer.normalizer = normalizers.Sequence(
+                [normalizers.Lowercase(), *([] if own is None else [own])])
         tokenizer.no_truncation()  # tokenizer.json may carry its own (all-MiniLM-L6-v2: truncate and pad to 128)
         tokenizer.no_padding()  # padding is the batcher's business, per length bucket
         self.tokenizer = tokenizer
@@ -40,8 +46,8 @@ class InputProcessor:
         self.num_special_tokens = tokenizer.num_special_tokens_to_add(False)
 
     @classmethod
-    def from_dir(cls, path: Path, limit: int) -> InputProcessor:
-        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), limit)
+    def from_dir(cls, path: Path, limit: int, lowercase: bool = False) -> InputProcessor:
+        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), limit, lowercase)
 
     def prepare(self, inputs: Sequence[str] | Sequence[Sequence[int]],
                 truncate_prompt_tokens: int | None = None) -> PreparedInputs:

