@@ -4,7 +4,7 @@
 //
 //   add_rms_norm(x, residual, weight, eps): residual += x (in place), returns rms_norm(residual) * weight
 //   rms_norm(x, weight, eps):               x * rsqrt(mean(x^2) + eps) * weight
-//   rotary_(qk, cos, sin):                  rotate-halves RoPE in place over qk [T, heads, D]
+//   rotary_(qk, cos, sin):                  rotate-halves RoPE in place over qk [T, heads, D] (a view)
 //   silu_mul(gate_up):                      silu(gate) * up, gate_up = [gate | up] per row
 //   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot (fp32 or fp16)
 //   decode_layers(...):                     every decoder layer of a decode step (one new token per sequence)
@@ -286,7 +286,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     };
     if (l > 0) h = add_rms_norm(out, residual, norms[2 * l], eps);
     at::Tensor qkv = proj(0, h);  // [B, q + 2 kv]
-    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, dim});
+    // a partial RoPE (cos and sin narrower than dim / 2) rotates each head's first 2 * cos.size(1) dims only
+    at::Tensor qk =
+        qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, dim}).narrow(2, 0, 2 * cos.size(1));
     rotary_(qk, cos, sin);
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
