@@ -4,7 +4,7 @@
 //
 //   add_rms_norm(x, residual, weight, eps): residual += x (in place), returns rms_norm(residual) * weight
 //   rms_norm(x, weight, eps):               x * rsqrt(mean(x^2) + eps) * weight
-//   rotary_(qk, cos, sin):                  rotate-halves RoPE in place over qk [T, heads, D]
+//   rotary_(qk, cos, sin):                  rotate-halves RoPE in place over qk [T, heads, D] (a view)
 //   silu_mul(gate_up):                      silu(gate) * up, gate_up = [gate | up] per row
 //   write_kv_(k_cache, v_cache, k, v, slots): each new token's keys and values into its cache slot (fp32 or fp16)
 //   decode_layers(...):                     every decoder layer of a decode step (one new token per sequence)
@@ -251,13 +251,15 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const c10::opt
 
 // x [B, H]: the step's embeddings, one token per sequence. Per layer l: norms[2l], norms[2l+1] (input and
 // post-attention RMSNorm weights); weights, packed, kinds [4l .. 4l+3]: q|k|v, o, gate|up, down; k_caches[l], v_caches[l].
-// shape = (num_heads, num_kv_heads, head_dim, intermediate_size). Returns the last layer's (MLP output, residual),
+// shape = (num_heads, num_kv_heads, head_dim, intermediate_size); windows: each layer's attention window (0: all; empty:
+// none anywhere). Returns the last layer's (MLP output, residual),
 // the pair model.py's layers pass on, for the final norm.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms, at::TensorList weights,
     const c10::List<c10::optional<at::Tensor>>& packed, at::IntArrayRef kinds, at::TensorList k_caches,
     at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, at::IntArrayRef shape, double eps, double scale, int64_t packed_min_rows) {
+    const at::Tensor& seq_lens, at::IntArrayRef shape, double eps, double scale, int64_t packed_min_rows,
+    at::IntArrayRef windows) {
   check_rows(x, "x");
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(shape.size() == 4, "shape must be (num_heads, num_kv_heads, head_dim, intermediate_size)");
@@ -270,12 +272,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               static_cast<int64_t>(kinds.size()) == 4 * num_layers,
               "decode_layers: per layer 2 norms, 4 weights (and packed, kinds) and a K and V cache");
   TORCH_CHECK(rows.size(0) == tokens && slots.size(0) == tokens, "decode_layers: one new token per sequence");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == num_layers,
+              "decode_layers: windows lists each layer's attention window, or none");
   const int64_t in_features[4] = {hidden, q_size, hidden, intermediate};
   const int64_t out_features[4] = {q_size + 2 * kv_size, hidden, 2 * intermediate, hidden};
   static const auto attention = c10::Dispatcher::singleton()
       .findSchemaOrThrow("multiserve_cpu::paged_decode_attention", "")
       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                  const at::Tensor&, double, at::Tensor&)>();
+                  const at::Tensor&, double, int64_t, at::Tensor&)>();
   at::Tensor residual = x.clone();
   at::Tensor h = rms_norm(x, norms[0], eps);
   at::Tensor out;
@@ -286,7 +290,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     };
     if (l > 0) h = add_rms_norm(out, residual, norms[2 * l], eps);
     at::Tensor qkv = proj(0, h);  // [B, q + 2 kv]
-    at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, dim});
+    // a partial RoPE (cos and sin narrower than dim / 2) rotates each head's first 2 * cos.size(1) dims only
+    at::Tensor qk =
+        qkv.narrow(1, 0, q_size + kv_size).view({tokens, heads + kv_heads, dim}).narrow(2, 0, 2 * cos.size(1));
     rotary_(qk, cos, sin);
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, dim});
@@ -294,7 +300,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     write_kv_(k_cache, v_cache, k, v, slots);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, dim});
     at::Tensor attended = at::empty({tokens, heads, dim}, x.options());
-    attention.call(q, k_cache, v_cache, rows, block_tables, seq_lens, scale, attended);
+    attention.call(q, k_cache, v_cache, rows, block_tables, seq_lens, scale, windows.empty() ? 0 : windows[l],
+                   attended);
     h = add_rms_norm(proj(1, attended.view({tokens, q_size})), residual, norms[2 * l + 1], eps);
     out = proj(3, silu_mul(proj(2, h)));
   }
@@ -311,7 +318,7 @@ TORCH_LIBRARY(multiserve_fused, m) {
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] weights, Tensor?[] packed, "
         "int[] kinds, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor rows, Tensor block_tables, "
-        "Tensor seq_lens, int[] shape, float eps, float scale, int packed_min_rows) -> (Tensor, Tensor)");
+        "Tensor seq_lens, int[] shape, float eps, float scale, int packed_min_rows, int[] windows) -> (Tensor, Tensor)");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from registry.sources import resolve_model_path
 from runtimes.llm.config import ModelConfig
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
-from runtimes.llm.model_config import read_gguf
+from runtimes.llm.model_config import ROPE_FACTOR_TENSORS, read_gguf
 from runtimes.llm.quant.cpu import BlockWeight
 from runtimes.llm.quant.formats import BlockFormat
 from runtimes.llm.quant.weights import (
@@ -70,7 +70,7 @@ def load_model(
     else:
         reader, config = read_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(reader.metadata)
-        source_types = {part: int(t.tensor_type) for t in reader.tensors
+        source_types = {part: int(t.tensor_type) for t in reader.tensors if t.name not in ROPE_FACTOR_TENSORS
                         for part in _part_names(_hf_name(t.name, config.family))}
         name = path.stem
     formats = {} if weights is None else block_formats(weights, device, config.num_layers,
@@ -357,6 +357,8 @@ def _gguf_tensors(reader: Any, config: ModelConfig,
     """(Hugging Face name, tensor) for each GGUF tensor: dequantized to fp32, or, where `keep_blocks(name)`, its
     blocks as the file stores them (`BlockTensor`, a view of the memory map). Q and K rows are un-permuted."""
     for tensor in reader.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:  # longrope's factors: read into the config (`read_gguf`)
+            continue
         name = _hf_name(tensor.name, config.family)
         kind = name.rsplit(".", 2)[-2]
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(kind) \

@@ -113,10 +113,17 @@ class RMSNorm(nn.Module):
         return self.forward(residual), residual
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:  # [D/2]
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling, long: bool = False
+                  ) -> torch.Tensor:  # [R/2]
+    """The inverse frequencies of the `rotary_dim` dims RoPE rotates; longrope's with its long factors if `long`,
+    else its short ones."""
     # on the CPU whatever the default device: arithmetic on meta tensors (where the loader builds the model) goes
     # through torch's Python references, whose first use imports torch._dynamo and Triton (~65 MB resident)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    if scaling.kind == "longrope":  # each frequency divided by its own factor, in transformers' order of operations
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32, device="cpu")
+        return 1.0 / (factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
@@ -135,14 +142,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves), the layout Hugging Face checkpoints use."""
+    """Neox-style RoPE (rotate halves), the layout Hugging Face checkpoints use, over the first `rotary_dim` dims of
+    each head (all of them but where a model's RoPE is partial, e.g. Phi-4-mini's); the rest pass through.
 
-    cos: torch.Tensor  # [P, D/2]
+    Its tables are one row per position, so a position's rotation never depends on the rest of its sequence or
+    batch: longrope takes its short factors below `original_max_position_embeddings` and its long ones from there on
+    (model_config.RopeScaling says how that differs from transformers past the boundary)."""
+
+    cos: torch.Tensor  # [P, R/2]
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: RopeScaling) -> None:
         super().__init__()
-        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.rotary_dim, self.max_positions, self.theta, self.scaling = rotary_dim, max_positions, theta, scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.rebuild(torch.device("cpu"))
@@ -150,17 +162,28 @@ class RotaryEmbedding(nn.Module):
     def rebuild(self, device: torch.device) -> None:
         """(Re)compute the fp32 tables on `device` (the CPU at construction, wherever the model is built; the loader
         then calls this with the model's device)."""
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling).to(device)
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=inv_freq.device)
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, R/2]
+        if self.scaling.kind == "longrope":
+            boundary = self.scaling.original_max_position_embeddings
+            long_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, long=True).to(device)
+            freqs = torch.cat((freqs[:boundary], positions[boundary:, None] * long_freq[None, :]))
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling.kind == "longrope":  # transformers' attention scaling, on cos and sin
+            cos, sin = cos * self.scaling.attention_factor, sin * self.scaling.attention_factor
+        self.cos, self.sin = cos, sin
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for this step's positions, looked up once and shared by every layer: 2 x [T, D/2]."""
+        """cos and sin for this step's positions, looked up once and shared by every layer: 2 x [T, R/2]."""
         return self.cos[positions], self.sin[positions]
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: [T, heads, D]
+        """x rotated over its first R = 2 * cos.shape[-1] dims, the rest as they are."""
+        rotated = 2 * cos.shape[-1]
+        if rotated < x.shape[-1]:
+            return torch.cat((RotaryEmbedding.rotate(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over every head
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -172,6 +195,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.window = window  # sliding-window attention: the tokens a query sees, its own included (0: all)
+        self.rotary_dim = cfg.rotary_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
@@ -189,7 +213,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of this step's positions: 2 x [T, D/2]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin of this step's positions: 2 x [T, R/2]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KVH, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -203,7 +227,9 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((_per_head(self.q_norm, q), _per_head(self.k_norm, k)), dim=1)
         if (ops := fused.ops_for(qkv)) is not None:
-            ops.rotary_(qk, *rope)  # in place, in qkv
+            # in place, in qkv; a partial RoPE's view of each head's first rotary_dim dims keeps the strides the
+            # kernels walk heads and tokens by, and they rotate the halves of what they are given
+            ops.rotary_(qk if self.rotary_dim == self.head_dim else qk[..., : self.rotary_dim], *rope)
         else:
             qk = self.rope.rotate(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, KVH, D]
@@ -327,7 +353,7 @@ class LlamaForCausalLM(nn.Module):
         # builds the model, costs a one-time ~1 s of torch imports)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, attention_fn, cfg.window(i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -381,7 +407,7 @@ class LlamaForCausalLM(nn.Module):
         a projection it has no kernel for."""
         layers = cast(list[DecoderLayer], self.layers)
         cfg = self.config
-        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.num_experts or cfg.layer_windows:  # Llama's layer only
+        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.num_experts:  # the one-call stack is Llama's layer only
             return None
         if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype in KERNEL_CACHE_DTYPES
                 and layers[0].self_attn.attention_fn is paged_attention_cpu):
@@ -394,7 +420,7 @@ class LlamaForCausalLM(nn.Module):
         return torch.ops.multiserve_fused.decode_layers(
             x, *rope, *stack, list(k_caches), list(v_caches), meta.slot_mapping, rows.rows,
             rows.block_tables, rows.seq_lens, [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size],
-            cfg.rms_norm_eps, layers[0].self_attn.scale, PACKED_MIN_ROWS)
+            cfg.rms_norm_eps, layers[0].self_attn.scale, PACKED_MIN_ROWS, list(cfg.layer_windows))
 
     @functools.cached_property
     def _decode_weights(self) -> DecodeWeights | None:

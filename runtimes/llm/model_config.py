@@ -1,14 +1,23 @@
 """A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the
 families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
-checkpoint's fused qkv and gate|up are the skeleton's own; no longrope yet), Qwen2 / Qwen2.5 (biases on q, k and v;
-sliding windows on upper layers where configured), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts
-Mixtral and Qwen3-MoE (from Hugging Face directories). Imports no torch: the planner reads a local model's shape with
-it in the gateway process, which holds no engine."""
+checkpoint's fused qkv and gate|up are the skeleton's own; the 128k models' and Phi-3.5's longrope scaling, and
+Phi-4-mini's partial rotary embeddings), Qwen2 / Qwen2.5 (biases on q, k and v; sliding windows on upper layers where
+configured), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts Mixtral and Qwen3-MoE (from Hugging
+Face directories). Imports no torch: the planner reads a local model's shape with it in the gateway process, which
+holds no engine.
+
+RoPE scaling: default, linear, llama3 (Llama 3.1's piecewise), and longrope (also named su: Phi-3's per-frequency
+rescaling, with `short_factor` and `long_factor`, and cos and sin multiplied by an attention factor). transformers
+picks longrope's short or long factors for a whole sequence by its current length (long once it exceeds
+`original_max_position_embeddings`), which would re-rotate every cached key when a sequence crosses that length;
+here the choice is per position (`RopeScaling`), identical to transformers whenever a sequence stays
+within `original_max_position_embeddings`."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,13 +30,28 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: `none`, `linear` or `llama3` (Llama 3.1's piecewise scaling)."""
+    """RoPE frequency scaling: `none`, `linear`, `llama3` (Llama 3.1's piecewise scaling) or `longrope` (Phi-3's).
+
+    Longrope divides each inverse frequency by its own factor, `short_factor`'s at positions below
+    `original_max_position_embeddings` and `long_factor`'s from there on, and multiplies cos and sin by
+    `attention_factor`. transformers (`dynamic_rope_update`) instead picks one set for the whole sequence from its
+    current length: short while it is at most `original_max_position_embeddings` tokens long, long for every
+    position once it is longer. Our paged KV cache keeps keys as they were rotated, and a request's tokens must not
+    depend on what else is in its batch (vLLM picks long for a whole batch once any of its positions is past the
+    boundary), so the choice here is a function of the position alone: the same as transformers for a sequence that
+    stays within `original_max_position_embeddings` (prompt and output), and past it, the keys below the boundary
+    keep their short-factor rotation while the positions from the boundary on are rotated with the long factors
+    (transformers would rotate all of them with the long ones)."""
 
     kind: str = "none"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope: one divisor per rotated frequency (rotary_dim / 2 of them) each, and the scale of cos and sin
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 # Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families
@@ -69,12 +93,25 @@ class ModelConfig:
     # sliding-window attention (Mistral, Phi-3, Qwen2's upper layers): layer i's queries see the last
     # layer_windows[i] tokens (their own included); 0, or no entries, is the whole context
     layer_windows: tuple[int, ...] = ()
+    # RoPE rotates the first `rotary_dim` dims of each head (neox-style within them) and passes the rest through
+    # (Phi-4-mini's partial_rotary_factor 0.75); 0 means all of head_dim
+    rotary_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and within head_dim={self.head_dim}")
+        scaling = self.rope_scaling
+        if scaling.kind == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise ValueError(f"longrope {name} has {len(getattr(scaling, name))} values, the model rotates "
+                                     f"{self.rotary_dim // 2} frequencies (rotary_dim / 2)")
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window in tokens, 0 for the whole context."""
@@ -96,9 +133,6 @@ class ModelConfig:
         family = cfg.get("model_type", "llama")
         if family not in FAMILIES:
             raise unsupported_family(family, "model_type")
-        rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if float(rotary) != 1.0:
-            raise ValueError(f"partial rotary embeddings (partial_rotary_factor={rotary}) are not supported yet")
         if cfg.get("mlp_bias"):
             raise ValueError("MLP biases (mlp_bias: true) are not supported")
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -110,6 +144,8 @@ class ModelConfig:
             raise ValueError("qwen3_moe with dense layers among the sparse ones (mlp_only_layers, "
                              "decoder_sparse_step) is not supported yet")
         hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         rs = cfg.get("rope_scaling") or {}
@@ -117,15 +153,24 @@ class ModelConfig:
         rp = cfg.get("rope_parameters") or {}
         kind = rs.get("rope_type", rs.get("type", rp.get("rope_type", "default")))
         src = rs or rp
-        scaling = RopeScaling(
-            kind={"default": "none"}.get(kind, kind),
-            factor=float(src.get("factor", 1.0)),
-            low_freq_factor=float(src.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(src.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(src.get("original_max_position_embeddings", 8192)),
-        )
-        if scaling.kind not in ("none", "linear", "llama3"):
-            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        # as transformers reads it: the fraction of each head RoPE rotates, the first int(head_dim * factor) dims
+        rotary = float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if not 0.0 < rotary <= 1.0 or int(head_dim * rotary) % 2:
+            raise ValueError(f"partial_rotary_factor={rotary} must be in (0, 1] and rotate an even number of each "
+                             f"head's {head_dim} dims (it rotates {int(head_dim * rotary)})")
+        if kind in ("longrope", "su"):
+            scaling = _longrope(cfg, src, max_positions)
+        else:
+            scaling = RopeScaling(
+                kind={"default": "none"}.get(kind, kind),
+                factor=float(src.get("factor", 1.0)),
+                low_freq_factor=float(src.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(src.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(src.get("original_max_position_embeddings", 8192)),
+            )
+        if scaling.kind not in ("none", "linear", "llama3", "longrope"):
+            raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, "
+                             "longrope, su)")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -133,8 +178,8 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            head_dim=head_dim,
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
@@ -148,8 +193,8 @@ class ModelConfig:
             num_experts=num_experts,
             experts_per_token=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
             renormalize_experts=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
-            layer_windows=_hf_layer_windows(cfg, family, int(cfg["num_hidden_layers"]),
-                                            int(cfg.get("max_position_embeddings", 2048))),
+            layer_windows=_hf_layer_windows(cfg, family, int(cfg["num_hidden_layers"]), max_positions),
+            rotary_dim=int(head_dim * rotary),
         )
 
     @classmethod
@@ -157,17 +202,57 @@ class ModelConfig:
         return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
 
+def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any], max_positions: int) -> RopeScaling:
+    """Longrope (or su) scaling from a config's rope parameters, as transformers' `_compute_longrope_parameters`
+    reads them: Phi-3's top-level `original_max_position_embeddings` before the parameters' own (else the context
+    itself); the attention factor the config's, else sqrt(1 + ln(factor) / ln(original)) with factor =
+    max_position_embeddings / original (unless the parameters give `factor`), 1 where that factor is at most 1."""
+    original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or max_positions)
+    for name in ("short_factor", "long_factor"):
+        if not isinstance(params.get(name), list):
+            raise ValueError(f"longrope rope scaling needs {name}: a list of one number per rotated frequency")
+    factor = params.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+    attention = params.get("attention_factor")
+    return RopeScaling(kind="longrope", factor=factor, original_max_position_embeddings=original,
+                       short_factor=tuple(float(f) for f in params["short_factor"]),
+                       long_factor=tuple(float(f) for f in params["long_factor"]),
+                       attention_factor=longrope_attention_factor(factor, original) if attention is None
+                       else float(attention))
+
+
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """The scale of longrope's cos and sin where the model does not give it (the LongRoPE paper's, transformers' and
+    llama.cpp's converter's)."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+# llama.cpp's converter writes longrope's (Phi-3's) factors as these tensors; they are read into the config, not
+# loaded as weights
+ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+
+
 def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig]:
     """A GGUF file (its metadata, and its memory-mapped tensors: no tensor data is read yet) and its model's
     config."""
     file = GGUFFile(path)
     names = frozenset(t.name for t in file.tensors)
-    return file, gguf_model_config(file.metadata, has_output="output.weight" in names, tensor_names=names)
+    factors = {}
+    for tensor in file.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            if tensor.tensor_type not in (0, 1):  # F32, F16: what llama.cpp's converter writes them in
+                raise ValueError(f"GGUF tensor {tensor.name!r} has GGML type {tensor.tensor_type} (supported: F32, "
+                                 "F16)")
+            factors[tensor.name] = tuple(float(v) for v in tensor.data.reshape(-1))
+    return file, gguf_model_config(file.metadata, has_output="output.weight" in names, tensor_names=names,
+                                   rope_factors=factors)
 
 
-def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: frozenset[str] = frozenset()
-                      ) -> ModelConfig:
-    """From a GGUF file's metadata; `tensor_names` tell what the metadata does not (biases, q/k norms)."""
+def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: frozenset[str] = frozenset(),
+                      rope_factors: Mapping[str, Sequence[float]] | None = None) -> ModelConfig:
+    """From a GGUF file's metadata; `tensor_names` tell what the metadata does not (biases, q/k norms), and
+    `rope_factors` (name -> values of the ROPE_FACTOR_TENSORS the file has) make its RoPE longrope."""
     arch = meta.get("general.architecture")
     if arch not in FAMILIES:
         raise unsupported_family(arch, "GGUF architecture")
@@ -186,6 +271,9 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}")
+    scaling = RopeScaling(kind=scaling_type, factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0)))
+    if rope_factors:
+        scaling = _gguf_longrope(meta, arch, rope_factors)
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -199,7 +287,7 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=RopeScaling(kind=scaling_type, factor=float(meta.get(f"{arch}.rope.scaling.factor", 1.0))),
+        rope_scaling=scaling,
         tie_word_embeddings=not has_output,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
@@ -209,6 +297,7 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         layer_windows=_windows(int(get("block_count")), meta.get(f"{arch}.attention.sliding_window"),
                                int(get("context_length"))),
+        rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", 0)),
     )
 
 
@@ -241,3 +330,23 @@ def _hf_layer_windows(cfg: Mapping[str, Any], family: str, num_layers: int, cont
         first = int(cfg.get("max_window_layers", num_layers))
         return _windows(num_layers, window, context, [i >= first for i in range(num_layers)])
     return _windows(num_layers, window, context)
+
+
+def _gguf_longrope(meta: dict[str, Any], arch: str, factors: Mapping[str, Sequence[float]]) -> RopeScaling:
+    """Longrope as llama.cpp's converter writes it for Phi-3: the factors as tensors, the pre-training context as
+    `rope.scaling.original_context_length`, the scale of cos and sin as `rope.scaling.attn_factor`."""
+    short, long = (factors.get(name) for name in ROPE_FACTOR_TENSORS)
+    if short is None or long is None:
+        raise ValueError(f"GGUF longrope needs both {' and '.join(ROPE_FACTOR_TENSORS)}, the file has only "
+                         f"{', '.join(factors)}")
+    original, context = (meta.get(f"{arch}.{key}") for key in ("rope.scaling.original_context_length",
+                                                                "context_length"))
+    if original is None or context is None:
+        raise ValueError(f"GGUF longrope needs {arch}.rope.scaling.original_context_length and "
+                         f"{arch}.context_length")
+    factor = int(context) / int(original)
+    attention = meta.get(f"{arch}.rope.scaling.attn_factor")
+    return RopeScaling(kind="longrope", factor=factor, original_max_position_embeddings=int(original),
+                       short_factor=tuple(short), long_factor=tuple(long),
+                       attention_factor=longrope_attention_factor(factor, int(original)) if attention is None
+                       else float(attention))

@@ -484,7 +484,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
 // routines as `paged_attention`, so a decode-only step and a mixed one agree bit for bit.
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& rows, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale, at::Tensor& out) {
+                            double scale, int64_t window, at::Tensor& out) {
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window ", window, " < 0");
   const int64_t num_seqs = rows.size(0);
   check_tables("paged_decode_attention", block_tables, seq_lens, num_seqs);
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous(), "paged_decode_attention: rows [B] int64");
@@ -493,7 +494,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   std::vector<Seq> seqs(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) seqs[i] = {row_ids[i], 1, lens[i], tables + i * block_tables.stride(0)};
-  run("paged_decode_attention", query, k_cache, v_cache, block_tables, seqs, scale, 0, out);
+  run("paged_decode_attention", query, k_cache, v_cache, block_tables, seqs, scale, window, out);
 }
 
 }  // namespace
@@ -503,6 +504,6 @@ TORCH_LIBRARY(multiserve_cpu, m) {
         "Tensor block_tables, float scale, int window, Tensor(a!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor block_tables, "
-        "Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+        "Tensor seq_lens, float scale, int window, Tensor(a!) out) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
 }

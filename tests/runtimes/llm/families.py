@@ -6,7 +6,9 @@ Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings
 `head_dim` that is not hidden / heads, Mistral's layout with a sliding window shorter than prompt + output; biases
 and norms are random, so a wrong mapping cannot hide behind zeros or ones; Phi-3's checkpoint stores q|k|v and
 gate|up fused, as llama.cpp's GGUF does (and a window too); the mixtures of experts route each token to 2 of 4
-experts.
+experts. `VARIANTS` are a family with an option of its own: Phi-3's longrope (random short and long factors, a
+pre-training context of 64 positions in a context of 256) and Phi-4-mini's partial rotary embeddings (RoPE on 12 of
+each head's 16 dims).
 """
 
 from __future__ import annotations
@@ -32,19 +34,38 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
                 "tie_word_embeddings": False},
 }
+# a family's option, by name -> (the family, its config's overrides)
+_FACTORS = np.random.default_rng(0)
+LONGROPE_ORIGINAL = 64  # phi3_longrope's original_max_position_embeddings: short factors below it, long ones after
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3_longrope": ("phi3", {
+        "max_position_embeddings": 4 * LONGROPE_ORIGINAL, "original_max_position_embeddings": LONGROPE_ORIGINAL,
+        "rope_scaling": {"rope_type": "longrope",  # 8 frequencies: head_dim 16
+                         "short_factor": _FACTORS.uniform(1.0, 2.0, 8).round(4).tolist(),
+                         "long_factor": _FACTORS.uniform(2.0, 16.0, 8).round(4).tolist()}}),
+    "phi3_partial": ("phi3", {"partial_rotary_factor": 0.75}),  # Phi-4-mini's
+}
 MIXTURES = ("mixtral", "qwen3_moe")  # from Hugging Face directories only (their GGUF layout: not yet)
 _PERMUTED = ("llama", "mistral")  # llama.cpp permutes Q/K rows only for these
 
 
+def family_of(name: str) -> str:
+    """The family of a name of FAMILY_CONFIGS or VARIANTS."""
+    return VARIANTS[name][0] if name in VARIANTS else name
+
+
 def hf_family_model(family: str, seed: int = 0, **overrides: Any):
-    """A random transformers model of `family` (fp32, eval mode): 2 layers, 4 heads, 2 KV heads."""
+    """A random transformers model of `family` or of one of VARIANTS (fp32, eval mode): 2 layers, 4 heads, 2 KV
+    heads."""
     import transformers
 
+    variant = VARIANTS[family][1] if family in VARIANTS else {}
+    family = family_of(family)
     config_class = transformers.AutoConfig.for_model(family).__class__
     fields = {"vocab_size": len(TOKENS), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
               "rms_norm_eps": 1e-6, "initializer_range": 0.1, "bos_token_id": 1, "eos_token_id": EOS_ID,
-              **FAMILY_CONFIGS[family], **overrides}
+              **FAMILY_CONFIGS[family], **variant, **overrides}
     config = config_class(**fields)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -71,7 +92,8 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
 
 def write_family_gguf(model, path: Path) -> Path:
     """`model` as an F32 GGUF file of its family, as llama.cpp's converter writes it (architecture name, metadata
-    keys, tensor names; Q/K rows permuted for Llama and Mistral only)."""
+    keys, tensor names; Q/K rows permuted for Llama and Mistral only; Phi-3's RoPE dims, and its longrope factors as
+    tensors with the pre-training context and attention factor in the metadata, as `Phi3MiniModel` does)."""
     import gguf
 
     cfg = model.config
@@ -92,6 +114,8 @@ def write_family_gguf(model, path: Path) -> Path:
     if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3"):  # every layer's window
         writer.add_sliding_window(cfg.sliding_window)
     writer.add_vocab_size(cfg.vocab_size)
+    if family == "phi3":
+        _write_phi3_rope(writer, cfg, rope)
     meta = tokenizer_metadata()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -121,3 +145,21 @@ def write_family_gguf(model, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _write_phi3_rope(writer, cfg, rope: dict[str, Any]) -> None:
+    """What llama.cpp's converter (`Phi3MiniModel`) writes of Phi-3's RoPE: the rotated dims (hidden * partial factor
+    / heads), the pre-training context, and for longrope its attention factor (computed from the contexts' ratio, as
+    the converter does) and the short and long factors as the tensors `rope_factors_short` and `rope_factors_long`."""
+    import math
+
+    rope_dims = int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+    writer.add_rope_dimension_count(rope_dims)
+    original = rope.get("original_max_position_embeddings", cfg.original_max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(original)  # the converter writes it whatever the RoPE
+    if rope.get("rope_type") != "longrope":
+        return
+    scale = cfg.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))

@@ -169,18 +169,19 @@ def test_an_fp16_cache_gives_what_fp32_holding_the_same_values_gives() -> None:
 
 @pytest.mark.parametrize("scenario", ["decode", "mixed"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_the_decode_op_agrees_with_the_general_op(scenario: str, cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("window", [0, 7])
+def test_the_decode_op_agrees_with_the_general_op(scenario: str, cache_dtype: torch.dtype, window: int) -> None:
     """`paged_decode_attention` (the fused decode step's op) gives a decode row what `paged_attention` gives it, in a
-    decode-only step or a mixed one."""
+    decode-only step or a mixed one, with or without a window."""
     query_lens, seq_lens = SCENARIOS[scenario]
     query, k_cache, v_cache, meta, _ = _case(query_lens, seq_lens, 16, 9, 3, 64)
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    general = paged_attention_cpu(query, k_cache, v_cache, meta, 0.125)
+    general = paged_attention_cpu(query, k_cache, v_cache, meta, 0.125, window)
     rows = decode_rows(meta)
     assert rows is not None
     decoded = torch.full(query.shape, float("nan"))
     torch.ops.multiserve_cpu.paged_decode_attention(query, k_cache, v_cache, rows.rows, rows.block_tables,
-                                                    rows.seq_lens, 0.125, decoded)
+                                                    rows.seq_lens, 0.125, window, decoded)
     assert torch.equal(decoded[rows.rows], general[rows.rows])
 
 

@@ -16,7 +16,10 @@ from runtimes.llm.sampling_params import SamplingParams
 from tests.runtimes.llm.engine_utils import random_prompt, run_to_completion
 from tests.runtimes.llm.families import (
     FAMILY_CONFIGS,
+    LONGROPE_ORIGINAL,
     MIXTURES,
+    VARIANTS,
+    family_of,
     hf_family_model,
     save_family_dir,
     write_family_gguf,
@@ -30,7 +33,7 @@ def family(request) -> str:
     return request.param
 
 
-SOURCES = [(family, source) for family in sorted(FAMILY_CONFIGS) for source in ("hf", "gguf")
+SOURCES = [(family, source) for family in [*sorted(FAMILY_CONFIGS), *VARIANTS] for source in ("hf", "gguf")
            if not (family in MIXTURES and source == "gguf")]
 
 
@@ -51,9 +54,13 @@ def _matches_transformers(ref, family, source, tmp_path):
     types = getattr(ref.config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * 2
     windows = tuple(window if t == "sliding_attention" else 0 for t in types)
     assert config.layer_windows == (windows if any(windows) else ())
-    assert config.family == family
+    assert config.family == family_of(family)
     assert (config.qkv_bias, config.qk_norm) == (family in ("qwen2", "llama"), family in ("qwen3", "qwen3_moe"))
     assert (config.num_experts, config.experts_per_token) == ((4, 2) if family in MIXTURES else (0, 0))
+    # the variants' options read from either source: longrope's factors (within original_max_position_embeddings
+    # every token below is at a short-factor position), the rotated dims
+    assert config.rope_scaling.kind == ("longrope" if family == "phi3_longrope" else "none")
+    assert config.rotary_dim == (12 if family == "phi3_partial" else config.head_dim)
     prompts = [random_prompt(seed, 5 + 3 * seed) for seed in range(3)]
     engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=16))
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
@@ -130,3 +137,168 @@ def test_a_mixture_of_experts_gguf_is_refused_by_name():
 
     with pytest.raises(ValueError, match="mixture-of-experts GGUF"):
         gguf_model_config({"general.architecture": "llama", "llama.expert_count": 8}, has_output=True)
+
+
+def _longrope_engine(ref, tmp_path) -> LLMEngine:
+    loaded = load_model(save_family_dir(ref, tmp_path), torch.device("cpu"), torch.float32, progress=False)
+    return LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=16))
+
+
+class _PerPositionLongrope(torch.nn.Module):
+    """transformers' own longrope (its Phi3RotaryEmbedding) under the runtime's rule: each position's cos and sin
+    from the short factors below original_max_position_embeddings, from the long ones after, whatever the length of
+    the sequence (transformers alone takes the long ones for every position of a sequence longer than that)."""
+
+    def __init__(self, stock: torch.nn.Module) -> None:
+        super().__init__()
+        self.stock = stock
+
+    def forward(self, x, position_ids):
+        short = self.stock(x, position_ids.clamp(max=LONGROPE_ORIGINAL - 1))  # a sequence within: short factors
+        long = self.stock(x, position_ids)
+        below = (position_ids < LONGROPE_ORIGINAL)[..., None]
+        return torch.where(below, short[0], long[0]), torch.where(below, short[1], long[1])
+
+
+def test_longrope_tables_are_transformers_short_factors_then_long_ones(tmp_path):
+    """The cos and sin of a position below original_max_position_embeddings are transformers' for a sequence within
+    it (short factors); from there on, transformers' for a longer sequence (long factors); both scaled by the
+    attention factor (sqrt(1 + ln 4 / ln 64): the context is 4 times the original); read alike from the directory
+    and from the GGUF file (its factors as tensors, its attention factor in the metadata)."""
+    from runtimes.llm.model import RotaryEmbedding
+    from runtimes.llm.model_config import read_gguf
+
+    ref = hf_family_model("phi3_longrope")
+    configs = [ModelConfig.from_hf_config(ref.config.to_dict()),
+               read_gguf(write_family_gguf(ref, tmp_path / "phi3.gguf"))[1]]
+    stock, x, positions = ref.model.rotary_emb, torch.zeros(1), torch.arange(4 * LONGROPE_ORIGINAL)[None]
+    with torch.no_grad():
+        short = [t[0, :LONGROPE_ORIGINAL, :8] for t in stock(x, positions[:, :LONGROPE_ORIGINAL])]
+        long = [t[0, :, :8] for t in stock(x, positions)]
+    for config in configs:
+        scaling = config.rope_scaling
+        assert (scaling.kind, scaling.original_max_position_embeddings) == ("longrope", LONGROPE_ORIGINAL)
+        assert scaling.attention_factor == pytest.approx((1 + 1 / 3) ** 0.5)
+        rope = RotaryEmbedding(config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling)
+        for ours, below, above in zip((rope.cos, rope.sin), short, long, strict=True):
+            assert ours.shape == (4 * LONGROPE_ORIGINAL, 8)
+            assert torch.equal(ours[:LONGROPE_ORIGINAL], below)
+            assert torch.equal(ours[LONGROPE_ORIGINAL:], above[LONGROPE_ORIGINAL:])
+            assert not torch.allclose(ours[1:LONGROPE_ORIGINAL], above[1:LONGROPE_ORIGINAL], atol=1e-3)
+        assert float(rope.cos[0, 0]) == pytest.approx(scaling.attention_factor)
+
+
+def test_longrope_past_its_original_context_follows_the_per_position_rule(tmp_path):
+    """A request that runs past original_max_position_embeddings (64): its logprobs and greedy tokens are those of
+    transformers' model under the runtime's rule (`_PerPositionLongrope`: the keys cached below the boundary keep
+    their short-factor rotation), and measurably not those of transformers itself (the long factors for every
+    position once the sequence is longer), the documented deviation. The rule depends on the position alone: a
+    request that stays within 64 positions gets the same tokens and logprobs alone or beside one that runs past, and
+    so does the long one."""
+    ref = hf_family_model("phi3_longrope", seed=3)
+    ref.generation_config.eos_token_id = None
+    long_prompt, short_prompt = random_prompt(0, 50), random_prompt(1, 10)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    long_alone = run_to_completion(_longrope_engine(ref, tmp_path / "a"), {"long": (long_prompt, params)})["long"]
+    short_alone = run_to_completion(_longrope_engine(ref, tmp_path / "b"), {"short": (short_prompt, params)})["short"]
+    both = run_to_completion(_longrope_engine(ref, tmp_path / "c"), {"long": (long_prompt, params),
+                                                                     "short": (short_prompt, params)})
+    for alone, name in ((long_alone, "long"), (short_alone, "short")):  # (dense fp32 matmuls: within rounding)
+        assert both[name].token_ids == alone.token_ids
+        assert [lp.logprob for lp in both[name].logprobs] == pytest.approx([lp.logprob for lp in alone.logprobs],
+                                                                           abs=1e-5)
+    assert len(long_prompt) + len(long_alone.token_ids) > LONGROPE_ORIGINAL + 20  # well past the boundary
+
+    ids = torch.tensor([long_prompt + long_alone.token_ids])
+    with torch.no_grad():
+        stock = ref(ids).logits[0].log_softmax(-1)
+        ref.model.rotary_emb = _PerPositionLongrope(ref.model.rotary_emb)
+        rule = ref(ids).logits[0].log_softmax(-1)
+    steps = range(len(long_prompt) - 1, ids.shape[1] - 1)  # the logits each output token was drawn from
+    ours = [lp.logprob for lp in long_alone.logprobs]
+    assert ours == pytest.approx([float(rule[i, ids[0, i + 1]]) for i in steps], abs=1e-4)
+    assert long_alone.token_ids == [int(rule[i].argmax()) for i in steps]
+    theirs = [float(stock[i, ids[0, i + 1]]) for i in steps]
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) > 1e-2
+
+
+def test_a_released_phi3_longrope_config_reads_as_transformers_reads_it():
+    """Phi-3-mini-128k's and Phi-4-mini's config.json shapes (transformers 4's `rope_scaling` with `type: su` or
+    `longrope`, the pre-training context at the top level): longrope over the rotated dims, the attention factor
+    from the contexts' ratio (32) unless the config gives its own."""
+    base = {"model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "sliding_window": 262144}
+    mini = ModelConfig.from_hf_config({**base, "rope_scaling": {
+        "type": "su", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}})
+    assert (mini.rope_scaling.kind, mini.rope_scaling.original_max_position_embeddings) == ("longrope", 4096)
+    assert (mini.rope_scaling.short_factor, mini.rope_scaling.long_factor) == ((1.0,) * 48, (2.0,) * 48)
+    assert mini.rope_scaling.attention_factor == pytest.approx(1.1902380714238083)
+    assert mini.rotary_dim == mini.head_dim == 96
+    phi4 = ModelConfig.from_hf_config({**base, "num_attention_heads": 24, "num_key_value_heads": 8,
+                                       "partial_rotary_factor": 0.75, "rope_scaling": {
+                                           "type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48,
+                                           "attention_factor": 1.5}})
+    assert (phi4.head_dim, phi4.rotary_dim, phi4.rope_scaling.attention_factor) == (128, 96, 1.5)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"'yarn'.*longrope, su"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"'dynamic'.*default, linear, llama3, longrope"),
+    ({"partial_rotary_factor": 0.5625}, r"partial_rotary_factor=0.5625.*even.*rotates 9"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}}, r"needs long_factor"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 7, "long_factor": [1.0] * 7},
+      "original_max_position_embeddings": 64}, r"short_factor has 7 values.*8 frequencies"),
+])
+def test_rope_the_runtime_lacks_is_refused_by_name(change, message):
+    config = {**hf_family_model("llama").config.to_dict(), **change}
+    config.pop("rope_parameters", None)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(config)
+
+
+def test_a_gguf_with_half_of_longropes_factors_is_refused():
+    from runtimes.llm.model_config import gguf_model_config
+
+    meta = {"general.architecture": "phi3", "phi3.context_length": 256, "phi3.embedding_length": 64,
+            "phi3.feed_forward_length": 128, "phi3.block_count": 2, "phi3.attention.head_count": 4,
+            "phi3.rope.scaling.original_context_length": 64, "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(ValueError, match=r"rope_factors_short\.weight and rope_factors_long\.weight"):
+        gguf_model_config(meta, has_output=True, rope_factors={"rope_factors_long.weight": [1.0] * 8})
+    config = gguf_model_config(meta, has_output=True, rope_factors={
+        "rope_factors_long.weight": [2.0] * 8, "rope_factors_short.weight": [1.0] * 8})
+    assert config.rope_scaling.kind == "longrope" and config.rope_scaling.attention_factor == pytest.approx(
+        (1 + 1 / 3) ** 0.5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_variant_decodes_in_the_one_call_cpu_stack(variant, tmp_path, monkeypatch):
+    """With the C++ attention kernel a decode step runs the whole layer stack in one C++ call (`decode_layers`),
+    which rotates each head's first rotary_dim dims from the same tables: the greedy tokens are still transformers'."""
+    from runtimes.llm.attention import select_attention
+    from runtimes.llm.model import LlamaForCausalLM
+
+    native: list[bool] = []
+    decode = LlamaForCausalLM._decode_natively
+
+    def spy(self, *args):
+        out = decode(self, *args)
+        native.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_natively", spy)
+    ref = hf_family_model(variant, seed=4)
+    cpu = torch.device("cpu")
+    loaded = load_model(save_family_dir(ref, tmp_path), cpu, torch.float32, select_attention("cpu", cpu),
+                        progress=False)
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=16))
+    prompt = random_prompt(5, 9)
+    ours = run_to_completion(engine, {"p": (prompt, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS,
+                                                                   ignore_eos=True))})["p"]
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours.token_ids == expected
+    assert sum(native) >= NUM_TOKENS - 2  # every decode step but the prefill's

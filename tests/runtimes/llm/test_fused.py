@@ -50,6 +50,20 @@ def test_rotary_in_place_on_the_fused_projection():
     assert _close(qkv[:, : 6 * 16].view(5, 6, 16), expected) and torch.equal(qkv[:, 6 * 16 :], v_before)
 
 
+def test_partial_rotary_in_place_on_a_view_of_each_heads_first_dims():
+    """A partial RoPE (12 of 16 dims, Phi-4-mini's 0.75) through the same kernel, given each head's first 12 dims as
+    a view: those rotated as `RotaryEmbedding.rotate` rotates them, the other 4 of each head and v untouched."""
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(12, 64, 10000.0, RopeScaling())
+    qkv = torch.randn(5, (4 + 2 + 2) * 16)
+    cos, sin = rope.lookup(torch.tensor([0, 3, 9, 10, 63]))
+    qk = qkv[:, : 6 * 16].view(5, 6, 16)
+    expected, before = RotaryEmbedding.rotate(qk.clone(), cos, sin), qkv.clone()
+    assert torch.equal(expected[..., 12:], qk[..., 12:]) and not torch.allclose(expected[1:, :, :12], qk[1:, :, :12])
+    OPS.rotary_(qk[..., :12], cos, sin)
+    assert _close(qk, expected) and torch.equal(qkv[:, 6 * 16 :], before[:, 6 * 16 :])
+
+
 def test_silu_times_up():
     gate_up = torch.randn(9, 2 * 40) * 5
     gate_up[0, :40] = torch.linspace(-120, 120, 40)  # past where exp over- and underflows
