@@ -178,3 +178,15 @@ def stored_experts_into(ref, path) -> None:
             experts.gate_up_proj.copy_(torch.from_numpy(np.concatenate([gate, up], axis=1)))
             experts.down_proj.copy_(torch.from_numpy(down))
 
+
+def test_the_planner_counts_a_mixtures_experts(tmp_path):
+    """The memory the planner reserves for a mixture's weights counts every expert and the shared expert (the
+    parameters a replica holds: all of them, though a token uses 2 of 4), from a directory and from a GGUF file."""
+    from partitioner.planning.shapes import GPU_BYTES_PER_PARAMETER, estimate_shape
+
+    ref = hf_family_model("qwen2_moe")
+    parameters = sum(p.numel() for p in ref.parameters())
+    experts = sum(p.numel() for name, p in ref.named_parameters() if ".experts." in name or "shared_expert" in name)
+    assert experts > parameters / 2  # the experts are most of the model: leaving them out could not pass
+    for path in (save_family_dir(ref, tmp_path / "dir"), write_family_gguf(ref, tmp_path / "qwen2_moe.gguf")):
+        assert estimate_shape(str(path)).weights_bytes == GPU_BYTES_PER_PARAMETER * parameters
