@@ -32,7 +32,8 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
-# Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families
+# Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families (`_GGUF_ARCHS`: where
+# its name differs)
 FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # the families whose MLP is a mixture of experts
 # GGUF `general.architecture` names that are not the family's Hugging Face name (llama.cpp drops the underscore)
