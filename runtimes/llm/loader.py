@@ -5,7 +5,9 @@ A GGUF file is read through `gguf_file.GGUFFile` (a memory map). Its tensors are
 cast to the engine's dtype as they are copied in: the model is allocated once, in its own dtype, and the load
 never holds more than one checkpoint tensor in fp32 besides it. llama.cpp's converter permutes the rows of Q and K
 so its interleaved RoPE works; our model uses Hugging Face's rotate-halves RoPE, so those permutations are undone
-here.
+here. A mixture's experts are stacked in GGUF (`ffn_{gate,up,down}_exps`, one 3-D tensor per layer and part); each
+expert's slice is yielded as that expert's weight, dequantized on its own (the experts are kept in floating point,
+so their blocks are not kept).
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ def _load_weights(
         config.intermediate_size
     rows_of = {"q_proj": (0, q_rows), "k_proj": (q_rows, kv_rows), "v_proj": (q_rows + kv_rows, kv_rows),
                "gate_proj": (0, inter), "up_proj": (inter, inter)}  # a part's (first row, rows) in its fused weight
+    shared = config.shared_expert_intermediate_size  # a shared expert's gate|up are of its own size
+    shared_rows = {"gate_proj": (0, shared), "up_proj": (shared, shared)}
     per_layer = 9 + 3 * config.qkv_bias + config.o_bias + 2 * config.qk_norm
     total = 2 + (0 if config.tie_word_embeddings else 1) + per_layer * config.num_layers
     for hf_name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not progress):
@@ -192,7 +196,7 @@ def _load_weights(
             rows = rows_of.get(proj)
         else:
             key = target_of(name)
-            rows = None if key == name else rows_of[proj]
+            rows = None if key == name else (shared_rows if prefix.endswith(".shared_expert") else rows_of)[proj]
         _copy(params, key, tensor, device, dtype, formats.get(key), rows=rows, what=name)
         loaded.add(name)
     expected: dict[str, str] = {}  # checkpoint name -> how a missing one is named
@@ -311,10 +315,16 @@ _GGUF_LAYER_NAMES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
+    # a mixture: the router, the experts (stacked: `_gguf_tensors` yields each expert's slice), a shared expert and
+    # its gate
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
-# llama.cpp's converter permutes Q and K rows for its interleaved RoPE in these families only (Qwen's is the
-# rotate-halves RoPE Hugging Face uses, and its converter leaves the rows as they are)
-_PERMUTED_QK = ("llama", "mistral")
+# llama.cpp's converter permutes Q and K rows for its interleaved RoPE in these families only (Mixtral is its Llama;
+# Qwen's is the rotate-halves RoPE Hugging Face uses, and its converter leaves the rows as they are)
+_PERMUTED_QK = ("llama", "mistral", "mixtral")
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -342,32 +352,45 @@ def _hf_name(gguf_name: str, family: str = "llama") -> str:
     return f"layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
 
 
-def _float_values(tensor: Any) -> np.ndarray:
-    """A GGUF tensor's values as fp32: F32 ones as they are (a view of the memory map), F16 converted, quantized
-    ones through gguf-py (imported only then: a replica that keeps every quantized tensor's blocks never loads it)."""
-    if tensor.tensor_type in (0, 1):  # F32, F16
-        return tensor.data.astype(np.float32, copy=False)
+def _float_values(data: np.ndarray, tensor_type: int) -> np.ndarray:
+    """A GGUF tensor's values (or one expert's slice of them) as fp32: F32 ones as they are (a view of the memory
+    map), F16 converted, BF16 and quantized ones through gguf-py (imported only then: a replica that keeps every
+    quantized tensor's blocks never loads it)."""
+    if tensor_type in (0, 1):  # F32, F16
+        return data.astype(np.float32, copy=False)
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    return np.asarray(dequantize(data, GGMLQuantizationType(tensor_type)), dtype=np.float32)
 
 
 def _gguf_tensors(reader: Any, config: ModelConfig,
                   keep_blocks: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, tensor) for each GGUF tensor: dequantized to fp32, or, where `keep_blocks(name)`, its
-    blocks as the file stores them (`BlockTensor`, a view of the memory map). Q and K rows are un-permuted."""
+    blocks as the file stores them (`BlockTensor`, a view of the memory map). Q and K rows are un-permuted; a
+    mixture's stacked experts come out one expert at a time (`layers.N.mlp.experts.E.gate_proj.weight`)."""
     for tensor in reader.tensors:
         if tensor.name in ROPE_FACTOR_TENSORS:  # longrope's factors: read into the config (`read_gguf`)
             continue
         name = _hf_name(tensor.name, config.family)
         kind = name.rsplit(".", 2)[-2]
+        if len(tensor.shape) == 3:  # [n_expert, rows, cols] in numpy's order, the converter's stack of the experts
+            prefix, proj, tail = _split(name)
+            if tensor.data.shape[0] != config.num_experts:
+                raise ValueError(f"GGUF tensor {tensor.name!r} stacks {tensor.data.shape[0]} experts, the model has "
+                                 f"{config.num_experts}")
+            for expert, data in enumerate(tensor.data):
+                yield f"{prefix}.{expert}.{proj}.{tail}", _from_numpy(_float_values(data, int(tensor.tensor_type)))
+            continue
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(kind) \
             if config.family in _PERMUTED_QK else None
         if keep_blocks(name):
             blocks = tensor.data if heads is None else unpermute_qk(tensor.data, heads)
             yield name, BlockTensor(blocks, int(tensor.tensor_type), int(tensor.shape[0]))
             continue
-        array = _float_values(tensor)
+        array = _float_values(tensor.data, int(tensor.tensor_type))
         if heads is not None:
             array = unpermute_qk(array, heads)
+        if kind == "shared_expert_gate":  # [1, hidden] as transformers holds it, whether the file kept the 1 or not
+            array = array.reshape(1, -1)
         yield name, _from_numpy(array)  # F32 tensors come back as read-only views of the memory map

@@ -250,12 +250,13 @@ def _per_head(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [T, heads, D]
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: the config's unless given (a shared expert has its own)."""
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.intermediate_size = inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.gate_up_proj.packable = True
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         gate_up = self.gate_up_proj(x)
@@ -266,10 +267,12 @@ class MLP(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """A sparse MLP (Mixtral, Qwen3-MoE): the router's softmax over `num_experts`, each token's top
+    """A sparse MLP (Mixtral, Qwen3-MoE, Qwen2-MoE): the router's softmax over `num_experts`, each token's top
     `experts_per_token` (their probabilities renormalised to sum to 1 where the family does), and the weighted sum
     of those experts' outputs. The tokens are grouped by expert, so each expert runs once a step over all of its
-    tokens; a token's contributions are added in ascending expert order whatever its batch."""
+    tokens; a token's contributions are added in ascending expert order whatever its batch. A shared expert
+    (Qwen2-MoE) runs on every token, scaled by sigmoid(shared_expert_gate(x)), and is added to that sum last, as
+    transformers adds it."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -280,6 +283,9 @@ class MixtureOfExperts(nn.Module):
         self.experts = nn.ModuleList(experts)
         self.top_k = cfg.experts_per_token
         self.renormalize = cfg.renormalize_experts
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, shared) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         probs = self.gate(x).float().softmax(-1)  # [T, E]
@@ -298,6 +304,8 @@ class MixtureOfExperts(nn.Module):
                 tokens = picks // self.top_k
                 out.index_add_(0, tokens, expert(x[tokens]) * weights[picks, None])
                 start += count
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
@@ -311,13 +319,18 @@ class DecoderLayer(nn.Module):
 
     def projections(self) -> tuple[tuple[str, nn.Module], ...]:
         """The weights a step multiplies by, by name, in `decode_layers`' order (a mixture's router, then each
-        expert's)."""
+        expert's, then its shared expert's and that one's gate)."""
         attn, mlp = self.self_attn, self.mlp
         attention = (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj))
         if isinstance(mlp, MixtureOfExperts):
             experts: list[tuple[str, nn.Module]] = [
                 (f"experts.{i}.{name}", proj) for i, e in enumerate(cast(list[MLP], mlp.experts))
                 for name, proj in (("gate_up_proj", e.gate_up_proj), ("down_proj", e.down_proj))]
+            if mlp.shared_expert is not None and mlp.shared_expert_gate is not None:
+                shared = mlp.shared_expert
+                experts += [("shared_expert.gate_up_proj", shared.gate_up_proj),
+                            ("shared_expert.down_proj", shared.down_proj),
+                            ("shared_expert_gate", mlp.shared_expert_gate)]
             return (*attention, ("gate", mlp.gate), *experts)
         return (*attention, ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj))
 

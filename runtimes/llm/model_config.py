@@ -2,9 +2,10 @@
 families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
 checkpoint's fused qkv and gate|up are the skeleton's own; the 128k models' and Phi-3.5's longrope scaling, and
 Phi-4-mini's partial rotary embeddings), Qwen2 / Qwen2.5 (biases on q, k and v; sliding windows on upper layers where
-configured), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts Mixtral and Qwen3-MoE (from Hugging
-Face directories). Imports no torch: the planner reads a local model's shape with it in the gateway process, which
-holds no engine.
+configured), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE
+(Qwen2's biases, and a shared expert beside the routed ones), from Hugging Face directories and from GGUF files
+(where Mixtral is the `llama` architecture with experts, and the Qwen mixtures are `qwen3moe` / `qwen2moe`). Imports
+no torch: the planner reads a local model's shape with it in the gateway process, which holds no engine.
 
 RoPE scaling: default, linear, llama3 (Llama 3.1's piecewise), and longrope (also named su: Phi-3's per-frequency
 rescaling, with `short_factor` and `long_factor`, and cos and sin multiplied by an attention factor). transformers
@@ -54,8 +55,15 @@ class RopeScaling:
     attention_factor: float = 1.0
 
 
-# Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families
-FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+# Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families (`_GGUF_ARCHS`: where
+# its name differs)
+FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # the families whose MLP is a mixture of experts
+# GGUF `general.architecture` names that are not the family's Hugging Face name (llama.cpp drops the underscore)
+_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# whether llama.cpp renormalises the chosen experts' probabilities, by family, where a GGUF file does not say
+# (`{arch}.expert_weights_norm`): its converter writes no such key for these, and its graphs fix the choice
+_GGUF_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 
 
 def unsupported_family(name: object, where: str) -> ValueError:
@@ -84,7 +92,7 @@ class ModelConfig:
     qkv_bias: bool = False  # q, k and v projections have biases (Qwen2; Llama's and Qwen3's `attention_bias`)
     o_bias: bool = False  # the output projection has a bias (Llama's and Qwen3's `attention_bias`)
     qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
-    # mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is `num_experts` MLPs of `intermediate_size`, each
+    # mixture of experts (MIXTURES): each layer's MLP is `num_experts` MLPs of `intermediate_size`, each
     # token taking the `experts_per_token` its router scores highest, weighted by their softmax probabilities
     # (renormalised over those chosen with `renormalize_experts`)
     num_experts: int = 0
@@ -96,6 +104,9 @@ class ModelConfig:
     # RoPE rotates the first `rotary_dim` dims of each head (neox-style within them) and passes the rest through
     # (Phi-4-mini's partial_rotary_factor 0.75); 0 means all of head_dim
     rotary_dim: int = 0
+    # Qwen2-MoE's shared expert: an MLP of this size that every token takes besides its routed experts, its output
+    # scaled by sigmoid(a hidden -> 1 projection of the token); 0 where the family has none
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -137,12 +148,13 @@ class ModelConfig:
             raise ValueError("MLP biases (mlp_bias: true) are not supported")
         attention_bias = bool(cfg.get("attention_bias", False))
         num_heads = int(cfg["num_attention_heads"])
-        # Qwen3-MoE's released configs say num_experts; transformers >= 5 writes num_local_experts for both
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) \
-            if family in ("mixtral", "qwen3_moe") else 0
-        if family == "qwen3_moe" and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
-            raise ValueError("qwen3_moe with dense layers among the sparse ones (mlp_only_layers, "
-                             "decoder_sparse_step) is not supported yet")
+        # the Qwen mixtures' released configs say num_experts; transformers >= 5 writes num_local_experts for all
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if family in MIXTURES else 0
+        qwen_moe = family in ("qwen2_moe", "qwen3_moe")
+        if qwen_moe and (cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1):
+            raise ValueError(f"{family} with dense layers among the sparse ones (mlp_only_layers="
+                             f"{cfg.get('mlp_only_layers')}, decoder_sparse_step={cfg.get('decoder_sparse_step')}; "
+                             "supported: none, 1) is not supported yet")
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         max_positions = int(cfg.get("max_position_embeddings", 2048))
@@ -174,7 +186,7 @@ class ModelConfig:
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"]),
+            intermediate_size=int(cfg["moe_intermediate_size" if qwen_moe else "intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -187,14 +199,15 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             family=family,
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family != "qwen2" and attention_bias,
+            qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
+            o_bias=family not in ("qwen2", "qwen2_moe") and attention_bias,
             qk_norm=family in ("qwen3", "qwen3_moe"),
             num_experts=num_experts,
             experts_per_token=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
             renormalize_experts=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
             layer_windows=_hf_layer_windows(cfg, family, int(cfg["num_hidden_layers"]), max_positions),
             rotary_dim=int(head_dim * rotary),
+            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]) if family == "qwen2_moe" else 0,
         )
 
     @classmethod
@@ -252,13 +265,19 @@ def read_gguf(path: Path) -> tuple[GGUFFile, ModelConfig]:
 def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: frozenset[str] = frozenset(),
                       rope_factors: Mapping[str, Sequence[float]] | None = None) -> ModelConfig:
     """From a GGUF file's metadata; `tensor_names` tell what the metadata does not (biases, q/k norms), and
-    `rope_factors` (name -> values of the ROPE_FACTOR_TENSORS the file has) make its RoPE longrope."""
+    `rope_factors` (name -> values of the ROPE_FACTOR_TENSORS the file has) make its RoPE longrope. Mixtral is the
+    `llama` architecture with `llama.expert_count`."""
     arch = meta.get("general.architecture")
-    if arch not in FAMILIES:
+    family = _GGUF_ARCHS.get(arch, arch) if isinstance(arch, str) else arch
+    if family not in FAMILIES:
         raise unsupported_family(arch, "GGUF architecture")
-    if meta.get(f"{arch}.expert_count"):
-        raise ValueError(f"mixture-of-experts GGUF files ({arch}.expert_count={meta[f'{arch}.expert_count']}) are not "
-                         "supported yet: serve the model's Hugging Face directory")
+    arch = str(arch)
+    num_experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if arch == "llama" and num_experts:
+        family = "mixtral"
+    if family in MIXTURES and not num_experts:
+        raise ValueError(f"GGUF metadata lacks {arch}.expert_count ({family} is a mixture of experts)")
+    num_experts = num_experts if family in MIXTURES else 0
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -276,10 +295,13 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         scaling = _gguf_longrope(meta, arch, rope_factors)
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    dense_ffn = int(get("feed_forward_length"))
+    # a Qwen mixture's experts have their own size (feed_forward_length is its dense MLPs'); Mixtral's are the MLP's
+    expert_ffn = int(meta.get(f"{arch}.expert_feed_forward_length") or dense_ffn) if num_experts else dense_ffn
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=expert_ffn,
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
@@ -291,20 +313,26 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         tie_word_embeddings=not has_output,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
-        family=arch,
+        family=family,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         layer_windows=_windows(int(get("block_count")), meta.get(f"{arch}.attention.sliding_window"),
                                int(get("context_length"))),
         rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", 0)),
+        num_experts=num_experts,
+        experts_per_token=int(get("expert_used_count")) if num_experts else 0,
+        renormalize_experts=bool(meta.get(f"{arch}.expert_weights_norm", _GGUF_RENORMALIZE.get(family, True))),
+        # llama.cpp sizes a shared expert the file does not size as the dense MLP
+        shared_expert_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or dense_ffn)
+        if family == "qwen2_moe" else 0,
     )
 
 
 def _windows(num_layers: int, window: object, context: int, sliding: list[bool] | None = None) -> tuple[int, ...]:
     """Each layer's window (`sliding`: which layers have one; all when None), or () when no layer has one that is
     shorter than the context (a window that long changes nothing)."""
-    if window is None:
+    if window is None or window == 0 or (sliding is not None and not any(sliding)):  # 0: none, as transformers
         return ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window!r}")
@@ -324,7 +352,7 @@ def _hf_layer_windows(cfg: Mapping[str, Any], family: str, num_layers: int, cont
             raise ValueError(f"layer_types must list sliding_attention or full_attention for each of the "
                              f"{num_layers} layers, got {types!r}")
         return _windows(num_layers, window, context, [t == "sliding_attention" for t in types])
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         if not cfg.get("use_sliding_window"):
             return ()
         first = int(cfg.get("max_window_layers", num_layers))

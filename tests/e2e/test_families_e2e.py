@@ -1,6 +1,6 @@
 """Each decoder family served by `multiserve serve` from a `{path}` source with `weights: fp32`, one worker each:
-greedy completions through the official client are transformers' on the same checkpoint (a directory for Qwen2 and
-Mistral and Qwen3-MoE, a GGUF file for Qwen3 and Phi-3)."""
+greedy completions through the official client are transformers' on the same checkpoint (a directory for Qwen2,
+Mistral, Qwen3-MoE and Qwen2-MoE, a GGUF file for Qwen3 and Phi-3)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.runtimes.llm.engine_utils import random_prompt
 from tests.runtimes.llm.families import hf_family_model, save_family_dir, write_family_gguf
 from tests.runtimes.llm.tiny import tokenizer_metadata
 
-SOURCES = {"qwen2": "dir", "qwen3": "gguf", "mistral": "dir", "phi3": "gguf", "qwen3_moe": "dir"}
+SOURCES = {"qwen2": "dir", "qwen3": "gguf", "mistral": "dir", "phi3": "gguf", "qwen3_moe": "dir", "qwen2_moe": "dir"}
 MODEL = """\
   - name: {name}
     type: completion

@@ -6,9 +6,10 @@ Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings
 `head_dim` that is not hidden / heads, Mistral's layout with a sliding window shorter than prompt + output; biases
 and norms are random, so a wrong mapping cannot hide behind zeros or ones; Phi-3's checkpoint stores q|k|v and
 gate|up fused, as llama.cpp's GGUF does (and a window too); the mixtures of experts route each token to 2 of 4
-experts. `VARIANTS` are a family with an option of its own: Phi-3's longrope (random short and long factors, a
-pre-training context of 64 positions in a context of 256) and Phi-4-mini's partial rotary embeddings (RoPE on 12 of
-each head's 16 dims).
+experts, and Qwen2-MoE's shared expert (of its own size) is gated on every token. Their GGUF files stack each layer's
+experts in 3-D tensors, as the converter does, in F32 or in `expert_type`. `VARIANTS` are a family with an option of
+its own: Phi-3's longrope (random short and long factors, a pre-training context of 64 positions in a context of 256)
+and Phi-4-mini's partial rotary embeddings (RoPE on 12 of each head's 16 dims).
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": 7, "tie_word_embeddings": False},
     "phi3": {"sliding_window": 10, "tie_word_embeddings": False, "pad_token_id": 0},  # fused qkv and gate|up
     "llama": {"attention_bias": True, "tie_word_embeddings": True},  # Llama's own option: biases on q, k, v and o
-    # mixtures of experts: 4 experts, top 2; Qwen3-MoE's probabilities as the router gave them, Mixtral's renormalised
+    # mixtures of experts: 4 experts, top 2; the Qwen mixtures' probabilities as the router gave them, Mixtral's
+    # renormalised
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False,
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
                 "tie_word_embeddings": False},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                  "shared_expert_intermediate_size": 80, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "tie_word_embeddings": False, "rope_theta": 1e6},
 }
 # a family's option, by name -> (the family, its config's overrides)
 _FACTORS = np.random.default_rng(0)
@@ -45,8 +50,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                          "long_factor": _FACTORS.uniform(2.0, 16.0, 8).round(4).tolist()}}),
     "phi3_partial": ("phi3", {"partial_rotary_factor": 0.75}),  # Phi-4-mini's
 }
-MIXTURES = ("mixtral", "qwen3_moe")  # from Hugging Face directories only (their GGUF layout: not yet)
-_PERMUTED = ("llama", "mistral")  # llama.cpp permutes Q/K rows only for these
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_PERMUTED = ("llama", "mistral", "mixtral")  # llama.cpp permutes Q/K rows only for these (Mixtral is its Llama)
+# the GGUF architecture of a family whose name there differs (Mixtral is llama with experts)
+GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# what a family's model must be for its GGUF file to say it: llama.cpp's converter writes no norm_topk_prob for
+# Qwen3-MoE, whose graph always renormalises (as every released Qwen3-MoE does)
+GGUF_OVERRIDES: dict[str, dict[str, Any]] = {"qwen3_moe": {"norm_topk_prob": True}}
 
 
 def family_of(name: str) -> str:
@@ -87,18 +97,35 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
-          "mlp.gate_up_proj": "ffn_up"}  # Phi-3's fused weights, as llama.cpp names them
+          "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused weights, as llama.cpp names them
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}  # a mixture's router, shared expert and its gate
 
 
-def write_family_gguf(model, path: Path) -> Path:
+def _experts(name: str, tensor: torch.Tensor) -> list[tuple[str, np.ndarray]]:
+    """transformers' stacked experts of one layer (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+    [E, H, I]) as the converter's 3-D GGUF tensors: [E, rows, cols] in numpy's order, gate and up apart."""
+    layer = name.split(".")[2]
+    array = tensor.detach().float().numpy()
+    if name.endswith("down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", array)]
+    gate, up = np.split(array, 2, axis=1)
+    return [(f"blk.{layer}.ffn_gate_exps.weight", gate), (f"blk.{layer}.ffn_up_exps.weight", up)]
+
+
+def write_family_gguf(model, path: Path, expert_type: str = "F32", encode=None) -> Path:
     """`model` as an F32 GGUF file of its family, as llama.cpp's converter writes it (architecture name, metadata
-    keys, tensor names; Q/K rows permuted for Llama and Mistral only; Phi-3's RoPE dims, and its longrope factors as
-    tensors with the pre-training context and attention factor in the metadata, as `Phi3MiniModel` does)."""
+    keys, tensor names; Q/K rows permuted for Llama, Mistral and Mixtral only; Phi-3's RoPE dims, and its longrope
+    factors as tensors with the pre-training context and attention factor in the metadata, as `Phi3MiniModel` does);
+    a mixture's stacked experts in `expert_type` (`encode(array [rows, cols], qtype) -> blocks` replaces gguf-py's
+    quantizer, which lacks K-quants)."""
     import gguf
+    from gguf.quants import quantize
 
     cfg = model.config
     family = cfg.model_type
-    writer = gguf.GGUFWriter(str(path), family)
+    writer = gguf.GGUFWriter(str(path), GGUF_ARCHS.get(family, family))
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -116,6 +143,13 @@ def write_family_gguf(model, path: Path) -> Path:
     writer.add_vocab_size(cfg.vocab_size)
     if family == "phi3":
         _write_phi3_rope(writer, cfg, rope)
+    if family in MIXTURES:  # the converter's keys: Mixtral's experts are feed_forward_length wide, Qwen's their own
+        writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     meta = tokenizer_metadata()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -126,8 +160,18 @@ def write_family_gguf(model, path: Path) -> Path:
     writer.add_chat_template(CHATML)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
+    expert_qtype = gguf.GGMLQuantizationType[expert_type]
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if ".mlp.experts." in name:
+            for out, stacked in _experts(name, tensor):
+                if expert_qtype == gguf.GGMLQuantizationType.F32:
+                    writer.add_tensor(out, np.ascontiguousarray(stacked))
+                    continue
+                blocks = quantize(stacked, expert_qtype) if encode is None else np.stack(
+                    [encode(expert, expert_qtype) for expert in stacked])
+                writer.add_tensor(out, blocks, raw_dtype=expert_qtype)
             continue
         array = np.ascontiguousarray(tensor.detach().float().numpy())
         if name in names:
