@@ -38,6 +38,13 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                   "shared_expert_intermediate_size": 80, "norm_topk_prob": False, "decoder_sparse_step": 1,
                   "mlp_only_layers": [], "tie_word_embeddings": False, "rope_theta": 1e6},
+    # Gemma 3: 3 layers, local (sliding, a window of 6) around a global one, each kind with its own RoPE base (the
+    # global one linearly scaled); head_dim 24, not hidden / heads, and an attention scale of its own
+    "gemma3_text": {"num_hidden_layers": 3, "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 6,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+                    "tie_word_embeddings": True, "pad_token_id": 0},
 }
 # a family's option, by name -> (the family, its config's overrides)
 _FACTORS = np.random.default_rng(0)
@@ -82,8 +89,8 @@ def hf_family_model(family: str, seed: int = 0, **overrides: Any):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
+            if "norm" in name:  # Gemma's norms scale by 1 + weight
+                param.uniform_(-0.5, 0.5) if family == "gemma3_text" else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
     return model

@@ -56,14 +56,17 @@ def _matches_transformers(ref, family, source, tmp_path):
     assert config.layer_windows == (windows if any(windows) else ())
     assert config.family == family_of(family)
     assert (config.qkv_bias, config.qk_norm) == (family in ("qwen2", "qwen2_moe", "llama"),
-                                                 family in ("qwen3", "qwen3_moe"))
+                                                 family in ("qwen3", "qwen3_moe", "gemma3_text"))
     assert (config.num_experts, config.experts_per_token) == ((4, 2) if family in MIXTURES else (0, 0))
     if family in MIXTURES:
         assert config.renormalize_experts == (family == "mixtral" or (family, source) == ("qwen3_moe", "gguf"))
     assert config.shared_expert_intermediate_size == (80 if family == "qwen2_moe" else 0)
     # the variants' options read from either source: longrope's factors (within original_max_position_embeddings
     # every token below is at a short-factor position), the rotated dims
-    assert config.rope_scaling.kind == ("longrope" if family == "phi3_longrope" else "none")
+    assert config.rope_scaling.kind == {"phi3_longrope": "longrope", "gemma3_text": "linear"}.get(family, "none")
+    # Gemma 3's local layers: their own RoPE base, the global layers' rope_theta and scaling
+    assert (config.local_rope_theta, config.local_rope_layers) == (
+        (1e3, (True, False, True)) if family == "gemma3_text" else (0.0, ()))
     assert config.rotary_dim == (12 if family == "phi3_partial" else config.head_dim)
     prompts = [random_prompt(seed, 5 + 3 * seed) for seed in range(3)]
     engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=16))
