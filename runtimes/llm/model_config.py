@@ -1,11 +1,13 @@
-"""A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the
-families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
+"""A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the families
+the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
 checkpoint's fused qkv and gate|up are the skeleton's own; the 128k models' and Phi-3.5's longrope scaling, and
 Phi-4-mini's partial rotary embeddings), Qwen2 / Qwen2.5 (biases on q, k and v; sliding windows on upper layers where
-configured), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE
-(Qwen2's biases, and a shared expert beside the routed ones), from Hugging Face directories and from GGUF files
-(where Mixtral is the `llama` architecture with experts, and the Qwen mixtures are `qwen3moe` / `qwen2moe`). Imports
-no torch: the planner reads a local model's shape with it in the gateway process, which holds no engine.
+configured), Qwen3 (a per-head RMSNorm on q and k), Gemma 3's text model (`gemma3_text`: scaled embeddings, norms around
+each layer's attention and MLP and scaling by 1 + weight, a GeGLU MLP, Qwen3's q/k norms, its own attention scale, local
+sliding-window layers with a RoPE base of their own between global ones), and the mixtures of experts Mixtral, Qwen3-MoE
+and Qwen2-MoE (Qwen2's biases, and a shared expert beside the routed ones), from Hugging Face directories and from GGUF
+files (where Mixtral is the `llama` architecture with experts, and the Qwen mixtures are `qwen3moe` / `qwen2moe`).
+Imports no torch: the planner reads a local model's shape with it in the gateway process, which holds no engine.
 
 RoPE scaling: default, linear, llama3 (Llama 3.1's piecewise), and longrope (also named su: Phi-3's per-frequency
 rescaling, with `short_factor` and `long_factor`, and cos and sin multiplied by an attention factor). transformers
@@ -373,14 +375,19 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     dense_ffn = int(get("feed_forward_length"))
     # a Qwen mixture's experts have their own size (feed_forward_length is its dense MLPs'); Mixtral's are the MLP's
     expert_ffn = int(meta.get(f"{arch}.expert_feed_forward_length") or dense_ffn) if num_experts else dense_ffn
+    num_layers = int(get("block_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    gemma = _gguf_gemma3_options(meta, arch, num_layers, hidden // num_heads, head_dim) \
+        if family == "gemma3_text" else {}
+    sliding = gemma.get("local_rope_layers")
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=expert_ffn,
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -392,8 +399,8 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        layer_windows=_windows(int(get("block_count")), meta.get(f"{arch}.attention.sliding_window"),
-                               int(get("context_length"))),
+        layer_windows=_windows(num_layers, meta.get(f"{arch}.attention.sliding_window"), int(get("context_length")),
+                               None if sliding is None else list(sliding)),
         rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", 0)),
         num_experts=num_experts,
         experts_per_token=int(get("expert_used_count")) if num_experts else 0,
@@ -401,7 +408,36 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         # llama.cpp sizes a shared expert the file does not size as the dense MLP
         shared_expert_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or dense_ffn)
         if family == "qwen2_moe" else 0,
+        **gemma,
     )
+
+
+def _gguf_gemma3_options(meta: dict[str, Any], arch: str, num_layers: int, hidden_per_head: int,
+                         head_dim: int) -> dict[str, Any]:
+    """Gemma 3 from GGUF as llama.cpp reads it: its converter writes neither which layers are local nor their RoPE
+    base nor the attention scale, and llama.cpp fixes them (every 6th layer global, the local base 10000, the scale
+    hidden / heads for the 27B model, its 62 layers, else head_dim); a file that writes
+    `attention.sliding_window_pattern` (a period, or one flag per layer) or `rope.freq_base_swa` is read by them."""
+    if meta.get(f"{arch}.attn_logit_softcapping"):
+        raise ValueError(f"GGUF {arch}.attn_logit_softcapping={meta[f'{arch}.attn_logit_softcapping']} is not "
+                         "supported (supported: none, as Gemma 3 has it)")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
+                             f"{num_layers} layers")
+        local = tuple(bool(flag) for flag in pattern)
+    else:
+        local = tuple(i % int(pattern) < int(pattern) - 1 for i in range(num_layers))
+    return {
+        "scale_embeddings": True,
+        "sandwich_norms": True,
+        "mlp_activation": "gelu_tanh",
+        "query_pre_attn_scalar": float(hidden_per_head if num_layers == 62 else head_dim),
+        "local_rope_theta": float(meta.get(f"{arch}.rope.freq_base_swa", 10_000.0)),
+        "local_rope_layers": local,
+        "final_logit_softcapping": float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
+    }
 
 
 def _windows(num_layers: int, window: object, context: int, sliding: list[bool] | None = None) -> tuple[int, ...]:

@@ -7,7 +7,9 @@ Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings
 and norms are random, so a wrong mapping cannot hide behind zeros or ones; Phi-3's checkpoint stores q|k|v and
 gate|up fused, as llama.cpp's GGUF does (and a window too); the mixtures of experts route each token to 2 of 4
 experts, and Qwen2-MoE's shared expert (of its own size) is gated on every token. Their GGUF files stack each layer's
-experts in 3-D tensors, as the converter does, in F32 or in `expert_type`. `VARIANTS` are a family with an option of
+experts in 3-D tensors, as the converter does, in F32 or in `expert_type`. Gemma 3 has local layers around a global
+one, each kind with its own RoPE base, a head_dim and an attention scale of their own; its GGUF file's norms are
+1 + weight, as the converter writes them. `VARIANTS` are a family with an option of
 its own: Phi-3's longrope (random short and long factors, a pre-training context of 64 positions in a context of 256)
 and Phi-4-mini's partial rotary embeddings (RoPE on 12 of each head's 16 dims).
 """
@@ -60,10 +62,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _PERMUTED = ("llama", "mistral", "mixtral")  # llama.cpp permutes Q/K rows only for these (Mixtral is its Llama)
 # the GGUF architecture of a family whose name there differs (Mixtral is llama with experts)
-GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+GGUF_ARCHS = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 # what a family's model must be for its GGUF file to say it: llama.cpp's converter writes no norm_topk_prob for
 # Qwen3-MoE, whose graph always renormalises (as every released Qwen3-MoE does)
-GGUF_OVERRIDES: dict[str, dict[str, Any]] = {"qwen3_moe": {"norm_topk_prob": True}}
+GGUF_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"norm_topk_prob": True},
+    # nor, for Gemma 3, which layers are local, their RoPE base or the attention scale: llama.cpp fixes them (every
+    # 6th layer global, 10000, head_dim's), so the model is 6 layers of that pattern with those
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 24,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+}
 
 
 def family_of(name: str) -> str:
@@ -110,6 +119,11 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}  # a mixture's router, shared expert and its gate
 
 
+# Gemma 3's sandwich norms, as the converter names them (its `ffn_norm` is the MLP's input norm)
+_GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def _experts(name: str, tensor: torch.Tensor) -> list[tuple[str, np.ndarray]]:
     """transformers' stacked experts of one layer (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
     [E, H, I]) as the converter's 3-D GGUF tensors: [E, rows, cols] in numpy's order, gate and up apart."""
@@ -143,9 +157,14 @@ def write_family_gguf(model, path: Path, expert_type: str = "F32", encode=None) 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    if family == "gemma3_text":  # the global layers' RoPE, and its scaling (the local layers' is llama.cpp's own)
+        rope = rope["full_attention"]
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3"):  # every layer's window
+    if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3", "gemma3_text"):  # the window
         writer.add_sliding_window(cfg.sliding_window)
     writer.add_vocab_size(cfg.vocab_size)
     if family == "phi3":
@@ -185,7 +204,11 @@ def write_family_gguf(model, path: Path, expert_type: str = "F32", encode=None) 
             out = names[name]
         else:
             parts = name.split(".")  # model.layers.N.<module...>.weight|bias
-            out = f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+            module = ".".join(parts[3:-1])
+            layer = _GEMMA3_LAYER.get(module) if family == "gemma3_text" else None
+            out = f"blk.{parts[2]}.{layer or _LAYER[module]}.{parts[-1]}"
+        if family == "gemma3_text" and name.endswith("norm.weight"):  # the converter's norm_shift: Gemma's 1 + w
+            array = array + np.float32(1.0)
         if family in _PERMUTED and ".attn_q." in out:
             array = permute_qk(array, cfg.num_attention_heads)
         elif family in _PERMUTED and ".attn_k." in out:
