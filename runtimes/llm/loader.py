@@ -81,6 +81,8 @@ def load_model(
         formats = {name: fmt for name, fmt in formats.items() if ".mlp." not in name}
     if path.is_dir():
         tensors: Checkpoint = _unfused(_hf_tensors(path), config)
+        if config.family in _NORMS_PLUS_ONE:
+            tensors = _norms_plus_one(tensors)
     else:
         tensors = _unfused(_gguf_tensors(reader, config, keep_blocks=lambda hf: target_of(hf) in formats), config)
     if tokenizer.eos_token_ids and not config.eos_token_ids:
@@ -111,7 +113,9 @@ def load_state_dict(
     # resident in every replica); empty tensors of the same shapes are what it makes
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     _load_weights(model, tensors, config, device, dtype, progress, desc, formats or {})
-    model.rotary.rebuild(device)  # non-persistent buffers were created on the meta device
+    for rotary in (model.rotary, model.local_rotary):  # non-persistent buffers were created on the meta device
+        if rotary is not None:
+            rotary.rebuild(device)
     if device.type == "cpu":
         _store_weights_transposed(model)
         if dtype == torch.float32:
@@ -184,7 +188,7 @@ def _load_weights(
                "gate_proj": (0, inter), "up_proj": (inter, inter)}  # a part's (first row, rows) in its fused weight
     shared = config.shared_expert_intermediate_size  # a shared expert's gate|up are of its own size
     shared_rows = {"gate_proj": (0, shared), "up_proj": (shared, shared)}
-    per_layer = 9 + 3 * config.qkv_bias + config.o_bias + 2 * config.qk_norm
+    per_layer = 9 + 3 * config.qkv_bias + config.o_bias + 2 * config.qk_norm + 2 * config.sandwich_norms
     total = 2 + (0 if config.tie_word_embeddings else 1) + per_layer * config.num_layers
     for hf_name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", disable=not progress):
         name = _MIXTRAL_NAMES.sub(lambda m: _MIXTRAL_PARTS[m.group(0)], hf_name.removeprefix("model."))
@@ -217,6 +221,21 @@ _MIXTRAL_NAMES = re.compile("|".join(re.escape(k) for k in _MIXTRAL_PARTS))
 
 # a projection's bias in the checkpoint -> the parameter beside the projection that holds it (model.Attention)
 _BIASES = {"q_proj": "qkv_bias", "k_proj": "qkv_bias", "v_proj": "qkv_bias", "o_proj": "o_bias"}
+
+
+# families whose RMSNorms scale by 1 + weight (Gemma's), where the model's scale by the weight: their checkpoints'
+# norm weights get 1 added as they load. In fp32 that is the same number Gemma's norm computes (1.0 + w in fp32) and
+# the same product; in a 16-bit dtype the sum is rounded to it, as llama.cpp's converter rounds it for a 16-bit file.
+# llama.cpp's converter adds the 1 itself (its `norm_shift`), so GGUF norms load as they are.
+_NORMS_PLUS_ONE = ("gemma3_text",)
+
+
+def _norms_plus_one(tensors: Checkpoint) -> Iterator[tuple[str, Any]]:
+    for name, tensor in tensors:
+        if name.endswith("norm.weight"):  # the layers' four norms, q_norm and k_norm, and the final norm
+            assert isinstance(tensor, torch.Tensor)
+            tensor = tensor.float() + 1.0
+        yield name, tensor
 
 
 def _split(name: str) -> tuple[str, str, str]:
@@ -322,6 +341,9 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Gemma 3's sandwich norms, as llama.cpp names them (its `ffn_norm` is the MLP's input norm, as Llama's is)
+_GGUF_GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 # llama.cpp's converter permutes Q and K rows for its interleaved RoPE in these families only (Mixtral is its Llama;
 # Qwen's is the rotate-halves RoPE Hugging Face uses, and its converter leaves the rows as they are)
 _PERMUTED_QK = ("llama", "mistral", "mixtral")
@@ -339,9 +361,12 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _hf_name(gguf_name: str, family: str = "llama") -> str:
     """A GGUF tensor's Hugging Face name (`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`); Phi-3's
-    `ffn_up` is its fused gate|up."""
+    `ffn_up` is its fused gate|up, Gemma 3's `ffn_norm` the norm before its MLP (`pre_feedforward_layernorm`)."""
     if family == "phi3" and re.fullmatch(r"blk\.\d+\.ffn_up\.weight", gguf_name):
         return gguf_name.replace("blk.", "layers.").replace("ffn_up", "mlp.gate_up_proj")
+    if family == "gemma3_text" and (match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)) \
+            and match.group(2) in _GGUF_GEMMA3_NORMS:
+        return f"layers.{match.group(1)}.{_GGUF_GEMMA3_NORMS[match.group(2)]}.weight"
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":

@@ -44,6 +44,7 @@ class PartialForward:
     x: torch.Tensor
     residual: torch.Tensor | None
     rope: tuple[torch.Tensor, torch.Tensor]
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the local layers' (Gemma 3), where they differ
 
 
 class StepInterrupted(BaseException):  # a cancellation, like asyncio.CancelledError, not an error
@@ -208,7 +209,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.attention_fn = attention_fn
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
 
     def forward(
         self,
@@ -257,9 +258,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.gate_up_proj.packable = True
         self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
+        self.gelu = cfg.mlp_activation == "gelu_tanh"  # Gemma's GeGLU (no fused kernel: the plain ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if (ops := fused.ops_for(gate_up)) is not None:
             return self.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -316,6 +321,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, rope, attention_fn, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | MixtureOfExperts = MixtureOfExperts(cfg) if cfg.num_experts else MLP(cfg)
+        # Gemma's sandwich: post_attention_layernorm then norms the attention's output alone, and these the MLP's
+        # input (after the residual add, Llama's post_attention_layernorm) and its output
+        sandwich = cfg.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
 
     def projections(self) -> tuple[tuple[str, nn.Module], ...]:
         """The weights a step multiplies by, by name, in `decode_layers`' order (a mixture's router, then each
@@ -348,7 +358,11 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, rope, kv_cache, meta), residual)
+        attention = self.self_attn(h, rope, kv_cache, meta)
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(attention), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.add_forward(attention, residual)
         return self.mlp(h), residual
 
 
@@ -367,8 +381,13 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, attention_fn, cfg.window(i))
-                                    for i in range(cfg.num_layers))
+        # Gemma 3's local (sliding) layers rotate with a base of their own and no scaling
+        self.local_rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
+                                            RopeScaling()) if any(cfg.local_rope_layers) else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.local_rotary if self.local_rotary is not None and cfg.local_rope(i) else self.rotary,
+                         attention_fn, cfg.window(i))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -383,10 +402,13 @@ class LlamaForCausalLM(nn.Module):
         """`interrupt`, asked after each layer but the last (not inside the one-call decode stack, which is short):
         True stops the step with StepInterrupted, whose `partial` `resume` takes."""
         x = self.embed_tokens(input_ids).to(self.norm.weight.dtype)  # a block-format table dequantizes to fp32
+        if self.config.scale_embeddings:
+            x = x * _embedding_scale(self.config.hidden_size, x.dtype)
         rope = self.rotary.lookup(positions)
         if (native := self._decode_natively(x, rope, kv_caches, meta)) is not None:
             return self.norm.add_forward(*native)[0]
-        return self.resume(PartialForward(0, x, None, rope), kv_caches, meta, interrupt)
+        local = None if self.local_rotary is None else self.local_rotary.lookup(positions)
+        return self.resume(PartialForward(0, x, None, rope, local), kv_caches, meta, interrupt)
 
     def resume(
         self,
@@ -399,9 +421,10 @@ class LlamaForCausalLM(nn.Module):
         cache), then the final norm; `interrupt` as in `forward`."""
         x, residual, last = at.x, at.residual, len(self.layers) - 1
         for i in range(at.next_layer, last + 1):
-            x, residual = self.layers[i](x, residual, at.rope, kv_caches[i], meta)
+            rope = at.local_rope if at.local_rope is not None and self.config.local_rope(i) else at.rope
+            x, residual = self.layers[i](x, residual, rope, kv_caches[i], meta)
             if interrupt is not None and i < last and interrupt():
-                raise StepInterrupted(PartialForward(i + 1, x, residual, at.rope))
+                raise StepInterrupted(PartialForward(i + 1, x, residual, at.rope, at.local_rope))
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
@@ -420,8 +443,8 @@ class LlamaForCausalLM(nn.Module):
         a projection it has no kernel for."""
         layers = cast(list[DecoderLayer], self.layers)
         cfg = self.config
-        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.num_experts:  # the one-call stack is Llama's layer only
-            return None
+        if cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.num_experts or cfg.sandwich_norms or cfg.scale_embeddings:
+            return None  # the one-call stack is Llama's layer only
         if not (meta.is_pure_decode and layers and fused.applies(x) and kv_caches[0][0].dtype in KERNEL_CACHE_DTYPES
                 and layers[0].self_attn.attention_fn is paged_attention_cpu):
             return None
@@ -469,6 +492,12 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attention_fn = attention_fn
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
+        logits = self._logits(hidden)
+        if cap := self.config.final_logit_softcapping:  # as transformers' Gemma: within (-cap, cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, QuantEmbedding):  # a tied head kept in a block format
             return head.project(hidden).float()
@@ -477,3 +506,11 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_matmul is not None:
             return self.logits_matmul(hidden, head.weight).float()
         return packed_linear(hidden, head.weight, self.packed_lm_head).float()
+
+
+@functools.cache
+def _embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding scale, sqrt(hidden_size) rounded to the activations' dtype as transformers rounds it (to
+    bf16, sqrt(3072) = 55.43 becomes 55.5), as a Python number: multiplying by it costs no tensor of its own (and
+    none made inside a CUDA graph's capture)."""
+    return float(torch.tensor(hidden_size**0.5, dtype=torch.float32).to(dtype))

@@ -1,11 +1,13 @@
-"""A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the
-families the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
+"""A decoder's shape (`ModelConfig`), read from a Hugging Face `config.json` or a GGUF file's metadata, for the families
+the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
 checkpoint's fused qkv and gate|up are the skeleton's own; the 128k models' and Phi-3.5's longrope scaling, and
 Phi-4-mini's partial rotary embeddings), Qwen2 / Qwen2.5 (biases on q, k and v; sliding windows on upper layers where
-configured), Qwen3 (a per-head RMSNorm on q and k), and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE
-(Qwen2's biases, and a shared expert beside the routed ones), from Hugging Face directories and from GGUF files
-(where Mixtral is the `llama` architecture with experts, and the Qwen mixtures are `qwen3moe` / `qwen2moe`). Imports
-no torch: the planner reads a local model's shape with it in the gateway process, which holds no engine.
+configured), Qwen3 (a per-head RMSNorm on q and k), Gemma 3's text model (`gemma3_text`: scaled embeddings, norms around
+each layer's attention and MLP and scaling by 1 + weight, a GeGLU MLP, Qwen3's q/k norms, its own attention scale, local
+sliding-window layers with a RoPE base of their own between global ones), and the mixtures of experts Mixtral, Qwen3-MoE
+and Qwen2-MoE (Qwen2's biases, and a shared expert beside the routed ones), from Hugging Face directories and from GGUF
+files (where Mixtral is the `llama` architecture with experts, and the Qwen mixtures are `qwen3moe` / `qwen2moe`).
+Imports no torch: the planner reads a local model's shape with it in the gateway process, which holds no engine.
 
 RoPE scaling: default, linear, llama3 (Llama 3.1's piecewise), and longrope (also named su: Phi-3's per-frequency
 rescaling, with `short_factor` and `long_factor`, and cos and sin multiplied by an attention factor). transformers
@@ -57,10 +59,12 @@ class RopeScaling:
 
 # Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families (`_GGUF_ARCHS`: where
 # its name differs)
-FAMILIES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+FAMILIES = ("gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # the families whose MLP is a mixture of experts
+# the MLP's gate activation: SiLU (SwiGLU), or GELU with its tanh approximation (Gemma's GeGLU)
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 # GGUF `general.architecture` names that are not the family's Hugging Face name (llama.cpp drops the underscore)
-_GGUF_ARCHS = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+_GGUF_ARCHS = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # whether llama.cpp renormalises the chosen experts' probabilities, by family, where a GGUF file does not say
 # (`{arch}.expert_weights_norm`): its converter writes no such key for these, and its graphs fix the choice
 _GGUF_RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
@@ -107,12 +111,28 @@ class ModelConfig:
     # Qwen2-MoE's shared expert: an MLP of this size that every token takes besides its routed experts, its output
     # scaled by sigmoid(a hidden -> 1 projection of the token); 0 where the family has none
     shared_expert_intermediate_size: int = 0
+    # Gemma 3: embeddings scaled by sqrt(hidden_size); the norms' sandwich (each layer's attention and MLP outputs
+    # normed before they join the residual stream, beside the norms of their inputs); a GeGLU MLP (`mlp_activation`
+    # gelu_tanh, else SiLU's SwiGLU); attention scaled by query_pre_attn_scalar ** -0.5 (0: head_dim's); the
+    # layers `local_rope_layers` marks (its sliding ones) rotated with `local_rope_theta` and no scaling, the others
+    # with rope_theta and rope_scaling; logits soft-capped to (-c, c) as tanh(x / c) * c (0: not capped)
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    mlp_activation: str = "silu"
+    query_pre_attn_scalar: float = 0.0
+    local_rope_theta: float = 0.0
+    local_rope_layers: tuple[bool, ...] = ()
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if self.local_rope_layers and len(self.local_rope_layers) != self.num_layers:
+            raise ValueError(f"{len(self.local_rope_layers)} local_rope_layers for {self.num_layers} layers")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation={self.mlp_activation!r} (supported: {', '.join(MLP_ACTIVATIONS)})")
         if not self.rotary_dim:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
@@ -123,6 +143,15 @@ class ModelConfig:
                 if len(getattr(scaling, name)) != self.rotary_dim // 2:
                     raise ValueError(f"longrope {name} has {len(getattr(scaling, name))} values, the model rotates "
                                      f"{self.rotary_dim // 2} frequencies (rotary_dim / 2)")
+
+    @property
+    def attention_scale(self) -> float:
+        """What each query-key product is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer `layer` is rotated with the local RoPE (`local_rope_theta`) rather than the global one."""
+        return bool(self.local_rope_layers) and self.local_rope_layers[layer]
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window in tokens, 0 for the whole context."""
@@ -160,9 +189,13 @@ class ModelConfig:
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        gemma = _gemma3_options(cfg, int(cfg["num_hidden_layers"])) if family == "gemma3_text" else {}
         rs = cfg.get("rope_scaling") or {}
-        # transformers >= 5 folds rope_theta into rope_parameters
+        # transformers >= 5 folds rope_theta into rope_parameters (Gemma 3's: one set per layer type, the global
+        # layers' read here as every other family's)
         rp = cfg.get("rope_parameters") or {}
+        if family == "gemma3_text":
+            rp = rp.get("full_attention") or {}
         kind = rs.get("rope_type", rs.get("type", rp.get("rope_type", "default")))
         src = rs or rp
         # as transformers reads it: the fraction of each head RoPE rotates, the first int(head_dim * factor) dims
@@ -193,7 +226,7 @@ class ModelConfig:
             head_dim=head_dim,
             max_position_embeddings=max_positions,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0))),
+            rope_theta=float(cfg.get("rope_theta", rp.get("rope_theta", _DEFAULT_THETA.get(family, 10000.0)))),
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
@@ -201,18 +234,62 @@ class ModelConfig:
             family=family,
             qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
             o_bias=family not in ("qwen2", "qwen2_moe") and attention_bias,
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             num_experts=num_experts,
             experts_per_token=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
             renormalize_experts=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
             layer_windows=_hf_layer_windows(cfg, family, int(cfg["num_hidden_layers"]), max_positions),
             rotary_dim=int(head_dim * rotary),
             shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]) if family == "qwen2_moe" else 0,
+            **gemma,
         )
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+
+# a family's global RoPE base where its config gives none (transformers' default for it)
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0}
+
+
+def _gemma3_options(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """What Gemma 3 adds to the skeleton (`ModelConfig`'s Gemma fields), as transformers' `Gemma3TextConfig` reads
+    its config: the local layers' RoPE base `rope_local_base_freq` (transformers >= 5:
+    `rope_parameters.sliding_attention.rope_theta`), which layers are local (`layer_types`, else every
+    `sliding_window_pattern`-th layer global, 6 by default). Refuses, naming them, the options the runtime lacks."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported (supported: null, "
+                         "as Gemma 3 has it)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: true is not supported (supported: false, causal attention)")
+    activation = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation={activation!r} is not supported (supported: gelu_pytorch_tanh)")
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention.rope_type={local['rope_type']!r} is not supported "
+                         "(supported: default)")
+    types = _gemma3_layer_types(cfg, num_layers)
+    return {
+        "scale_embeddings": True,
+        "sandwich_norms": True,
+        "mlp_activation": "gelu_tanh",
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "local_rope_theta": float(cfg.get("rope_local_base_freq", local.get("rope_theta", 10_000.0))),
+        "local_rope_layers": tuple(t == "sliding_attention" for t in types),
+        "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
+    }
+
+
+def _gemma3_layer_types(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
+    """Gemma 3's `layer_types`, or where an older config lists none, every `sliding_window_pattern`-th layer (6 by
+    default) full attention and the rest sliding, as transformers fills them in."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        return list(types)
+    pattern = int(cfg.get("sliding_window_pattern", 6))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
 def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any], max_positions: int) -> RopeScaling:
@@ -298,14 +375,19 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     dense_ffn = int(get("feed_forward_length"))
     # a Qwen mixture's experts have their own size (feed_forward_length is its dense MLPs'); Mixtral's are the MLP's
     expert_ffn = int(meta.get(f"{arch}.expert_feed_forward_length") or dense_ffn) if num_experts else dense_ffn
+    num_layers = int(get("block_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    gemma = _gguf_gemma3_options(meta, arch, num_layers, hidden // num_heads, head_dim) \
+        if family == "gemma3_text" else {}
+    sliding = gemma.get("local_rope_layers")
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=expert_ffn,
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -317,8 +399,8 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        layer_windows=_windows(int(get("block_count")), meta.get(f"{arch}.attention.sliding_window"),
-                               int(get("context_length"))),
+        layer_windows=_windows(num_layers, meta.get(f"{arch}.attention.sliding_window"), int(get("context_length")),
+                               None if sliding is None else list(sliding)),
         rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", 0)),
         num_experts=num_experts,
         experts_per_token=int(get("expert_used_count")) if num_experts else 0,
@@ -326,7 +408,36 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
         # llama.cpp sizes a shared expert the file does not size as the dense MLP
         shared_expert_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or dense_ffn)
         if family == "qwen2_moe" else 0,
+        **gemma,
     )
+
+
+def _gguf_gemma3_options(meta: dict[str, Any], arch: str, num_layers: int, hidden_per_head: int,
+                         head_dim: int) -> dict[str, Any]:
+    """Gemma 3 from GGUF as llama.cpp reads it: its converter writes neither which layers are local nor their RoPE
+    base nor the attention scale, and llama.cpp fixes them (every 6th layer global, the local base 10000, the scale
+    hidden / heads for the 27B model, its 62 layers, else head_dim); a file that writes
+    `attention.sliding_window_pattern` (a period, or one flag per layer) or `rope.freq_base_swa` is read by them."""
+    if meta.get(f"{arch}.attn_logit_softcapping"):
+        raise ValueError(f"GGUF {arch}.attn_logit_softcapping={meta[f'{arch}.attn_logit_softcapping']} is not "
+                         "supported (supported: none, as Gemma 3 has it)")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
+                             f"{num_layers} layers")
+        local = tuple(bool(flag) for flag in pattern)
+    else:
+        local = tuple(i % int(pattern) < int(pattern) - 1 for i in range(num_layers))
+    return {
+        "scale_embeddings": True,
+        "sandwich_norms": True,
+        "mlp_activation": "gelu_tanh",
+        "query_pre_attn_scalar": float(hidden_per_head if num_layers == 62 else head_dim),
+        "local_rope_theta": float(meta.get(f"{arch}.rope.freq_base_swa", 10_000.0)),
+        "local_rope_layers": local,
+        "final_logit_softcapping": float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
+    }
 
 
 def _windows(num_layers: int, window: object, context: int, sliding: list[bool] | None = None) -> tuple[int, ...]:
@@ -345,8 +456,8 @@ def _windows(num_layers: int, window: object, context: int, sliding: list[bool] 
 def _hf_layer_windows(cfg: Mapping[str, Any], family: str, num_layers: int, context: int) -> tuple[int, ...]:
     """Layer windows as transformers applies them: `layer_types` where the config lists them; else Qwen's
     `use_sliding_window` from layer `max_window_layers` up; else `sliding_window` on every layer."""
-    window = cfg.get("sliding_window")
-    types = cfg.get("layer_types")
+    window = cfg.get("sliding_window", 4096 if family == "gemma3_text" else None)  # transformers' default
+    types = _gemma3_layer_types(cfg, num_layers) if family == "gemma3_text" else cfg.get("layer_types")
     if types is not None:
         if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ValueError(f"layer_types must list sliding_attention or full_attention for each of the "

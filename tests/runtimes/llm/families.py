@@ -7,7 +7,9 @@ Each one exercises what its family adds: Qwen2's q/k/v biases (untied embeddings
 and norms are random, so a wrong mapping cannot hide behind zeros or ones; Phi-3's checkpoint stores q|k|v and
 gate|up fused, as llama.cpp's GGUF does (and a window too); the mixtures of experts route each token to 2 of 4
 experts, and Qwen2-MoE's shared expert (of its own size) is gated on every token. Their GGUF files stack each layer's
-experts in 3-D tensors, as the converter does, in F32 or in `expert_type`. `VARIANTS` are a family with an option of
+experts in 3-D tensors, as the converter does, in F32 or in `expert_type`. Gemma 3 has local layers around a global
+one, each kind with its own RoPE base, a head_dim and an attention scale of their own; its GGUF file's norms are
+1 + weight, as the converter writes them. `VARIANTS` are a family with an option of
 its own: Phi-3's longrope (random short and long factors, a pre-training context of 64 positions in a context of 256)
 and Phi-4-mini's partial rotary embeddings (RoPE on 12 of each head's 16 dims).
 """
@@ -38,6 +40,13 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                   "shared_expert_intermediate_size": 80, "norm_topk_prob": False, "decoder_sparse_step": 1,
                   "mlp_only_layers": [], "tie_word_embeddings": False, "rope_theta": 1e6},
+    # Gemma 3: 3 layers, local (sliding, a window of 6) around a global one, each kind with its own RoPE base (the
+    # global one linearly scaled); head_dim 24, not hidden / heads, and an attention scale of its own
+    "gemma3_text": {"num_hidden_layers": 3, "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 6,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
+                    "tie_word_embeddings": True, "pad_token_id": 0},
 }
 # a family's option, by name -> (the family, its config's overrides)
 _FACTORS = np.random.default_rng(0)
@@ -53,10 +62,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _PERMUTED = ("llama", "mistral", "mixtral")  # llama.cpp permutes Q/K rows only for these (Mixtral is its Llama)
 # the GGUF architecture of a family whose name there differs (Mixtral is llama with experts)
-GGUF_ARCHS = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+GGUF_ARCHS = {"gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 # what a family's model must be for its GGUF file to say it: llama.cpp's converter writes no norm_topk_prob for
 # Qwen3-MoE, whose graph always renormalises (as every released Qwen3-MoE does)
-GGUF_OVERRIDES: dict[str, dict[str, Any]] = {"qwen3_moe": {"norm_topk_prob": True}}
+GGUF_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"norm_topk_prob": True},
+    # nor, for Gemma 3, which layers are local, their RoPE base or the attention scale: llama.cpp fixes them (every
+    # 6th layer global, 10000, head_dim's), so the model is 6 layers of that pattern with those
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 24,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+}
 
 
 def family_of(name: str) -> str:
@@ -82,8 +98,8 @@ def hf_family_model(family: str, seed: int = 0, **overrides: Any):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
+            if "norm" in name:  # Gemma's norms scale by 1 + weight
+                param.uniform_(-0.5, 0.5) if family == "gemma3_text" else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
     return model
@@ -101,6 +117,11 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
           "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
           "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}  # a mixture's router, shared expert and its gate
+
+
+# Gemma 3's sandwich norms, as the converter names them (its `ffn_norm` is the MLP's input norm)
+_GEMMA3_LAYER = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def _experts(name: str, tensor: torch.Tensor) -> list[tuple[str, np.ndarray]]:
@@ -136,9 +157,14 @@ def write_family_gguf(model, path: Path, expert_type: str = "F32", encode=None) 
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
+    if family == "gemma3_text":  # the global layers' RoPE, and its scaling (the local layers' is llama.cpp's own)
+        rope = rope["full_attention"]
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3"):  # every layer's window
+    if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3", "gemma3_text"):  # the window
         writer.add_sliding_window(cfg.sliding_window)
     writer.add_vocab_size(cfg.vocab_size)
     if family == "phi3":
@@ -178,7 +204,11 @@ def write_family_gguf(model, path: Path, expert_type: str = "F32", encode=None) 
             out = names[name]
         else:
             parts = name.split(".")  # model.layers.N.<module...>.weight|bias
-            out = f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
+            module = ".".join(parts[3:-1])
+            layer = _GEMMA3_LAYER.get(module) if family == "gemma3_text" else None
+            out = f"blk.{parts[2]}.{layer or _LAYER[module]}.{parts[-1]}"
+        if family == "gemma3_text" and name.endswith("norm.weight"):  # the converter's norm_shift: Gemma's 1 + w
+            array = array + np.float32(1.0)
         if family in _PERMUTED and ".attn_q." in out:
             array = permute_qk(array, cfg.num_attention_heads)
         elif family in _PERMUTED and ".attn_k." in out:

@@ -56,14 +56,21 @@ def _matches_transformers(ref, family, source, tmp_path):
     assert config.layer_windows == (windows if any(windows) else ())
     assert config.family == family_of(family)
     assert (config.qkv_bias, config.qk_norm) == (family in ("qwen2", "qwen2_moe", "llama"),
-                                                 family in ("qwen3", "qwen3_moe"))
+                                                 family in ("qwen3", "qwen3_moe", "gemma3_text"))
     assert (config.num_experts, config.experts_per_token) == ((4, 2) if family in MIXTURES else (0, 0))
     if family in MIXTURES:
         assert config.renormalize_experts == (family == "mixtral" or (family, source) == ("qwen3_moe", "gguf"))
     assert config.shared_expert_intermediate_size == (80 if family == "qwen2_moe" else 0)
     # the variants' options read from either source: longrope's factors (within original_max_position_embeddings
     # every token below is at a short-factor position), the rotated dims
-    assert config.rope_scaling.kind == ("longrope" if family == "phi3_longrope" else "none")
+    assert config.rope_scaling.kind == {"phi3_longrope": "longrope", "gemma3_text": "linear"}.get(family, "none")
+    # Gemma 3's local layers: their own RoPE base, the global layers' rope_theta and scaling
+    if family == "gemma3_text":
+        assert config.local_rope_theta == ref.config.rope_parameters["sliding_attention"]["rope_theta"]
+        assert config.local_rope_layers == tuple(t == "sliding_attention" for t in types)
+        assert not all(config.local_rope_layers)  # a global layer among the local ones
+    else:
+        assert (config.local_rope_theta, config.local_rope_layers) == (0.0, ())
     assert config.rotary_dim == (12 if family == "phi3_partial" else config.head_dim)
     prompts = [random_prompt(seed, 5 + 3 * seed) for seed in range(3)]
     engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=16))
@@ -109,6 +116,32 @@ def test_what_a_family_may_add_that_the_runtime_lacks_is_refused(family, extra):
     with pytest.raises(ValueError, match=r"mlp_bias|mlp_only_layers.*decoder_sparse_step") as refused:
         ModelConfig.from_hf_config(config)
     assert family in str(refused.value) or "mlp_bias" in str(refused.value)
+
+
+@pytest.mark.parametrize(("extra", "named"), [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                                              ({"hidden_activation": "gelu"}, "hidden_activation"),
+                                              ({"use_bidirectional_attention": True}, "use_bidirectional_attention")])
+def test_what_gemma3_may_have_that_the_runtime_lacks_is_refused_by_name(extra, named):
+    """Gemma 2's attention soft-capping would need the attention kernels to cap their scores."""
+    config = {**hf_family_model("gemma3_text").config.to_dict(), **extra}
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_hf_config(config)
+
+
+def test_an_older_gemma3_config_reads_as_transformers_fills_it_in():
+    """Before transformers 5: rope_theta, rope_local_base_freq and rope_scaling at the top, and no layer_types but
+    sliding_window_pattern (every 6th layer global by default)."""
+    config = {"model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "sliding_window": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 32}
+    read = ModelConfig.from_hf_config(config)
+    assert read.layer_windows == (16, 16, 16, 16, 16, 0, 16)
+    assert read.local_rope_layers == (True,) * 5 + (False, True)
+    assert (read.rope_theta, read.local_rope_theta, read.rope_scaling.kind, read.rope_scaling.factor) == (
+        1e6, 1e4, "linear", 8.0)
+    assert ModelConfig.from_hf_config({**config, "sliding_window_pattern": 2}).local_rope_layers == (
+        True, False) * 3 + (True,)
 
 
 def test_the_planner_reads_a_familys_shape_from_its_files(tmp_path):
