@@ -1,6 +1,7 @@
 """Each decoder family served by `multiserve serve` from a `{path}` source with `weights: fp32`, one worker each:
 greedy completions through the official client are transformers' on the same checkpoint (a directory for Qwen2,
-Mistral, Qwen3-MoE and Qwen2-MoE, a GGUF file for Qwen3 and Phi-3)."""
+Mistral, Qwen3-MoE, Qwen2-MoE and Gemma 3, a GGUF file for Qwen3, Phi-3 and Mixtral). Mistral's and Phi-3's sliding
+windows, and Gemma 3's local layers, are shorter than prompt + output."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from tests.runtimes.llm.engine_utils import random_prompt
 from tests.runtimes.llm.families import hf_family_model, save_family_dir, write_family_gguf
 from tests.runtimes.llm.tiny import tokenizer_metadata
 
-SOURCES = {"qwen2": "dir", "qwen3": "gguf", "mistral": "dir", "phi3": "gguf", "qwen3_moe": "dir", "qwen2_moe": "dir"}
+SOURCES = {"qwen2": "dir", "qwen3": "gguf", "mistral": "dir", "phi3": "gguf", "qwen3_moe": "dir", "qwen2_moe": "dir",
+           "mixtral": "gguf", "gemma3_text": "dir"}
 MODEL = """\
   - name: {name}
     type: completion
