@@ -227,7 +227,7 @@ _BIASES = {"q_proj": "qkv_bias", "k_proj": "qkv_bias", "v_proj": "qkv_bias", "o_
 # norm weights get 1 added as they load. In fp32 that is the same number Gemma's norm computes (1.0 + w in fp32) and
 # the same product; in a 16-bit dtype the sum is rounded to it, as llama.cpp's converter rounds it for a 16-bit file.
 # llama.cpp's converter adds the 1 itself (its `norm_shift`), so GGUF norms load as they are.
-_NORMS_PLUS_ONE = ("gemma3_text",)
+_NORMS_PLUS_ONE = ("gemma2", "gemma3_text")
 
 
 def _norms_plus_one(tensors: Checkpoint) -> Iterator[tuple[str, Any]]:
@@ -342,7 +342,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Gemma 3's sandwich norms, as llama.cpp names them (its `ffn_norm` is the MLP's input norm, as Llama's is)
-_GGUF_GEMMA3_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+_GGUF_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
 # llama.cpp's converter permutes Q and K rows for its interleaved RoPE in these families only (Mixtral is its Llama;
 # Qwen's is the rotate-halves RoPE Hugging Face uses, and its converter leaves the rows as they are)
@@ -361,12 +361,12 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _hf_name(gguf_name: str, family: str = "llama") -> str:
     """A GGUF tensor's Hugging Face name (`blk.3.attn_q.weight` -> `layers.3.self_attn.q_proj.weight`); Phi-3's
-    `ffn_up` is its fused gate|up, Gemma 3's `ffn_norm` the norm before its MLP (`pre_feedforward_layernorm`)."""
+    `ffn_up` is its fused gate|up, Gemma's `ffn_norm` the norm before its MLP (`pre_feedforward_layernorm`)."""
     if family == "phi3" and re.fullmatch(r"blk\.\d+\.ffn_up\.weight", gguf_name):
         return gguf_name.replace("blk.", "layers.").replace("ffn_up", "mlp.gate_up_proj")
-    if family == "gemma3_text" and (match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)) \
-            and match.group(2) in _GGUF_GEMMA3_NORMS:
-        return f"layers.{match.group(1)}.{_GGUF_GEMMA3_NORMS[match.group(2)]}.weight"
+    if family in ("gemma2", "gemma3_text") and (match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)) \
+            and match.group(2) in _GGUF_GEMMA_NORMS:
+        return f"layers.{match.group(1)}.{_GGUF_GEMMA_NORMS[match.group(2)]}.weight"
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":

@@ -28,7 +28,7 @@ class AttentionFn(Protocol):
     """A paged attention backend (runtimes/llm/attention): query [T, H, D] over the caches -> [T, H, D]."""
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, window: int = 0) -> torch.Tensor: ...
+                 scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor: ...
 
 
 # `decode_layers`' per-layer arguments: norm weights, projection weights, their packed copies, their kernels (0: dense
@@ -210,6 +210,7 @@ class Attention(nn.Module):
         self.rope = rope
         self.attention_fn = attention_fn
         self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2's cap on the attention scores (0: none)
 
     def forward(
         self,
@@ -237,10 +238,10 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         fused.kv_writer(k, k_cache)(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self.window:
-            out = self.attention_fn(q, k_cache, v_cache, meta, self.scale, window=self.window)  # [T, Hq, D]
+        if self.window or self.softcap:
+            out = self.attention_fn(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         else:
-            out = self.attention_fn(q, k_cache, v_cache, meta, self.scale)
+            out = self.attention_fn(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         out = self.o_proj(out.reshape(num_tokens, self.q_size))
         return out if self.o_bias is None else out + self.o_bias
 

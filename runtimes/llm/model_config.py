@@ -2,11 +2,13 @@
 the one decoder skeleton (runtimes/llm/model.py) runs: Llama, Mistral (sliding-window attention), Phi-3 (its
 checkpoint's fused qkv and gate|up are the skeleton's own; the 128k models' and Phi-3.5's longrope scaling, and
 Phi-4-mini's partial rotary embeddings), Qwen2 / Qwen2.5 (biases on q, k and v; sliding windows on upper layers where
-configured), Qwen3 (a per-head RMSNorm on q and k), Gemma 3's text model (`gemma3_text`: scaled embeddings, norms around
-each layer's attention and MLP and scaling by 1 + weight, a GeGLU MLP, Qwen3's q/k norms, its own attention scale, local
-sliding-window layers with a RoPE base of their own between global ones), and the mixtures of experts Mixtral, Qwen3-MoE
-and Qwen2-MoE (Qwen2's biases, and a shared expert beside the routed ones), from Hugging Face directories and from GGUF
-files (where Mixtral is the `llama` architecture with experts, and the Qwen mixtures are `qwen3moe` / `qwen2moe`).
+configured), Qwen3 (a per-head RMSNorm on q and k), Gemma 3's text model (`gemma3_text`: scaled embeddings, norms
+around each layer's attention and MLP and scaling by 1 + weight, a GeGLU MLP, Qwen3's q/k norms, its own attention
+scale, local sliding-window layers with a RoPE base of their own between global ones), Gemma 2 (Gemma 3's layer
+without q/k norms or a local RoPE base, and its attention scores and final logits soft-capped), and the mixtures of
+experts Mixtral, Qwen3-MoE and Qwen2-MoE (Qwen2's biases, and a shared expert beside the routed ones), from Hugging
+Face directories and from GGUF files (where Mixtral is the `llama` architecture with experts, and the Qwen mixtures
+are `qwen3moe` / `qwen2moe`).
 Imports no torch: the planner reads a local model's shape with it in the gateway process, which holds no engine.
 
 RoPE scaling: default, linear, llama3 (Llama 3.1's piecewise), and longrope (also named su: Phi-3's per-frequency
@@ -59,7 +61,7 @@ class RopeScaling:
 
 # Hugging Face `model_type` -> the family; GGUF `general.architecture` names the same families (`_GGUF_ARCHS`: where
 # its name differs)
-FAMILIES = ("gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+FAMILIES = ("gemma2", "gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe")  # the families whose MLP is a mixture of experts
 # the MLP's gate activation: SiLU (SwiGLU), or GELU with its tanh approximation (Gemma's GeGLU)
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -115,7 +117,8 @@ class ModelConfig:
     # normed before they join the residual stream, beside the norms of their inputs); a GeGLU MLP (`mlp_activation`
     # gelu_tanh, else SiLU's SwiGLU); attention scaled by query_pre_attn_scalar ** -0.5 (0: head_dim's); the
     # layers `local_rope_layers` marks (its sliding ones) rotated with `local_rope_theta` and no scaling, the others
-    # with rope_theta and rope_scaling; logits soft-capped to (-c, c) as tanh(x / c) * c (0: not capped)
+    # with rope_theta and rope_scaling; logits soft-capped to (-c, c) as tanh(x / c) * c (0: not capped); Gemma 2:
+    # the attention scores capped so too (`attn_logit_softcapping`), by every attention backend
     scale_embeddings: bool = False
     sandwich_norms: bool = False
     mlp_activation: str = "silu"
@@ -123,6 +126,7 @@ class ModelConfig:
     local_rope_theta: float = 0.0
     local_rope_layers: tuple[bool, ...] = ()
     final_logit_softcapping: float = 0.0
+    attn_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -189,7 +193,7 @@ class ModelConfig:
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        gemma = _gemma3_options(cfg, int(cfg["num_hidden_layers"])) if family == "gemma3_text" else {}
+        gemma = _gemma_options(cfg, family, int(cfg["num_hidden_layers"])) if family in GEMMAS else {}
         rs = cfg.get("rope_scaling") or {}
         # transformers >= 5 folds rope_theta into rope_parameters (Gemma 3's: one set per layer type, the global
         # layers' read here as every other family's)
@@ -253,42 +257,57 @@ class ModelConfig:
 _DEFAULT_THETA = {"gemma3_text": 1_000_000.0}
 
 
-def _gemma3_options(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
-    """What Gemma 3 adds to the skeleton (`ModelConfig`'s Gemma fields), as transformers' `Gemma3TextConfig` reads
-    its config: the local layers' RoPE base `rope_local_base_freq` (transformers >= 5:
+GEMMAS = ("gemma2", "gemma3_text")  # the families of Gemma's layer (sandwich norms, GeGLU, scaled embeddings)
+
+
+def _gemma_options(cfg: Mapping[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """What Gemma adds to the skeleton (`ModelConfig`'s Gemma fields), as transformers' `Gemma3TextConfig` and
+    `Gemma2Config` read their configs. Gemma 3: the local layers' RoPE base `rope_local_base_freq` (transformers >= 5:
     `rope_parameters.sliding_attention.rope_theta`), which layers are local (`layer_types`, else every
-    `sliding_window_pattern`-th layer global, 6 by default). Refuses, naming them, the options the runtime lacks."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ValueError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported (supported: null, "
-                         "as Gemma 3 has it)")
+    `sliding_window_pattern`-th layer global, 6 by default). Gemma 2: one RoPE for every layer, every other layer
+    sliding (the first one so) where `layer_types` is not given, attention scores soft-capped
+    (`attn_logit_softcapping`, 50 by default) and final logits too (30 by default). Refuses, naming them, the options
+    the runtime lacks."""
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention: true is not supported (supported: false, causal attention)")
     activation = cfg.get("hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={activation!r} is not supported (supported: gelu_pytorch_tanh)")
-    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_parameters.sliding_attention.rope_type={local['rope_type']!r} is not supported "
-                         "(supported: default)")
-    types = _gemma3_layer_types(cfg, num_layers)
-    return {
+    common = {
         "scale_embeddings": True,
         "sandwich_norms": True,
         "mlp_activation": "gelu_tanh",
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+    }
+    if family == "gemma2":
+        # transformers' Gemma2Config defaults where the config is silent; null is no cap
+        caps = {name: float(cfg.get(name, default) or 0.0)
+                for name, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))}
+        return {**common, **caps}
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported for gemma3_text "
+                         "(supported: null, as Gemma 3 has it)")
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_parameters.sliding_attention.rope_type={local['rope_type']!r} is not supported "
+                         "(supported: default)")
+    types = _gemma_layer_types(cfg, family, num_layers)
+    return {
+        **common,
         "local_rope_theta": float(cfg.get("rope_local_base_freq", local.get("rope_theta", 10_000.0))),
         "local_rope_layers": tuple(t == "sliding_attention" for t in types),
         "final_logit_softcapping": float(cfg.get("final_logit_softcapping") or 0.0),
     }
 
 
-def _gemma3_layer_types(cfg: Mapping[str, Any], num_layers: int) -> list[str]:
-    """Gemma 3's `layer_types`, or where an older config lists none, every `sliding_window_pattern`-th layer (6 by
-    default) full attention and the rest sliding, as transformers fills them in."""
+def _gemma_layer_types(cfg: Mapping[str, Any], family: str, num_layers: int) -> list[str]:
+    """A Gemma's `layer_types`, or where an older config lists none, as transformers fills them in: Gemma 3 every
+    `sliding_window_pattern`-th layer (6 by default) full attention and the rest sliding, Gemma 2 every other one
+    (the first sliding)."""
     types = cfg.get("layer_types")
     if types is not None:
         return list(types)
-    pattern = int(cfg.get("sliding_window_pattern", 6))
+    pattern = int(cfg.get("sliding_window_pattern", 6)) if family == "gemma3_text" else 2
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
 
 
@@ -377,9 +396,8 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     expert_ffn = int(meta.get(f"{arch}.expert_feed_forward_length") or dense_ffn) if num_experts else dense_ffn
     num_layers = int(get("block_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
-    gemma = _gguf_gemma3_options(meta, arch, num_layers, hidden // num_heads, head_dim) \
-        if family == "gemma3_text" else {}
-    sliding = gemma.get("local_rope_layers")
+    gemma, sliding = _gguf_gemma_options(meta, arch, family, num_layers, hidden // num_heads, head_dim) \
+        if family in GEMMAS else ({}, None)
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -412,16 +430,20 @@ def gguf_model_config(meta: dict[str, Any], has_output: bool, tensor_names: froz
     )
 
 
-def _gguf_gemma3_options(meta: dict[str, Any], arch: str, num_layers: int, hidden_per_head: int,
-                         head_dim: int) -> dict[str, Any]:
-    """Gemma 3 from GGUF as llama.cpp reads it: its converter writes neither which layers are local nor their RoPE
-    base nor the attention scale, and llama.cpp fixes them (every 6th layer global, the local base 10000, the scale
-    hidden / heads for the 27B model, its 62 layers, else head_dim); a file that writes
-    `attention.sliding_window_pattern` (a period, or one flag per layer) or `rope.freq_base_swa` is read by them."""
-    if meta.get(f"{arch}.attn_logit_softcapping"):
+def _gguf_gemma_options(meta: dict[str, Any], arch: str, family: str, num_layers: int, hidden_per_head: int,
+                        head_dim: int) -> tuple[dict[str, Any], tuple[bool, ...]]:
+    """A Gemma from GGUF as llama.cpp reads it, and which of its layers slide. Its converter writes neither which
+    layers are local nor (Gemma 3) their RoPE base nor the attention scale, and llama.cpp fixes them: Gemma 3 every
+    6th layer global, the local base 10000, the scale hidden / heads for the 27B model (62 layers), else head_dim's;
+    Gemma 2 every other layer sliding (the first so), the scale hidden / heads for its 27B model (46 layers), its caps
+    `attn_logit_softcapping` and `final_logit_softcapping` as written (llama.cpp's defaults 50 and 30 where not). A
+    file that writes `attention.sliding_window_pattern` (a period, or one flag per layer) or `rope.freq_base_swa` is
+    read by them."""
+    gemma2 = family == "gemma2"
+    if not gemma2 and meta.get(f"{arch}.attn_logit_softcapping"):
         raise ValueError(f"GGUF {arch}.attn_logit_softcapping={meta[f'{arch}.attn_logit_softcapping']} is not "
-                         "supported (supported: none, as Gemma 3 has it)")
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+                         "supported for gemma3 (supported: none, as Gemma 3 has it)")
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if gemma2 else 6)
     if isinstance(pattern, (list, tuple)):
         if len(pattern) != num_layers:
             raise ValueError(f"GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} flags for "
@@ -429,15 +451,22 @@ def _gguf_gemma3_options(meta: dict[str, Any], arch: str, num_layers: int, hidde
         local = tuple(bool(flag) for flag in pattern)
     else:
         local = tuple(i % int(pattern) < int(pattern) - 1 for i in range(num_layers))
-    return {
+    options: dict[str, Any] = {
         "scale_embeddings": True,
         "sandwich_norms": True,
         "mlp_activation": "gelu_tanh",
-        "query_pre_attn_scalar": float(hidden_per_head if num_layers == 62 else head_dim),
+        "query_pre_attn_scalar": float(hidden_per_head if num_layers == (46 if gemma2 else 62) else head_dim),
+    }
+    if gemma2:
+        caps = {name: float(meta.get(f"{arch}.{name}", default) or 0.0)
+                for name, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0))}
+        return {**options, **caps}, local
+    return {
+        **options,
         "local_rope_theta": float(meta.get(f"{arch}.rope.freq_base_swa", 10_000.0)),
         "local_rope_layers": local,
         "final_logit_softcapping": float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),
-    }
+    }, local
 
 
 def _windows(num_layers: int, window: object, context: int, sliding: list[bool] | None = None) -> tuple[int, ...]:
@@ -456,8 +485,8 @@ def _windows(num_layers: int, window: object, context: int, sliding: list[bool] 
 def _hf_layer_windows(cfg: Mapping[str, Any], family: str, num_layers: int, context: int) -> tuple[int, ...]:
     """Layer windows as transformers applies them: `layer_types` where the config lists them; else Qwen's
     `use_sliding_window` from layer `max_window_layers` up; else `sliding_window` on every layer."""
-    window = cfg.get("sliding_window", 4096 if family == "gemma3_text" else None)  # transformers' default
-    types = _gemma3_layer_types(cfg, num_layers) if family == "gemma3_text" else cfg.get("layer_types")
+    window = cfg.get("sliding_window", 4096 if family in GEMMAS else None)  # transformers' default
+    types = _gemma_layer_types(cfg, family, num_layers) if family in GEMMAS else cfg.get("layer_types")
     if types is not None:
         if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
             raise ValueError(f"layer_types must list sliding_attention or full_attention for each of the "

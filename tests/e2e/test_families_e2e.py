@@ -1,7 +1,7 @@
 """Each decoder family served by `multiserve serve` from a `{path}` source with `weights: fp32`, one worker each:
 greedy completions through the official client are transformers' on the same checkpoint (a directory for Qwen2,
-Mistral, Qwen3-MoE, Qwen2-MoE and Gemma 3, a GGUF file for Qwen3, Phi-3 and Mixtral). Mistral's and Phi-3's sliding
-windows, and Gemma 3's local layers, are shorter than prompt + output."""
+Mistral, Qwen3-MoE, Qwen2-MoE and Gemma 3, a GGUF file for Qwen3, Phi-3, Mixtral and Gemma 2). Mistral's and Phi-3's
+sliding windows, and Gemma's local layers, are shorter than prompt + output."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from model_pool.launcher import free_port
 from runtimes.llm.tokenizer import Tokenizer
 from tests.e2e.conftest import Gateway, running_gateway
 from tests.runtimes.llm.engine_utils import random_prompt
-from tests.runtimes.llm.families import hf_family_model, save_family_dir, write_family_gguf
+from tests.runtimes.llm.families import GGUF_OVERRIDES, hf_family_model, save_family_dir, write_family_gguf
 from tests.runtimes.llm.tiny import tokenizer_metadata
 
 SOURCES = {"qwen2": "dir", "qwen3": "gguf", "mistral": "dir", "phi3": "gguf", "qwen3_moe": "dir", "qwen2_moe": "dir",
-           "mixtral": "gguf", "gemma3_text": "dir"}
+           "mixtral": "gguf", "gemma3_text": "dir", "gemma2": "gguf"}
 MODEL = """\
   - name: {name}
     type: completion
@@ -35,7 +35,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, 
     root = tmp_path_factory.mktemp("families")
     refs, models = {}, []
     for family, kind in SOURCES.items():
-        ref = refs[family] = hf_family_model(family, seed=5)
+        # a GGUF file says less than a config: a model it can describe (GGUF_OVERRIDES)
+        overrides = GGUF_OVERRIDES.get(family, {}) if kind == "gguf" else {}
+        ref = refs[family] = hf_family_model(family, seed=5, **overrides)
         path = save_family_dir(ref, root / family) if kind == "dir" else write_family_gguf(ref, root / f"{family}.gguf")
         models.append(MODEL.format(name=family, path=path))
     port = free_port()

@@ -225,6 +225,7 @@ struct Geometry {
   int64_t q_row_stride, q_head_stride;
   float scale;
   int64_t window;  // a query at position p reads tokens (p - window, p]; 0: the whole context
+  float softcap;   // each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: none
 };
 
 // One KV head's cached rows of a sequence, token by token, without a division per token.
@@ -328,6 +329,10 @@ void attend_rows(const float* query, float* out, const T* k_cache, const T* v_ca
   for (int64_t m = 0; m < num_q; ++m) {
     const int64_t lo = lo_of(m), lo8 = lo / 8 * 8;
     float* s = w.scores.data() + m * stride + lo8 - begin;
+    if (g.softcap > 0.f) {
+      const float cap = g.softcap, inv = 1.f / g.softcap;
+      for (int64_t t = lo - lo8, n = len_of(m) - lo8; t < n; ++t) s[t] = cap * std::tanh(s[t] * inv);
+    }
     std::fill(s, s + (lo - lo8), -INFINITY);
     w.inv[m] = softmax_row(s, len_of(m) - lo8);
   }
@@ -419,7 +424,7 @@ void attend_all(const at::Tensor& query, const T* kc, const T* vc, const std::ve
 // type), H a multiple of KVH.
 void run(const char* op, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const std::vector<Seq>& seqs, double scale, int64_t window,
-         at::Tensor& out) {
+         double softcap, at::Tensor& out) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   k_cache.scalar_type() == v_cache.scalar_type() &&
                   (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
@@ -440,7 +445,8 @@ void run(const char* op, const at::Tensor& query, const at::Tensor& k_cache, con
                 " does not fit its table (", capacity, " slots) or the query (", query.size(0), " rows)");
   }
   const Geometry g{heads, heads / kv_heads, head_dim, (head_dim + 7) / 8 * 8, block_size, kv_heads * head_dim,
-                   query.stride(0), query.stride(1), static_cast<float>(scale), window};
+                   query.stride(0), query.stride(1), static_cast<float>(scale), window,
+                   static_cast<float>(softcap)};
   float* o = out.data_ptr<float>();
   if (k_cache.scalar_type() == at::kHalf) {
     attend_all(query, reinterpret_cast<const _Float16*>(k_cache.data_ptr<at::Half>()),
@@ -460,11 +466,13 @@ void check_tables(const char* op, const at::Tensor& block_tables, const at::Tens
 // Every query row of a step: sequence i's rows are [query_start_loc[i], query_start_loc[i + 1]), its last positions
 // of seq_lens[i]. query_start_loc [B + 1] int32; seq_lens [B] int32; block_tables [B, max_blocks] int32. A row at
 // position p reads tokens (p - window, p] (window 0: all of 0..p); block-table entries of blocks wholly before the
-// first row's window are never read, so they may name blocks handed back to the pool.
+// first row's window are never read, so they may name blocks handed back to the pool. softcap > 0 caps each score
+// at softcap * tanh(score / softcap) before the softmax (Gemma 2), 0 leaves them.
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                     double scale, int64_t window, at::Tensor& out) {
+                     double scale, int64_t window, double softcap, at::Tensor& out) {
   TORCH_CHECK(window >= 0, "paged_attention: window ", window, " < 0");
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap ", softcap, " < 0");
   const int64_t num_seqs = seq_lens.size(0);
   check_tables("paged_attention", block_tables, seq_lens, num_seqs);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
@@ -476,7 +484,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   std::vector<Seq> seqs(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i)
     seqs[i] = {starts[i], starts[i + 1] - starts[i], lens[i], tables + i * block_tables.stride(0)};
-  run("paged_attention", query, k_cache, v_cache, block_tables, seqs, scale, window, out);
+  run("paged_attention", query, k_cache, v_cache, block_tables, seqs, scale, window, softcap, out);
 }
 
 // Decode rows only (one new token per sequence), as runtimes/llm/cpu_fused.cpp calls it: rows [B] int64 (each
@@ -494,14 +502,14 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   std::vector<Seq> seqs(num_seqs);
   for (int64_t i = 0; i < num_seqs; ++i) seqs[i] = {row_ids[i], 1, lens[i], tables + i * block_tables.stride(0)};
-  run("paged_decode_attention", query, k_cache, v_cache, block_tables, seqs, scale, window, out);
+  run("paged_decode_attention", query, k_cache, v_cache, block_tables, seqs, scale, window, 0.0, out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(multiserve_cpu, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
-        "Tensor block_tables, float scale, int window, Tensor(a!) out) -> ()");
+        "Tensor block_tables, float scale, int window, float softcap, Tensor(a!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window, Tensor(a!) out) -> ()");

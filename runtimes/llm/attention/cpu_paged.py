@@ -80,14 +80,16 @@ def paged_attention_cpu(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Drop-in for `paged_attention_ref` on CPU: every row by the kernel (fp32 queries over an fp32 or fp16 cache),
     other dtypes by the reference. The kernel reads only the metadata's tensors; the reference also its host copies
-    (so only the kernel's dtypes may be captured in a decode graph: `kernel_takes`). `window`: as the reference's."""
+    (so only the kernel's dtypes may be captured in a decode graph: `kernel_takes`). `window`, `softcap`: as the
+    reference's."""
     if not (k_cache.dtype == v_cache.dtype and kernel_takes(query.dtype, k_cache.dtype) and query.device.type == "cpu"):
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale, window)
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, window, softcap)
     load_kernel()
     out = torch.empty(query.shape, dtype=query.dtype)
     torch.ops.multiserve_cpu.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                             meta.block_tables, scale, window, out)
+                                             meta.block_tables, scale, window, softcap, out)
     return out

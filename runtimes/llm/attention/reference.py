@@ -5,7 +5,9 @@ call per group of similar lengths (see `_decode_groups`); rows with several quer
 prefill) run one SDPA call each with a causal mask offset by the tokens already in the cache.
 
 Every function takes `window`: a query at position p then sees the keys at (p - window, p] (sliding-window
-attention: Mistral, Gemma's local layers); 0 is the whole context.
+attention: Mistral, Gemma's local layers); 0 is the whole context. And `softcap` (Gemma 2): each score s becomes
+softcap * tanh(s / softcap) before the softmax; SDPA has no such step, so those calls compute attention in plain
+ops (0: none).
 """
 
 from __future__ import annotations
@@ -159,20 +161,38 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of each sequence's new tokens over its cached context (the last `window` tokens of it)."""
-    gqa = query.shape[1] != k_cache.shape[2]  # query head h reads KV head h // group, without copies
     out = torch.empty_like(query)
     for group in _decode_groups(meta, k_cache.shape[1], query.device, window):
         num_rows, max_len = group.mask.shape[0], group.mask.shape[-1]
         q = query.index_select(0, group.rows).unsqueeze(2)  # [b, H, 1, D]
         k = _gather_blocks(k_cache, group.block_ids, num_rows, max_len)  # [b, KVH, L, D]
         v = _gather_blocks(v_cache, group.block_ids, num_rows, max_len)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=group.mask,
-                                           scale=scale, enable_gqa=gqa)  # [b, H, 1, D]
+        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), group.mask, scale, softcap)  # [b, H, 1, D]
         out.index_copy_(0, group.rows, o.squeeze(2))
-    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out, window)
+    prefill_attention_ref(query, k_cache, v_cache, meta, scale, out, window, softcap)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float) -> torch.Tensor:
+    """SDPA (q [b, H, q, D] over k, v [b, KVH, s, D]; `mask` boolean (seen) or additive, None: causal), or with a
+    `softcap` the same in plain ops with the scores capped."""
+    gqa = q.shape[1] != k.shape[1]  # query head h reads KV head h // group, without copies
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, H, q, s]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        q_len, s_len = scores.shape[-2:]
+        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(s_len - q_len)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
 def prefill_attention_ref(
@@ -183,15 +203,14 @@ def prefill_attention_ref(
     scale: float,
     out: torch.Tensor,  # [T, H, D]
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The rows of sequences with several new tokens (prefill, chunked prefill): one SDPA call each, with a
     causal mask offset by the tokens already cached. Decode rows of `out` are left as they are."""
-    gqa = query.shape[1] != k_cache.shape[2]
     for i, start, q_len, first, mask in _prefill_rows(meta, query.dtype, query.device, window):
         s_len = meta.seq_lens_host[i]
         q = query[start : start + q_len].transpose(0, 1)[None]  # [1, H, q, D]: 4-D, as the fused kernel wants
         k = _gather(k_cache, meta.block_tables[i], s_len, first).transpose(0, 1)[None]  # [1, KVH, s - first, D]
         v = _gather(v_cache, meta.block_tables[i], s_len, first).transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=gqa)
+        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
         out[start : start + q_len] = o[0].transpose(0, 1)

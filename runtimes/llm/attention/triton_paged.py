@@ -38,12 +38,19 @@ INVARIANT_BLOCK_M = 16  # the query tile of every batch-invariant step (the smal
 
 
 @triton.jit
+def _softcap(s, cap):
+    """Gemma 2's cap on log2-scaled scores s (cap = softcap * log2(e)): cap * tanh(s / cap), tanh from exp
+    (1 - 2 / (e^2x + 1): exact at both ends, e^2x overflowing to inf gives 1)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap)) + 1.0))
+
+
+@triton.jit
 def _decode_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, window,
+    qk_scale, window, cap,
     stride_ot, stride_oh, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -66,6 +73,8 @@ def _decode_kernel(
         k_off = block_id * stride_kb + offs_n[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(k_cache_ptr + k_off, mask=key_mask[:, None], other=0.0).to(tl.float32)  # [N, D]
         s = tl.sum(k * q[None, :], axis=1) * qk_scale  # [N]
+        if SOFTCAP:
+            s = _softcap(s, cap)
         s = tl.where(key_mask, s, float("-inf"))
         # The first block read holds a valid key (`first`), so m_new is finite and exp2 never sees inf - inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -83,11 +92,11 @@ def _decode_kernel(
 @triton.jit
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, window,
+    qk_scale, window, cap,
     stride_ot, stride_oh, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -127,6 +136,8 @@ def _prefill_kernel(
         else:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [M, N]
         s = s * qk_scale
+        if SOFTCAP:
+            s = _softcap(s, cap)
         # Causal mask. For real rows q_pos <= seq_len - 1, so it also drops keys >= seq_len (whose K/V the
         # loads above zero, so stale or NaN slot contents never reach the sums). Padded rows
         # (offs_m >= q_len) still see key 0, so every row has a finite max after block 0 and no NaN
@@ -201,6 +212,7 @@ def paged_attention_triton(
     meta: AttentionMetadata,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
     batch_invariant: bool = False,
 ) -> torch.Tensor:  # [T, H, D], query dtype
     """Causal attention of each sequence's new tokens over its whole cached context (Triton).
@@ -211,7 +223,8 @@ def paged_attention_triton(
     `INVARIANT_BLOCK_M`: a token's row then takes the same instructions decoded or in a prompt, in any batch (each
     row's online softmax is its own; masked keys past a row's position add exact zeros). See the module docstring
     for the shape and dtype constraints. `window`: each query sees the keys at (p - window, p] (0: all); blocks
-    wholly before a query tile's windows are not read.
+    wholly before a query tile's windows are not read. `softcap` > 0: each score s capped to
+    softcap * tanh(s / softcap) before the softmax (Gemma 2).
     """
     _check_inputs(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -221,7 +234,7 @@ def paged_attention_triton(
         return out
     args = (
         out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, window,
+        scale * _LOG2E, window, softcap * _LOG2E,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -230,7 +243,7 @@ def paged_attention_triton(
     group = num_heads // num_kv_heads
     if meta.is_pure_decode and not batch_invariant:
         _decode_kernel[(meta.num_seqs, num_heads)](
-            *args, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim
+            *args, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, SOFTCAP=softcap > 0
         )
         return out
     # tl.dot needs every tile dim >= 16 on a GPU; below that, the broadcast-sum path with small tiles.
@@ -242,15 +255,17 @@ def paged_attention_triton(
         block_m = max(16, min(block_m, _MAX_BLOCK_M)) if use_dot else min(block_m, 16)
     grid = (meta.num_seqs, num_heads, triton.cdiv(meta.max_query_len, block_m))
     _prefill_kernel[grid](
-        *args, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, USE_DOT=use_dot
+        *args, GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, USE_DOT=use_dot,
+        SOFTCAP=softcap > 0,
     )
     return out
 
 
 def paged_attention_triton_invariant(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                     meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+                                     meta: AttentionMetadata, scale: float, window: int = 0,
+                                     softcap: float = 0.0) -> torch.Tensor:
     """`paged_attention_triton` with `batch_invariant` (`engine.deterministic`: runtimes/llm/batch_invariant.py)."""
-    return paged_attention_triton(query, k_cache, v_cache, meta, scale, window, batch_invariant=True)
+    return paged_attention_triton(query, k_cache, v_cache, meta, scale, window, softcap, batch_invariant=True)
 
 
 def write_kv_triton(

@@ -47,6 +47,12 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                     "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}},
                     "tie_word_embeddings": True, "pad_token_id": 0},
+    # Gemma 2: Gemma 3's layer without q/k norms or a local RoPE base; its attention scores and final logits capped
+    # low enough (2 and 3) that the caps change them
+    "gemma2": {"num_hidden_layers": 3, "head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 6,
+               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0, "tie_word_embeddings": True,
+               "pad_token_id": 0},
 }
 # a family's option, by name -> (the family, its config's overrides)
 _FACTORS = np.random.default_rng(0)
@@ -72,6 +78,7 @@ GGUF_OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 24,
                     "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5},
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    "gemma2": {"query_pre_attn_scalar": 24},  # head_dim's, as llama.cpp fixes it (every other layer sliding)
 }
 
 
@@ -99,7 +106,7 @@ def hf_family_model(family: str, seed: int = 0, **overrides: Any):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # Gemma's norms scale by 1 + weight
-                param.uniform_(-0.5, 0.5) if family == "gemma3_text" else param.uniform_(0.5, 1.5)
+                param.uniform_(-0.5, 0.5) if family in ("gemma2", "gemma3_text") else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
     return model
@@ -164,8 +171,11 @@ def write_family_gguf(model, path: Path, expert_type: str = "F32", encode=None) 
             writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3", "gemma3_text"):  # the window
+    if getattr(cfg, "sliding_window", None) and family in ("mistral", "phi3", "gemma2", "gemma3_text"):  # the window
         writer.add_sliding_window(cfg.sliding_window)
+    if family == "gemma2":  # as the converter writes them
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     writer.add_vocab_size(cfg.vocab_size)
     if family == "phi3":
         _write_phi3_rope(writer, cfg, rope)
@@ -205,9 +215,9 @@ def write_family_gguf(model, path: Path, expert_type: str = "F32", encode=None) 
         else:
             parts = name.split(".")  # model.layers.N.<module...>.weight|bias
             module = ".".join(parts[3:-1])
-            layer = _GEMMA3_LAYER.get(module) if family == "gemma3_text" else None
+            layer = _GEMMA3_LAYER.get(module) if family in ("gemma2", "gemma3_text") else None
             out = f"blk.{parts[2]}.{layer or _LAYER[module]}.{parts[-1]}"
-        if family == "gemma3_text" and name.endswith("norm.weight"):  # the converter's norm_shift: Gemma's 1 + w
+        if family in ("gemma2", "gemma3_text") and name.endswith("norm.weight"):  # the converter's norm_shift
             array = array + np.float32(1.0)
         if family in _PERMUTED and ".attn_q." in out:
             array = permute_qk(array, cfg.num_attention_heads)

@@ -190,7 +190,7 @@ def test_bad_metadata_is_refused() -> None:
     too_long = torch.tensor([5, 9 + 4 * meta.block_tables.shape[1]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match="does not fit"):
         torch.ops.multiserve_cpu.paged_attention(query, k_cache, v_cache, meta.query_start_loc, too_long,
-                                                 meta.block_tables, 0.25, 0, torch.empty(query.shape))
+                                                 meta.block_tables, 0.25, 0, 0.0, torch.empty(query.shape))
     with pytest.raises(RuntimeError, match="window -1 < 0"):
         torch.ops.multiserve_cpu.paged_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                                 meta.block_tables, 0.25, -1, torch.empty(query.shape))
+                                                 meta.block_tables, 0.25, -1, 0.0, torch.empty(query.shape))

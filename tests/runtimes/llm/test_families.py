@@ -72,6 +72,9 @@ def _matches_transformers(ref, family, source, tmp_path):
     else:
         assert (config.local_rope_theta, config.local_rope_layers) == (0.0, ())
     assert config.rotary_dim == (12 if family == "phi3_partial" else config.head_dim)
+    # Gemma 2's caps on the attention scores and the final logits, read from either source
+    caps = (ref.config.attn_logit_softcapping, ref.config.final_logit_softcapping) if family == "gemma2" else (0, 0)
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == caps
     prompts = [random_prompt(seed, 5 + 3 * seed) for seed in range(3)]
     engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=16))
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
@@ -94,7 +97,7 @@ def _matches_transformers(ref, family, source, tmp_path):
 
 def test_a_family_it_does_not_run_is_refused_by_name():
     config = hf_family_model("qwen2").config.to_dict()
-    for model_type in ("gemma2", "olmoe", "deepseek_v3"):
+    for model_type in ("gemma", "olmoe", "deepseek_v3"):
         with pytest.raises(ValueError) as refused:
             ModelConfig.from_hf_config({**config, "model_type": model_type})
         assert repr(model_type) in str(refused.value) and all(f in str(refused.value) for f in FAMILIES)

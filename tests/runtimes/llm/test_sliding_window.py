@@ -1,5 +1,6 @@
 """Sliding-window attention: each backend keeps a query at position p to the keys at (p - window, p] and reads no
-block wholly before its window; a family's layer windows are read as transformers applies them."""
+block wholly before its window; a family's layer windows are read as transformers applies them. And Gemma 2's
+soft-capped scores (softcap * tanh(s / softcap)) in every backend, with a window or without."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ SCENARIOS = {  # (query_lens, seq_lens)
 
 
 def _dense(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-           scale: float, window: int) -> torch.Tensor:
-    """Row by row from the definition: softmax over the keys at (p - window, p], in fp64."""
+           scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
+    """Row by row from the definition: softmax over the keys at (p - window, p] (scores capped with a `softcap`),
+    in fp64."""
     out = torch.empty(query.shape, dtype=torch.float64)
     block_size, group = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
     start = 0
@@ -39,7 +41,10 @@ def _dense(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, me
             k = torch.stack([k_cache[table[t // block_size], t % block_size] for t in seen]).double()
             v = torch.stack([v_cache[table[t // block_size], t % block_size] for t in seen]).double()
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [t, H, D]
-            weights = (torch.einsum("hd,thd->ht", query[start + r].double(), k) * scale).softmax(-1)
+            scores = torch.einsum("hd,thd->ht", query[start + r].double(), k) * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            weights = scores.softmax(-1)
             out[start + r] = torch.einsum("ht,thd->hd", weights, v)
         start += q_len
     return out
@@ -49,6 +54,8 @@ def _free_blocks_before_windows(k_cache: torch.Tensor, v_cache: torch.Tensor, me
                                 window: int) -> None:
     """NaN in each sequence's blocks that lie wholly before its first new token's window (as if handed back to the
     pool and reused): a backend that reads one returns NaN."""
+    if not window:
+        return
     block_size = k_cache.shape[1]
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
         first = max(0, s_len - q_len + 1 - window)
@@ -64,25 +71,47 @@ BACKENDS = {
 }
 
 
-# Triton's interpreter is slow: two windows there (one under a block, one over several)
-CASES = [(backend, window, scenario) for backend in BACKENDS for window in (1, 5, 16, 37) for scenario in SCENARIOS
+# Triton's interpreter is slow: two windows there (one under a block, one over several); a cap with no window and
+# with one
+CASES = [(backend, window, scenario, 0.0) for backend in BACKENDS for window in (1, 5, 16, 37) for scenario in SCENARIOS
          if "triton" not in backend or window in (5, 37)]
+CASES += [(backend, window, scenario, 0.7) for backend in BACKENDS for window in (0, 5) for scenario in SCENARIOS]
 
 
-@pytest.mark.parametrize(("backend", "window", "scenario"), CASES)
-def test_every_backend_keeps_to_the_window(scenario: str, window: int, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "window", "scenario", "softcap"), CASES)
+def test_every_backend_keeps_to_the_window(scenario: str, window: int, backend: str, softcap: float) -> None:
     if backend == "cpu":
         load_kernel()
     query_lens, seq_lens = SCENARIOS[scenario]
     # block_size 16 and head_dim 16: the Triton prefill kernel's tl.dot path
     query, k_cache, v_cache, meta, _ = paged_case(query_lens, seq_lens, 16 if "triton" in backend else 4, 4, 2,
                                                       16, torch.float32, seed=window)
-    expected = _dense(query, k_cache, v_cache, meta, 0.25, window)
+    expected = _dense(query, k_cache, v_cache, meta, 0.25, window, softcap)
+    if softcap:  # the cap changes the result: a backend that ignored it could not pass
+        assert (expected - _dense(query, k_cache, v_cache, meta, 0.25, window)).abs().max() > 1e-2
     _free_blocks_before_windows(k_cache, v_cache, meta, window)
     if backend == "reference":  # its batched decodes read (and mask) padding blocks, so it must not see NaN
         k_cache, v_cache = (c.nan_to_num(0.0) for c in (k_cache, v_cache))
-    got = BACKENDS[backend](query, k_cache, v_cache, meta, 0.25, window=window)
+    got = BACKENDS[backend](query, k_cache, v_cache, meta, 0.25, window=window, softcap=softcap)
     torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_a_capped_row_is_the_same_decoded_or_prefilled(window: int) -> None:
+    """The C++ kernel with a softcap: each row of a 40-token prompt prefilled whole is the bits that row gets decoded
+    (its query alone over the same cache)."""
+    load_kernel()
+    gen = torch.Generator().manual_seed(3)
+    length, block_size = 40, 4
+    query = torch.randn(length, 4, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(length // block_size, block_size, 2, 16, generator=gen) for _ in range(2))
+    table = list(range(length // block_size))
+    whole = paged_attention_cpu(query, k_cache, v_cache,
+                                AttentionMetadata.build([length], [length], [table], block_size), 0.25, window, 0.7)
+    for p in range(length):
+        meta = AttentionMetadata.build([1], [p + 1], [table[: p // block_size + 1]], block_size)
+        row = paged_attention_cpu(query[p : p + 1], k_cache, v_cache, meta, 0.25, window, 0.7)
+        assert torch.equal(row[0], whole[p]), p
 
 
 def test_a_window_as_long_as_the_context_is_no_window() -> None:
