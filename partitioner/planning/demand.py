@@ -37,6 +37,7 @@ class ModelShape:
     weights_bytes: int  # as loaded on the device (dequantized size if the runtime dequantizes)
     kv_dtype_bytes: int = 2  # fp16/bf16 KV cache
     context_len: int | None = None  # the model's own maximum context (max_position_embeddings)
+    sliding_window: int = 0  # every layer's attention window (0: some layer sees the whole context)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -133,11 +134,17 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
 
 
 def _one_sequence_kv(engine: EngineSpec, shape: ModelShape | None) -> int | None:
+    """The KV one full-length sequence holds at once: all its blocks, or with a window on every layer those spanning
+    the window and one step's new tokens (the engine hands back the blocks behind the window as a sequence
+    advances: runtimes/llm/kv_cache_manager.py `blocks_at_most`)."""
     tokens = engine.max_model_len or (shape.context_len if shape is not None else None)
     if shape is None or tokens is None:
         return None
     block = engine.block_size
-    return math.ceil(tokens / block) * block * shape.kv_bytes_per_token
+    blocks = math.ceil(tokens / block)
+    if shape.sliding_window:
+        blocks = min(blocks, math.ceil((shape.sliding_window - 1 + engine.max_num_batched_tokens) / block) + 1)
+    return blocks * block * shape.kv_bytes_per_token
 
 
 def _check_kv(kv: int | None, one_seq: int | None, engine: EngineSpec | None) -> None:

@@ -127,7 +127,7 @@ def _estimate(path: str, fingerprint: _Fingerprint) -> ModelShape:
     config, parameters = _hf_directory(location) if location.is_dir() else _gguf_file(location)
     return ModelShape(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                       weights_bytes=parameters * GPU_BYTES_PER_PARAMETER, kv_dtype_bytes=GPU_KV_DTYPE_BYTES,
-                      context_len=config.max_position_embeddings)
+                      context_len=config.max_position_embeddings, sliding_window=config.sliding_window)
 
 
 def _gguf_file(path: Path) -> tuple[ModelConfig, int]:

@@ -53,7 +53,8 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, new_graph: Callable[[
     if num_blocks < 1 + reserved:
         raise ValueError(f"kv_cache_bytes={budget} is too small for {1 + reserved} blocks of "
                          f"{config.block_size} tokens")
-    kv = KVCacheManager(num_blocks - reserved, config.block_size, window=loaded.config.sliding_window)
+    kv = KVCacheManager(num_blocks - reserved, config.block_size, window=loaded.config.sliding_window,
+                        max_chunk=config.max_num_batched_tokens)
     kv_caches = allocate_kv_caches(loaded.config, num_blocks, config.block_size, kv_dtype, device)
     # noise drawn where the logits are
     sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed),

@@ -111,8 +111,9 @@ class InputProcessor:
         if params.min_tokens > max_tokens:
             raise InvalidRequestError(f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this "
                                       "request may generate", param="min_tokens")
-        capacity = self.kv.num_blocks * self.kv.block_size
-        if num_prompt + max_tokens > capacity:
+        # with a window on every layer a request holds only its window's blocks and a step's (kv.blocks_at_most)
+        if self.kv.blocks_at_most(num_prompt + max_tokens) > self.kv.num_blocks:
+            capacity = self.kv.num_blocks * self.kv.block_size
             raise InvalidRequestError(
                 f"prompt plus max_tokens is {num_prompt + max_tokens} tokens but the KV cache holds at most "
                 f"{capacity} tokens ({self.kv.num_blocks} blocks of {self.kv.block_size})", param="max_tokens")

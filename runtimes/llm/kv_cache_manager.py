@@ -13,7 +13,9 @@ exact: a token's KV depends only on the tokens up to it, and the kernels compute
 With sliding-window attention on every layer (`window`), a request's blocks that lie wholly before its next token's
 window are never read again: `release_behind_window` hands them back to the pool as the request advances (still
 indexed, so another request with the same prefix can hit them while they last). Their ids stay in the request's
-table (positions keep their blocks), and the attention kernels never read them.
+table (positions keep their blocks), and the attention kernels never read them. A prefix hit's blocks that lie wholly
+behind the window of the request's first new token are not taken at all (only named in its table), so a long prompt
+sent again holds no more blocks than its window needs; `blocks_at_most` is what a request can hold at once.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ MAX_PARTIAL_CANDIDATES = 64  # the newest blocks after one prefix compared with 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, copy_prefix: CopyPrefix | None = None,
-                 window: int = 0) -> None:
+                 window: int = 0, max_chunk: int = 0) -> None:
         self.block_size = block_size
         self.window = window  # every layer's attention window in tokens (0: some layer sees the whole context)
+        self.max_chunk = max_chunk  # the most tokens one step computes for a request (0: unknown, no bound)
         self.pool = BlockPool(num_blocks, block_size)
         self.copy_prefix = copy_prefix  # None: only whole blocks are reused
         self.block_tables: dict[str, list[int]] = {}
@@ -72,6 +75,15 @@ class KVCacheManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def blocks_at_most(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once: all of them; with a window on every layer,
+        at most those spanning its next token's window and one step's new tokens (window - 1 + max_chunk tokens,
+        which may start inside a block)."""
+        whole = self.blocks_for(num_tokens)
+        if not self.window or not self.max_chunk:
+            return whole
+        return min(whole, self.blocks_for(self.window - 1 + self.max_chunk) + 1)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
@@ -144,7 +156,11 @@ class KVCacheManager:
         num_needed = self.blocks_for(num_computed + num_new_tokens) - num_held - len(computed_blocks)
         # Hit blocks that sit unreferenced in the free queue stop being allocatable once touched, and so does a
         # partial hit's source while it is copied.
-        revived = sum(1 for b in computed_blocks if self.pool.ref_cnt[b] == 0)
+        # With a window, the hits wholly behind the first new token's window are never read: named, not taken.
+        behind = min(len(computed_blocks), max(0, num_computed + 1 - self.window) // self.block_size) \
+            if self.window and computed_blocks else 0
+        taken = computed_blocks[behind:]
+        revived = sum(1 for b in taken if self.pool.ref_cnt[b] == 0)
         if partial is not None and self.pool.ref_cnt[partial.source] == 0:
             revived += 1
         if num_needed > self.pool.num_free_blocks - revived:
@@ -152,8 +168,11 @@ class KVCacheManager:
         if table is None:
             table = self.block_tables[request.request_id] = []
         if computed_blocks:
-            self.pool.touch(computed_blocks)
+            self.pool.touch(taken)
             table.extend(computed_blocks)
+            if behind:  # as if released behind the window: never freed, nor indexed again, by this request
+                self._num_released[request.request_id] = behind
+                self._num_registered[request.request_id] = behind
         if partial is not None:
             self.pool.touch([partial.source])  # not handed out as the destination below
         if num_needed > 0:

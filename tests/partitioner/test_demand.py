@@ -43,6 +43,24 @@ def test_without_a_kv_budget_one_max_length_sequence_is_reserved():
     assert d.memory_bytes == LLAMA3_8B.weights_bytes + d.kv_cache_bytes
 
 
+def test_a_sliding_window_on_every_layer_reserves_the_window_and_one_step_not_the_whole_sequence():
+    """Mistral-7B's shape with its 4096-token window in a 32768-token context: a sequence holds only the blocks that
+    span its window and one step's new tokens (the engine hands back the ones behind it), so that is the reservation;
+    a window longer than that span changes nothing."""
+    mistral = ModelShape(num_layers=32, num_kv_heads=8, head_dim=128, weights_bytes=14_480_000_000,
+                         context_len=32768, sliding_window=4096)
+    reg = registry({"name": "m", "engine": {"block_size": 16, "max_num_batched_tokens": 512}})
+    (d,) = replica_demands(reg, {"m": mistral}, overhead_bytes=0)
+    blocks = -(-(4096 - 1 + 512) // 16) + 1  # 289, where the whole sequence would take 2048
+    assert d.kv_cache_bytes == blocks * 16 * mistral.kv_bytes_per_token
+    (whole,) = replica_demands(reg, {"m": ModelShape(32, 8, 128, 14_480_000_000, context_len=32768)},
+                               overhead_bytes=0)
+    assert whole.kv_cache_bytes == 32768 * mistral.kv_bytes_per_token > 7 * d.kv_cache_bytes
+    reg = registry({"name": "m", "engine": {"block_size": 16, "max_model_len": 1000}})
+    (short,) = replica_demands(reg, {"m": mistral}, overhead_bytes=0)
+    assert short.kv_cache_bytes == 1008 * mistral.kv_bytes_per_token
+
+
 def test_memory_gib_is_the_whole_budget_and_leaves_the_rest_to_kv():
     reg = registry({"name": "llama", "placement": {"memory_gib": 24}})
     (d,) = replica_demands(reg, {"llama": LLAMA3_8B}, overhead_bytes=OVERHEAD)

@@ -197,23 +197,23 @@ def test_a_cpu_inventory_opens_no_model(tmp_path, monkeypatch):
 
 
 def test_a_family_the_runtime_does_not_run_is_refused_when_the_registry_is_validated(tiny_models, tmp_path):
-    """A Gemma 2 directory named as a chat model's source: the registry's check names `models[1].source` and the
+    """A DeepSeek-V3 directory named as a chat model's source: the registry's check names `models[1].source` and the
     families the runtime runs, on a CPU host too, before any replica starts; files not on this machine and other
     engines' replicas are not read."""
     from runtimes.llm.model_config import FAMILIES
 
     path, model = tiny_models[True]
-    gemma = tmp_path / "gemma"
-    gemma.mkdir()
-    (gemma / "config.json").write_text(json.dumps({**model.config.to_dict(), "model_type": "gemma2"}))
+    unsupported = tmp_path / "deepseek"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({**model.config.to_dict(), "model_type": "deepseek_v3"}))
     reg = registry(ok={"source": {"path": str(path)}},
-                   gemma={"source": {"path": str(gemma)}},
+                   unsupported={"source": {"path": str(unsupported)}},
                    absent={"source": {"path": str(tmp_path / "not-here.gguf")}},
-                   other={"launcher": "command", "device": "cpu", "source": {"path": str(gemma)},
+                   other={"launcher": "command", "device": "cpu", "source": {"path": str(unsupported)},
                           "command": {"argv": [sys.executable, "-m", "http.server", "{port}"]}})
     placer = ReplicaPlacer(lambda: reg, lambda: Inventory((), "cpu"), tmp_path)
     [problem] = placer.problems(reg)
-    assert problem.field == "models[1].source" and "'gemma2'" in problem.message
+    assert problem.field == "models[1].source" and "'deepseek_v3'" in problem.message
     assert all(family in problem.message for family in FAMILIES)
     fixed = registry(ok={"source": {"path": str(path)}})
     assert ReplicaPlacer(lambda: fixed, lambda: Inventory((), "cpu"), tmp_path).problems(fixed) == []

@@ -167,39 +167,54 @@ def test_a_gguf_window_applies_to_every_layer() -> None:
 # ---- the engine: blocks behind every layer's window go back to the pool ----
 
 
+def _run(engine, request_id: str, prompt: list[int], params) -> tuple[list[int], list[int], int]:
+    """(tokens, blocks held after each step, most prompt tokens served from the prefix cache) of one request."""
+    engine.add_request(request_id, prompt, params)
+    tokens, held, cached = [], [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            cached = max(cached, out.num_cached_tokens)
+        held.append(engine.kv.num_blocks - engine.kv.num_free_blocks)
+    return tokens, held, cached
+
+
 def test_the_engine_frees_blocks_behind_the_window_and_stays_exact(tmp_path) -> None:
-    """A Mistral-layout model with a 7-token window, prompts longer than it prefilled in chunks: the greedy tokens
-    are transformers', a request holds only the blocks its window reaches while it runs, its released blocks stay
-    hittable for a prompt sent again (same tokens), and every block is back in the pool at the end."""
+    """A Mistral-layout model with a 7-token window, a 23-token prompt prefilled in chunks of 8 and 20 tokens out:
+    in a KV cache of 8 blocks of 4 tokens, which could not hold the 43-token request whole, it is accepted and its
+    greedy tokens are transformers', holding only the blocks its window and a step span while it runs. In a larger
+    cache its released blocks stay indexed: the prompt sent again hits them (the hits behind its window named, not
+    taken) and gets the same tokens. Every block is back in the pool at the end."""
     from runtimes.llm.attention import select_attention
     from runtimes.llm.config import EngineConfig
     from runtimes.llm.engine import LLMEngine
     from runtimes.llm.loader import load_model
     from runtimes.llm.sampling_params import SamplingParams
-    from tests.runtimes.llm.engine_utils import random_prompt, run_to_completion
+    from tests.runtimes.llm.engine_utils import random_prompt
     from tests.runtimes.llm.families import hf_family_model, save_family_dir
 
     ref = hf_family_model("mistral", seed=4, sliding_window=7)
     ref.generation_config.eos_token_id = None
     loaded = load_model(save_family_dir(ref, tmp_path / "m"), torch.device("cpu"), torch.float32,
                         select_attention("cpu", torch.device("cpu")), progress=False)
-    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_batched_tokens=8))
-    assert engine.kv.window == 7
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    prompt = random_prompt(5, 23)  # three chunks of at most 8 tokens
-    engine.add_request("a", prompt, params)
-    held, tokens = [], []
-    while engine.has_unfinished_requests():
-        tokens += [t for out in engine.step() for t in out.new_token_ids]
-        if engine.has_unfinished_requests():
-            held.append(engine.kv.num_blocks - engine.kv.num_free_blocks)
-    # a whole request would hold up to 11 blocks (43 tokens); the window needs its 7 tokens' blocks plus a chunk's
-    assert max(held) <= 5, held
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    prompt = random_prompt(5, 23)
     with torch.no_grad():
         expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                 max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-    again = run_to_completion(engine, {"b": (prompt, params)})["b"]
-    assert again.num_cached_tokens > 0  # the released blocks were still indexed
-    assert tokens == again.token_ids == expected
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    # a block: 2 layers x K and V x 2 KV heads x 16 dims x 4 bytes x 4 tokens = 2 KiB
+    small = LLMEngine(loaded, EngineConfig(kv_cache_bytes=16 << 10, block_size=4, max_num_batched_tokens=8))
+    assert (small.kv.window, small.kv.num_blocks) == (7, 8)
+    assert small.kv.blocks_at_most(43) == 5  # (7 - 1 + 8) tokens over 4-token blocks, one more for an offset
+    tokens, held, _ = _run(small, "a", prompt, params)
+    assert tokens == expected
+    assert max(held) <= 5, held  # a whole request would hold up to 11 blocks
+    assert small.kv.num_free_blocks == small.kv.num_blocks
+
+    large = LLMEngine(loaded, EngineConfig(kv_cache_bytes=64 << 10, block_size=4, max_num_batched_tokens=8))
+    first, _, _ = _run(large, "a", prompt, params)
+    again, held, cached = _run(large, "b", prompt, params)
+    assert cached >= 20  # the prompt's whole blocks, released behind the window as the first request ran
+    assert max(held) <= 5, held
+    assert first == again == expected
+    assert large.kv.num_free_blocks == large.kv.num_blocks
