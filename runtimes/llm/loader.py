@@ -6,8 +6,8 @@ cast to the engine's dtype as they are copied in: the model is allocated once, i
 never holds more than one checkpoint tensor in fp32 besides it. llama.cpp's converter permutes the rows of Q and K
 so its interleaved RoPE works; our model uses Hugging Face's rotate-halves RoPE, so those permutations are undone
 here. A mixture's experts are stacked in GGUF (`ffn_{gate,up,down}_exps`, one 3-D tensor per layer and part); each
-expert's slice is yielded as that expert's weight, dequantized on its own (the experts are kept in floating point,
-so their blocks are not kept).
+expert's slice is yielded as that expert's weight, as the 2-D weights are: its blocks kept where its format is, else
+dequantized on its own.
 """
 
 from __future__ import annotations
@@ -73,12 +73,11 @@ def load_model(
         reader, config = read_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(reader.metadata)
         source_types = {part: int(t.tensor_type) for t in reader.tensors if t.name not in ROPE_FACTOR_TENSORS
-                        for part in _part_names(_hf_name(t.name, config.family))}
+                        for part in _checkpoint_names(t, config)}
         name = path.stem
     formats = {} if weights is None else block_formats(weights, device, config.num_layers,
-                                                        config.tie_word_embeddings, source_types)
-    if config.num_experts:  # experts stay in floating point (block formats for them: not yet)
-        formats = {name: fmt for name, fmt in formats.items() if ".mlp." not in name}
+                                                        config.tie_word_embeddings, source_types, config.num_experts,
+                                                        bool(config.shared_expert_intermediate_size))
     if path.is_dir():
         tensors: Checkpoint = _unfused(_hf_tensors(path), config)
         if config.family in _NORMS_PLUS_ONE:
@@ -279,6 +278,21 @@ def _part_names(name: str) -> list[str]:
     return [f"{prefix}.{part}.{tail}" for part in _FUSED_PARTS[proj]] if proj in _FUSED_PARTS else [name]
 
 
+def _checkpoint_names(tensor: Any, config: ModelConfig) -> list[str]:
+    """The checkpoint weights (Hugging Face names) a GGUF tensor holds: a fused one's parts, a stack's experts."""
+    name = _hf_name(tensor.name, config.family)
+    if len(tensor.shape) == 3:
+        return [_expert_name(name, expert) for expert in range(int(tensor.shape[2]))]
+    return _part_names(name)
+
+
+def _expert_name(stacked: str, expert: int) -> str:
+    """One expert's weight in a stack of them (`layers.0.mlp.experts.gate_proj.weight`, 3 ->
+    `layers.0.mlp.experts.3.gate_proj.weight`)."""
+    prefix, proj, tail = _split(stacked)
+    return f"{prefix}.{expert}.{proj}.{tail}"
+
+
 def _unfused(tensors: Checkpoint, config: ModelConfig) -> Iterator[tuple[str, Any]]:
     """The checkpoint with each fused weight as its parts (rows of a float tensor or of a block tensor), so that the
     loader sees one layout whatever the file's: a part goes back into its rows of the model's fused weight."""
@@ -393,19 +407,23 @@ def _gguf_tensors(reader: Any, config: ModelConfig,
                   keep_blocks: Callable[[str], bool] = lambda name: False) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, tensor) for each GGUF tensor: dequantized to fp32, or, where `keep_blocks(name)`, its
     blocks as the file stores them (`BlockTensor`, a view of the memory map). Q and K rows are un-permuted; a
-    mixture's stacked experts come out one expert at a time (`layers.N.mlp.experts.E.gate_proj.weight`)."""
+    mixture's stacked experts come out one expert at a time (`layers.N.mlp.experts.E.gate_proj.weight`), each
+    expert's slice kept in blocks or dequantized as `keep_blocks` says of that expert's name."""
     for tensor in reader.tensors:
         if tensor.name in ROPE_FACTOR_TENSORS:  # longrope's factors: read into the config (`read_gguf`)
             continue
         name = _hf_name(tensor.name, config.family)
         kind = name.rsplit(".", 2)[-2]
         if len(tensor.shape) == 3:  # [n_expert, rows, cols] in numpy's order, the converter's stack of the experts
-            prefix, proj, tail = _split(name)
             if tensor.data.shape[0] != config.num_experts:
                 raise ValueError(f"GGUF tensor {tensor.name!r} stacks {tensor.data.shape[0]} experts, the model has "
                                  f"{config.num_experts}")
-            for expert, data in enumerate(tensor.data):
-                yield f"{prefix}.{expert}.{proj}.{tail}", _from_numpy(_float_values(data, int(tensor.tensor_type)))
+            for expert, data in enumerate(tensor.data):  # each a view of the memory map until it is copied
+                expert_name = _expert_name(name, expert)
+                if keep_blocks(expert_name):
+                    yield expert_name, BlockTensor(data, int(tensor.tensor_type), int(tensor.shape[0]))
+                else:
+                    yield expert_name, _from_numpy(_float_values(data, int(tensor.tensor_type)))
             continue
         heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(kind) \
             if config.family in _PERMUTED_QK else None

@@ -25,7 +25,7 @@ from torch import nn
 
 from registry.engine import EngineOptions
 from runtimes.llm.quant.cpu import QuantEmbedding, QuantLinear
-from runtimes.llm.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat, format_of, pack, quantize
+from runtimes.llm.quant.formats import BLOCK, Q4_0, Q4_1, Q8_0, BlockFormat, format_of, pack, quantize
 
 WEIGHT_CHOICES: tuple[str, ...] = get_args(EngineOptions.model_fields["weights"].annotation)  # engine.weights
 FLOAT_WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,8 +35,8 @@ _GGML_FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16
 # a checkpoint's projection -> the model's fused projection that holds it
 FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
               "up_proj": "gate_up_proj"}
-_LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                  "mlp.up_proj", "mlp.down_proj")  # a layer's checkpoint weights that a block format may hold
+_ATTENTION_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")  # an MLP's checkpoint weights (a dense one's, an expert's)
 
 
 @dataclass(frozen=True)
@@ -75,20 +75,34 @@ def weight_format(weights: str, ggml_type: int | None) -> BlockFormat | None:
 
 
 def block_formats(weights: str, device: torch.device, num_layers: int, tied: bool,
-                  source_types: Mapping[str, int | None]) -> dict[str, BlockFormat]:
+                  source_types: Mapping[str, int | None], num_experts: int = 0,
+                  shared_expert: bool = False) -> dict[str, BlockFormat]:
     """The model's weights (its own names) kept in a block format, and which. `source_types`: each checkpoint weight
-    (Hugging Face names) -> its GGML type, None for floating point. A fused weight whose parts would differ takes
-    Q8_0, which holds any of them."""
+    (Hugging Face names; a GGUF file's stacked experts one name per expert) -> its GGML type, None for floating
+    point. A fused weight whose parts would differ takes Q8_0, which holds any of them. In a mixture of experts
+    (`num_experts`), each expert's projections and the `shared_expert`'s are the layer's MLP weights: they are most
+    of the model, so they go where the dense MLP's would; the router and the shared expert's gate (one row) stay in
+    floating point."""
     if weights in FLOAT_WEIGHTS or (weights == "auto" and device.type != "cpu"):  # auto on CUDA: bf16
         return {}
 
     names = ["embed_tokens.weight", *([] if tied else ["lm_head.weight"])]
-    names += [f"layers.{i}.{weight}.weight" for i in range(num_layers) for weight in _LAYER_WEIGHTS]
+    layer_weights = [*_ATTENTION_WEIGHTS, *mlp_weights(num_experts, shared_expert)]
+    names += [f"layers.{i}.{weight}.weight" for i in range(num_layers) for weight in layer_weights]
     kinds: dict[str, set[BlockFormat | None]] = {}
     for hf_name in names:
         kinds.setdefault(target_of(hf_name), set()).add(weight_format(weights, source_types.get(hf_name)))
     chosen = {name: found.pop() if len(found) == 1 else Q8_0 for name, found in kinds.items()}
     return {name: f for name, f in chosen.items() if f is not None}
+
+
+def mlp_weights(num_experts: int = 0, shared_expert: bool = False) -> list[str]:
+    """A layer's MLP weights that a block format may hold (checkpoint names under the layer): the dense MLP's, or a
+    mixture's experts' and its shared expert's."""
+    if not num_experts:
+        return [f"mlp.{part}" for part in _MLP_PARTS]
+    mlps = [f"mlp.experts.{e}" for e in range(num_experts)] + (["mlp.shared_expert"] if shared_expert else [])
+    return [f"{mlp}.{part}" for mlp in mlps for part in _MLP_PARTS]
 
 
 def target_of(hf_name: str) -> str:
@@ -106,6 +120,10 @@ def swap_modules(model: nn.Module, formats: Mapping[str, BlockFormat]) -> None:
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, attr)
+        width = old.embedding_dim if isinstance(old, nn.Embedding) else getattr(old, "in_features", BLOCK)
+        if width % BLOCK:  # the blocks hold 32 values each: say so before loading, naming the weight
+            raise ValueError(f"{name}: a block format needs rows a multiple of {BLOCK} wide, this one is {width} "
+                             f"(engine.weights: a floating-point choice keeps it)")
         if isinstance(old, nn.Embedding):
             rows, width = old.num_embeddings, old.embedding_dim
             new: nn.Module = QuantEmbedding(rows, width, fmt, _empty_blocks(rows, width, fmt, old.weight.device))
