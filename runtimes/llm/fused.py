@@ -68,6 +68,11 @@ def cuda_ops(x: torch.Tensor) -> ModuleType | None:
     return _triton("triton_fused") if x.device.type == "cuda" else None
 
 
+def cuda_experts(x: torch.Tensor) -> ModuleType | None:
+    """The grouped-GEMM experts (`runtimes.llm.triton_experts`) for a CUDA tensor, None otherwise."""
+    return _triton("triton_experts") if x.device.type == "cuda" else None
+
+
 @functools.cache
 def _triton(module: str) -> ModuleType | None:
     """`runtimes.llm.<module>`, a module of Triton kernels; None (logged once) where Triton cannot be imported."""

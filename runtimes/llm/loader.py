@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from registry.sources import resolve_model_path
 from runtimes.llm.config import ModelConfig
-from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM
+from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM, MixtureOfExperts
 from runtimes.llm.model_config import ROPE_FACTOR_TENSORS, read_gguf
 from runtimes.llm.quant.cpu import BlockWeight
 from runtimes.llm.quant.formats import BlockFormat
@@ -108,6 +108,10 @@ def load_state_dict(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, **kwargs)
     swap_modules(model, formats or {})
+    if device.type == "cuda":  # dense experts stacked for the grouped GEMM, here on meta: the allocation makes them
+        for module in model.modules():
+            if isinstance(module, MixtureOfExperts):
+                module.stack_experts()
     # `to_empty` on meta tensors goes through torch's Python reference of empty_like, which imports sympy (~40 MB
     # resident in every replica); empty tensors of the same shapes are what it makes
     model = model.to(dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

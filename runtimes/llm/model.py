@@ -11,6 +11,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol, cast
 
 import torch
@@ -278,7 +279,18 @@ class MixtureOfExperts(nn.Module):
     of those experts' outputs. The tokens are grouped by expert, so each expert runs once a step over all of its
     tokens; a token's contributions are added in ascending expert order whatever its batch. A shared expert
     (Qwen2-MoE) runs on every token, scaled by sigmoid(shared_expert_gate(x)), and is added to that sum last, as
-    transformers adds it."""
+    transformers adds it.
+
+    On CUDA, experts whose projections are all dense `Linear`s can be *stacked* (`stack_experts`, which the loader
+    does on CUDA): one [E, 2I, H] gate|up and one [E, H, I] down tensor per layer, each expert's weight a view of its
+    slice, so the experts' memory is held once. A step then runs them as two grouped GEMM launches
+    (runtimes/llm/triton_experts.py) instead of the per-expert loop, without reading anything back to the host (so
+    decode steps can be captured as CUDA graphs). Everywhere else, and for block-format experts or a model in its
+    batch-invariant form, the loop runs."""
+
+    # (gate_up [E, 2I, H], down [E, H, I]) that every expert's weights are views of; not a parameter or buffer, so
+    # state dicts and the loader see each expert's weight under its own name, as before
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -293,11 +305,27 @@ class MixtureOfExperts(nn.Module):
         self.shared_expert = MLP(cfg, shared) if shared else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's routing weights (fp32) and chosen experts, [T, k] each, in the router's order."""
         probs = self.gate(x).float().softmax(-1)  # [T, E]
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        if self.grouped_applies() and (kernels := fused.cuda_experts(x)) is not None:
+            out = self.grouped(x, kernels)
+        else:
+            out = self.loop(x)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def loop(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        """The routed experts' sum, one expert at a time (each over all of its tokens); reads the counts on the
+        host."""
+        weights, chosen = self.route(x)
         weights = weights.to(x.dtype).flatten()
         flat = chosen.flatten()  # [T * k]: token t's choices at t * k ...
         order = flat.argsort(stable=True)  # grouped by expert, each group in token order
@@ -310,9 +338,63 @@ class MixtureOfExperts(nn.Module):
                 tokens = picks // self.top_k
                 out.index_add_(0, tokens, expert(x[tokens]) * weights[picks, None])
                 start += count
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def grouped(self, x: torch.Tensor, kernels: ModuleType) -> torch.Tensor:  # [T, H]
+        """The routed experts' sum as `kernels.grouped_experts` computes it over the stacked weights: each token's
+        choices in ascending expert order, so its terms are added in the loop's order."""
+        assert self.stacked is not None, "grouped needs stack_experts first"
+        weights, chosen = self.route(x)
+        chosen, slots = chosen.sort(-1)
+        return kernels.grouped_experts(x, *self.stacked, chosen, weights.gather(-1, slots))
+
+    def grouped_applies(self) -> bool:
+        """Stacked, and not in the batch-invariant form (`batch_invariant.apply` gives every dense projection its
+        fixed-tile `matmul`, which only the loop calls)."""
+        return self.stacked is not None and cast(MLP, self.experts[0]).gate_up_proj.matmul is None
+
+    def _projections(self) -> list[tuple[nn.Module, str]]:
+        return [(proj, part) for expert in cast(list[MLP], self.experts)
+                for proj, part in ((expert.gate_up_proj, "gate_up"), (expert.down_proj, "down"))]
+
+    def stack_experts(self) -> bool:
+        """Move the experts' weights into one stacked tensor per projection, each expert's weight becoming a view of
+        its slice (values kept; on the meta device, where the loader builds the model, nothing is copied and the
+        allocation that follows makes the stacks). False, changing nothing, where an expert's projection is not a
+        dense `Linear` (a block format) or the experts differ in dtype or device."""
+        if self.stacked is not None:
+            return True
+        projections = self._projections()
+        if not all(type(proj) is Linear for proj, _ in projections):
+            return False
+        weights = [cast(Linear, proj).weight for proj, _ in projections]
+        if len({(w.dtype, w.device) for w in weights}) != 1:
+            return False
+        self.stacked = (torch.stack(weights[0::2]), torch.stack(weights[1::2]))
+        self._bind_views(weights[0].requires_grad)
+        return True
+
+    def _bind_views(self, requires_grad: bool) -> None:
+        assert self.stacked is not None
+        for e, expert in enumerate(cast(list[MLP], self.experts)):
+            expert.gate_up_proj.weight = nn.Parameter(self.stacked[0][e], requires_grad=requires_grad)
+            expert.down_proj.weight = nn.Parameter(self.stacked[1][e], requires_grad=requires_grad)
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(), the loader's allocation: keep the experts stacked
+        """Stacked, `fn` applies to the two stacks, whose new slices the experts' weights become (applied to each
+        expert's weight, it would make E separate tensors and leave the stacks behind); the rest as usual."""
+        if self.stacked is None:
+            return super()._apply(fn, recurse)
+        held = [(proj, proj._parameters.pop("weight")) for proj, _ in self._projections()]
+        try:
+            super()._apply(fn, recurse)
+        except BaseException:
+            for proj, weight in held:
+                proj._parameters["weight"] = weight
+            raise
+        self.stacked = (fn(self.stacked[0]), fn(self.stacked[1]))
+        self._bind_views(held[0][1].requires_grad)
+        return self
 
 
 class DecoderLayer(nn.Module):

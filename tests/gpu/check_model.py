@@ -24,6 +24,10 @@ each shape, transformers' LlamaForCausalLM in fp32 is the truth, and in fp32 and
 
 * `deterministic` (bf16, the first shape): `engine.deterministic: true` (runtimes/llm/batch_invariant.py): each
   prompt's greedy tokens alone equal its tokens among the others, and the run's time against the default kernels'.
+* `families.mistral`, `families.qwen3_moe`, `experts.<dtype>` (tests/gpu/family_parity.py): a windowed dense family
+  and a mixture of experts, tiny checkpoints from Hugging Face directories, run by the engine (Triton attention,
+  decode graphs) against transformers on the same device in fp32, token-exact and by logprobs; the experts' grouped
+  GEMM against the per-expert loop.
 
 Weights are N(0, (2 / sqrt(hidden))^2) (logits of std ~2, few near-ties) with norm weights in [0.5, 1.5], as in
 tests/runtimes/llm/tiny.py. `--device cpu`: two tiny shapes on CPU, to try the script without a GPU.
@@ -36,6 +40,7 @@ import math
 import os
 import random
 import sys
+import time
 
 from tests.gpu.common import Reporter, Shape, fmt, parse_args, timed
 
@@ -54,9 +59,15 @@ from runtimes.llm.loader import LoadedModel, load_state_dict  # noqa: E402
 from runtimes.llm.model_runner import allocate_kv_caches  # noqa: E402
 from runtimes.llm.sampling_params import SamplingParams  # noqa: E402
 from runtimes.llm.tokenizer import Tokenizer  # noqa: E402
+from tests.gpu.family_parity import check_families  # noqa: E402
 from tests.runtimes.llm.engine_utils import ReplayingGraph, run_to_completion  # noqa: E402
 from tests.runtimes.llm.tiny import tokenizer_metadata  # noqa: E402
 
+START = time.monotonic()
+TIME_LIMIT_S = float(os.environ.get("GPU_CHECK_TIMEOUT_S") or "inf")  # what run.sh gives the check
+# the families part's time and a margin: ~30 s on two CPU cores under the interpreter (run.sh doubles the caps
+# there), its Triton compiles and graph captures on a GPU
+FAMILIES_S = 40 if DEVICE == "cuda" else 80
 BLOCK_SIZE = 16
 FP8_KV_ERROR_RATIO = 16  # 2 ** (7 - 3): bf16's mantissa bits against e4m3's
 
@@ -334,6 +345,13 @@ def main() -> int:
         rep.guarded(name, lambda n=name, s=shape: check_shape(rep, n, s))
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    # Mistral's window and Qwen3-MoE's experts, tiny (tests/gpu/family_parity.py): last, and only with the time they
+    # need left, so that they can never make the shapes above time out
+    left = TIME_LIMIT_S - (time.monotonic() - START)
+    if left < FAMILIES_S:
+        rep.skip("families", f"{left:.0f} s left of the check's {TIME_LIMIT_S:.0f} s, the families need {FAMILIES_S} s")
+    else:
+        check_families(rep, DEVICE)
     return rep.exit_code()
 
 
