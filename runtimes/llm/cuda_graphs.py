@@ -43,7 +43,7 @@ import torch
 
 from runtimes.llm.attention import AttentionMetadata, reads_only_device_metadata
 from runtimes.llm.attention.cpu_paged import kernel_takes, paged_attention_cpu
-from runtimes.llm.model import DecoderLayer, LlamaForCausalLM
+from runtimes.llm.model import DecoderLayer, LlamaForCausalLM, MixtureOfExperts
 
 MAX_CAPTURED_BATCH = 256  # larger decode batches run eagerly (their launch overhead is small next to their work)
 
@@ -229,9 +229,13 @@ class DecodeGraphs:
 
 def graphs_apply(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> bool:
     """Whether `model`'s decode steps over a `kv_dtype` cache may be captured: its attention reads only device
-    metadata (the CPU kernel's does for its own dtypes only: others go to the reference, which reads host copies)."""
+    metadata (the CPU kernel's does for its own dtypes only: others go to the reference, which reads host copies),
+    and a mixture's experts run as the grouped GEMM (their loop reads each expert's token count back to the host:
+    block-format experts, `engine.deterministic`)."""
     layers = cast(list[DecoderLayer], list(model.layers))
     if not layers:
+        return False
+    if any(isinstance(layer.mlp, MixtureOfExperts) and not layer.mlp.grouped_applies() for layer in layers):
         return False
     attention = layers[0].self_attn.attention_fn
     if attention is paged_attention_cpu and not kernel_takes(model.norm.weight.dtype, kv_dtype):

@@ -46,7 +46,7 @@ def build_parts(loaded: LoadedModel, config: EngineConfig, new_graph: Callable[[
     if new_graph is None and config.cuda_graphs and device.type == "cuda":
         new_graph = cuda_graph_factory()
     if new_graph is not None and not graphs_apply(loaded.model, kv_dtype):
-        log.warning("decode_graphs_off", reason="the attention backend reads host metadata",
+        log.warning("decode_graphs_off", reason="the attention backend, or a mixture's expert loop, reads host values",
                     attention_backend=config.attention_backend)
         new_graph = None
     reserved = 0 if new_graph is None else 1  # the decode graphs' pad block, out of the block pool

@@ -236,3 +236,23 @@ def test_every_bucket_warms_up_on_one_side_stream(monkeypatch):
     for size in capture_sizes(64):
         new_graph().capture(lambda size=size: torch.zeros(size))
     assert len(streams) == 1
+
+
+def test_a_mixture_whose_experts_loop_is_not_captured(tmp_path):
+    """A mixture's expert loop reads each expert's token count back to the host, which a graph would bake in: its
+    decode steps run eagerly; with its experts stacked for the grouped GEMM (no host read-back) they are captured."""
+    from runtimes.llm.attention import select_attention
+    from runtimes.llm.cuda_graphs import graphs_apply
+    from runtimes.llm.loader import load_model
+    from runtimes.llm.model import MixtureOfExperts
+    from tests.runtimes.llm.families import hf_family_model, save_family_dir
+
+    cpu = torch.device("cpu")
+    loaded = load_model(save_family_dir(hf_family_model("qwen3_moe"), tmp_path), cpu, torch.float32,
+                        select_attention("cpu", cpu), progress=False)
+    assert not graphs_apply(loaded.model, torch.float32)
+    config = EngineConfig(kv_cache_bytes=1 << 20, block_size=4, max_num_seqs=4)
+    assert LLMEngine(loaded, config, new_graph=ReplayingGraph).runner.graphs is None
+    mixtures = [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, MixtureOfExperts)]
+    assert mixtures and all(mlp.stack_experts() for mlp in mixtures)
+    assert graphs_apply(loaded.model, torch.float32)
