@@ -1,6 +1,7 @@
 """Shared pytest setup."""
 
 import os
+import sys
 
 import pytest
 from hypothesis import settings
@@ -27,3 +28,13 @@ def tiny_loaded():
         return loaded_tiny(TinySpec(**spec), seed)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _no_flush_to_zero_after_a_test():
+    """An engine stepping on the test's thread turns on flush-to-zero there (ModelRunner._flush_denormals), which
+    would leak into later tests: Hypothesis then refuses to draw floats (no subnormals can exist). Turned off after
+    each test, where torch is loaded at all."""
+    yield
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.set_flush_denormal(False)
