@@ -176,6 +176,17 @@ def kv_cache_budget(explicit: int | None, planned: int | None = None, *, device:
     return int(max(0, free_bytes()) * memory_fraction)
 
 
+def sequence_blocks(num_tokens: int, block_size: int, window: int = 0, max_chunk: int = 0) -> int:
+    """The most KV blocks one sequence of `num_tokens` tokens holds at once, for the planner and the engine: all of
+    them; with a window on every layer (`window`) and steps of at most `max_chunk` new tokens, at most those spanning
+    its next token's window and one step (window - 1 + max_chunk tokens, which may start inside a block), as the
+    engine hands back the blocks behind the window."""
+    whole = -(-num_tokens // block_size)
+    if not window or not max_chunk:
+        return whole
+    return min(whole, -(-(window - 1 + max_chunk) // block_size) + 1)
+
+
 _KV_ONLY = frozenset(EngineSpec.model_fields) - frozenset(EmbeddingEngineSpec.model_fields)
 
 

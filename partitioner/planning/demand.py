@@ -8,14 +8,13 @@ shape of a model whose weights are here from their metadata (`shapes.plan_shapes
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from foundation.config_files import config_path
 from partitioner.planning.plan import InfeasiblePlan
-from registry.engine import EngineSpec, kv_cache_budget
+from registry.engine import EngineSpec, kv_cache_budget, sequence_blocks
 from registry.fields import GIB, MIB, Device, Isolation
 from registry.schema import ModelSpec, Registry
 
@@ -141,9 +140,7 @@ def _one_sequence_kv(engine: EngineSpec, shape: ModelShape | None) -> int | None
     if shape is None or tokens is None:
         return None
     block = engine.block_size
-    blocks = math.ceil(tokens / block)
-    if shape.sliding_window:
-        blocks = min(blocks, math.ceil((shape.sliding_window - 1 + engine.max_num_batched_tokens) / block) + 1)
+    blocks = sequence_blocks(tokens, block, shape.sliding_window, engine.max_num_batched_tokens)
     return blocks * block * shape.kv_bytes_per_token
 
 

@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from registry.engine import sequence_blocks
 from runtimes.llm.block_pool import BlockPool
 from runtimes.llm.request import Request
 
@@ -77,13 +78,12 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def blocks_at_most(self, num_tokens: int) -> int:
-        """The most blocks a request of `num_tokens` tokens holds at once: all of them; with a window on every layer,
-        at most those spanning its next token's window and one step's new tokens (window - 1 + max_chunk tokens,
-        which may start inside a block)."""
-        whole = self.blocks_for(num_tokens)
-        if not self.window or not self.max_chunk:
-            return whole
-        return min(whole, self.blocks_for(self.window - 1 + self.max_chunk) + 1)
+        """The most blocks a request of `num_tokens` tokens holds at once (`registry.engine.sequence_blocks`)."""
+        return sequence_blocks(num_tokens, self.block_size, self.window, self.max_chunk)
+
+    def _behind(self, num_computed: int) -> int:
+        """Blocks wholly before the window of the token at position `num_computed` (0 without a window)."""
+        return max(0, num_computed + 1 - self.window) // self.block_size if self.window else 0
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
@@ -157,8 +157,7 @@ class KVCacheManager:
         # Hit blocks that sit unreferenced in the free queue stop being allocatable once touched, and so does a
         # partial hit's source while it is copied.
         # With a window, the hits wholly behind the first new token's window are never read: named, not taken.
-        behind = min(len(computed_blocks), max(0, num_computed + 1 - self.window) // self.block_size) \
-            if self.window and computed_blocks else 0
+        behind = min(len(computed_blocks), self._behind(num_computed))
         taken = computed_blocks[behind:]
         revived = sum(1 for b in taken if self.pool.ref_cnt[b] == 0)
         if partial is not None and self.pool.ref_cnt[partial.source] == 0:
@@ -213,7 +212,7 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id)
         if not self.window or table is None:
             return 0
-        behind = max(0, request.num_computed_tokens + 1 - self.window) // self.block_size
+        behind = self._behind(request.num_computed_tokens)
         done = self._num_released.get(request.request_id, 0)
         if behind <= done:
             return 0

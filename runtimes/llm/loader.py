@@ -26,7 +26,7 @@ from tqdm import tqdm
 from registry.sources import resolve_model_path
 from runtimes.llm.config import ModelConfig
 from runtimes.llm.model import AttentionFn, Linear, LlamaForCausalLM, MixtureOfExperts
-from runtimes.llm.model_config import ROPE_FACTOR_TENSORS, read_gguf
+from runtimes.llm.model_config import GEMMAS, ROPE_FACTOR_TENSORS, read_gguf
 from runtimes.llm.quant.cpu import BlockWeight
 from runtimes.llm.quant.formats import BlockFormat
 from runtimes.llm.quant.weights import (
@@ -382,7 +382,7 @@ def _hf_name(gguf_name: str, family: str = "llama") -> str:
     `ffn_up` is its fused gate|up, Gemma's `ffn_norm` the norm before its MLP (`pre_feedforward_layernorm`)."""
     if family == "phi3" and re.fullmatch(r"blk\.\d+\.ffn_up\.weight", gguf_name):
         return gguf_name.replace("blk.", "layers.").replace("ffn_up", "mlp.gate_up_proj")
-    if family in ("gemma2", "gemma3_text") and (match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)) \
+    if family in GEMMAS and (match := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)) \
             and match.group(2) in _GGUF_GEMMA_NORMS:
         return f"layers.{match.group(1)}.{_GGUF_GEMMA_NORMS[match.group(2)]}.weight"
     if gguf_name in _GGUF_NAMES:

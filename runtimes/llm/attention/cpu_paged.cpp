@@ -387,11 +387,11 @@ void attend_all(const at::Tensor& query, const T* kc, const T* vc, const std::ve
   const int64_t threads = at::get_num_threads();
   const bool whole_decodes = static_cast<int64_t>(seqs.size()) >= threads;
   std::vector<Item> items;
+  // the tokens a row reads: its position + 1, or the window
+  const auto reads = [&](int64_t len) { return g.window > 0 ? std::min(len, g.window) : len; };
   for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
     const Seq& s = seqs[i];
     const int64_t start = s.seq_len - s.q_len;
-    // the tokens a row reads: its position + 1, or the window
-    const auto reads = [&](int64_t len) { return g.window > 0 ? std::min(len, g.window) : len; };
     if (s.q_len == 1 && whole_decodes) {  // enough sequences to keep every thread busy: one item each
       items.push_back({i, 0, num_kv_heads, 0, 1, num_kv_heads * reads(s.seq_len)});
       continue;

@@ -133,7 +133,7 @@ def _prefill_rows(meta: AttentionMetadata, dtype: torch.dtype, device: torch.dev
             s_len = meta.seq_lens_host[i]
             first = max(0, s_len - q_len + 1 - window) if window else 0
             mask = None
-            if q_len != s_len or first or (window and window < s_len):
+            if q_len != s_len or (window and window < s_len):
                 q_pos = torch.arange(s_len - q_len, s_len, device=device)
                 k_pos = torch.arange(first, s_len, device=device)[None, :]
                 hidden = k_pos > q_pos[:, None]
