@@ -101,6 +101,18 @@ async def scale_model(request: Request) -> JSONResponse:
     return await _apply(state, lambda: state.store.scale(name, replicas), param="replicas")
 
 
+def _pin_action(pinned: bool):
+    async def endpoint(request: Request) -> JSONResponse:
+        """pin: a model started on demand is kept resident (`scaling.pinned`: one replica at least, never unloaded
+        nor evicted), persisted to the registry; unpin: it may go idle again."""
+        state = _state(request)
+        name = request.path_params["name"]
+        _model_or_404(state, name)
+        return await _apply(state, lambda: state.store.pin(name, pinned), param="scaling.pinned")
+
+    return endpoint
+
+
 def _replica_action(drain: bool):
     async def endpoint(request: Request) -> JSONResponse:
         """drain: no new requests from now on; with `{"migrate": true}` (the body is optional) its streams that can
@@ -142,6 +154,8 @@ def admin_routes() -> list[Route]:
         Route("/admin/models/{name}", put_model, methods=["PUT"]),
         Route("/admin/models/{name}", delete_model, methods=["DELETE"]),
         Route("/admin/models/{name}/scale", scale_model, methods=["POST"]),
+        Route("/admin/models/{name}/pin", _pin_action(pinned=True), methods=["POST"]),
+        Route("/admin/models/{name}/unpin", _pin_action(pinned=False), methods=["POST"]),
         Route("/admin/replicas/{replica_id:path}/drain", _replica_action(drain=True), methods=["POST"]),
         Route("/admin/replicas/{replica_id:path}/undrain", _replica_action(drain=False), methods=["POST"]),
         Route("/admin/registry/status", registry_status, methods=["GET"]),

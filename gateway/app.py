@@ -119,18 +119,23 @@ async def health(request: Request) -> JSONResponse:
 
 
 def readiness(state: GatewayState) -> tuple[bool, dict[str, Any]]:
-    """Ready when every enabled model with replicas wanted has at least one ready replica."""
+    """Ready when every enabled model with replicas wanted has at least one ready replica, or can start one on
+    demand: a model with `replicas: {min: 0, ...}` and none running is cold, not failing (`"on_demand": true`)."""
     detail: dict[str, Any] = {}
     ok = True
     for spec in state.store.registry.models:
-        if not spec.enabled or spec.replicas == 0:
+        if not spec.enabled or spec.max_replicas == 0:
             continue
         group = state.pool.group(spec.name)
         replicas = [] if group is None else group.replicas
         ready = sum(r.state == ReplicaState.READY for r in replicas)
         detail[spec.name] = {"ready_replicas": ready, "replicas": len(replicas),
                              "states": [r.state.value for r in replicas]}
-        ok = ok and ready > 0
+        if spec.on_demand:
+            detail[spec.name]["on_demand"] = True
+        cold_ok = spec.on_demand and spec.resident_replicas == 0 and not any(
+            r.state == ReplicaState.FAILED for r in replicas)
+        ok = ok and (ready > 0 or cold_ok)
     return ok, detail
 
 
@@ -141,7 +146,7 @@ async def ready(request: Request) -> JSONResponse:
 
 async def health_models(request: Request) -> JSONResponse:
     state: GatewayState = request.app.state.gateway
-    return JSONResponse({"models": state.pool.health()})
+    return JSONResponse({"models": state.pool.health(), "memory": state.pool.memory()})
 
 
 async def metrics(request: Request) -> Response:

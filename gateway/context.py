@@ -30,6 +30,7 @@ class RequestContext:
     payload: dict[str, Any] | None = None  # its JSON body, once parsed (`request_body.request_payload`)
     lane: int | None = None  # the lane its API key allows it (gateway/lanes.py); None: the replica classifies it
     reply_tap: ReplyTap | None = None  # what reads its reply's token counts (`tap_reply`)
+    cold_start_s: float | None = None  # how long it waited for its model to start on demand (None: it did not)
 
     @property
     def allowed_models(self) -> frozenset[str] | None:
@@ -56,7 +57,11 @@ class RequestContext:
 
     def log_fields(self) -> dict[str, Any]:
         """What the access log adds about the request's route."""
-        return {name: value for name, value in (("model", self.model), ("replica", self.replica)) if value}
+        route = (("model", self.model), ("replica", self.replica))
+        fields: dict[str, Any] = {name: value for name, value in route if value}
+        if self.cold_start_s is not None:
+            fields["cold_start_s"] = round(self.cold_start_s, 3)
+        return fields
 
 
 def request_context(scope: Any) -> RequestContext:

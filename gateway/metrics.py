@@ -40,6 +40,31 @@ class _PoolCollector(Collector):
         yield states
         yield breakers
         yield in_flight
+        yield from self._residency()
+
+    def _residency(self) -> Iterator[Metric]:
+        """Models on demand: cold starts by outcome, replicas unloaded (idle or evicted), and each device's memory
+        budget and what resident replicas hold of it."""
+        stats = self.pool.stats
+        cold = CounterMetricFamily(f"{PREFIX}_cold_starts", "Replicas started on demand for a request, by outcome: "
+                                   "ok, failed (exited or not ready in time) or refused (no room in the memory "
+                                   "budget).", labels=["model", "outcome"])
+        for (model, outcome), n in sorted(stats.cold_starts.items()):
+            cold.add_metric([model, outcome], float(n))
+        unloads = CounterMetricFamily(f"{PREFIX}_replica_unloads", "Replicas of models on demand stopped, by reason: "
+                                      "idle (scaling.idle_unload_s) or evicted (room for another under the memory "
+                                      "budget).", labels=["model", "reason"])
+        for (model, reason), n in sorted(stats.unloads.items()):
+            unloads.add_metric([model, reason], float(n))
+        held = GaugeMetricFamily(f"{PREFIX}_memory_held_bytes", "Memory the replicas on a device hold by the "
+                                 "planner's model (starting and stopping ones included).", labels=["device"])
+        budget = GaugeMetricFamily(f"{PREFIX}_memory_budget_bytes", "A device's memory budget for resident "
+                                   "replicas (gateway.memory_budget_gib, else the device's memory).", labels=["device"])
+        for device, memory in self.pool.memory().items():
+            held.add_metric([device], float(memory["held_bytes"]))
+            if memory["budget_bytes"] is not None:
+                budget.add_metric([device], float(memory["budget_bytes"]))
+        yield from (cold, unloads, held, budget)
 
 
 SharesSource = Callable[[], Mapping[str, Sequence[Any]]]  # device -> arbiter ClientShares
@@ -82,6 +107,13 @@ class GatewayMetrics:
         self.ttft = Histogram(f"{PREFIX}_time_to_first_byte_seconds",
                               "Streaming: time until the first event reached the client (the first token).",
                               ["model"], buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.cold_ttft = Histogram(f"{PREFIX}_cold_time_to_first_byte_seconds",
+                                   "Streaming requests that waited for their model to start on demand: time until "
+                                   "the first event reached the client, the start included.",
+                                   ["model"], buckets=E2E_BUCKETS_S, registry=self.registry)
+        self.cold_start_wait = Histogram(f"{PREFIX}_cold_start_wait_seconds", "Time a request waited for its model "
+                                         "to start on demand (its replica's launch until ready, or a share of it).",
+                                         ["model"], buckets=E2E_BUCKETS_S, registry=self.registry)
         self.e2e = Histogram(f"{PREFIX}_request_duration_seconds", "End-to-end request latency.",
                              ["model"], buckets=E2E_BUCKETS_S, registry=self.registry)
         self.retries = Counter(f"{PREFIX}_retries", "Requests re-sent to another replica after a failure.",

@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_body import request_payload
 from gateway.resume import Moved, ProgressTracker, Pump, ResumeBudget, Stalled, StreamTracker
 from gateway.upstream import MAX_REPLY_BYTES, Timeouts, Upstream, UpstreamError, UpstreamReply, UpstreamTimeout
-from model_pool.pool import InstanceGroup, ModelPool
+from model_pool.pool import ColdStartFailed, InstanceGroup, ModelPool
 from model_pool.replica import Lease, Replica, ReplicaState
 from policies.retry import Backoff
 from registry.schema import ModelSpec
@@ -86,9 +86,15 @@ class _Outcome:
 
     retry_after_s: list[float]
     timed_out: bool = False
+    cold_start: ColdStartFailed | None = None  # the first model on demand that could not be started
 
     def error(self, spec: ModelSpec, timeout_s: float) -> APIError:
         fallbacks = ", ".join(spec.fallbacks) or "none"
+        if self.cold_start is not None:
+            code = "memory_budget_full" if self.cold_start.budget else "cold_start_failed"
+            return APIError(503, f"model {spec.name!r} could not be started on demand: {self.cold_start} "
+                                 f"(fallbacks tried: {fallbacks})", code=code,
+                            retry_after_s=self.cold_start.retry_after_s)
         if self.retry_after_s:
             return APIError(429, f"model {spec.name!r} is overloaded: every replica's queue is full (fallbacks "
                                  f"tried: {fallbacks})", code="overloaded", retry_after_s=min(self.retry_after_s))
@@ -232,6 +238,9 @@ class Forwarder:
                 continue
             except NoReplica:
                 continue
+            except ColdStartFailed as failed:
+                outcome.cold_start = outcome.cold_start or failed
+                continue
             if target is not spec:
                 self.metrics.failovers.labels(spec.name, target.name).inc()
             return response
@@ -244,6 +253,8 @@ class Forwarder:
         tried: set[str] = set()
         for attempt in itertools.count(1):
             replica = self.pool.choose(group, tried, call.key)
+            if replica is None and attempt == 1 and group.spec.on_demand:
+                replica = await self._cold_start(request, group)
             if replica is None:
                 raise NoReplica(group.spec.name)
             tried.add(replica.replica_id)
@@ -260,6 +271,18 @@ class Forwarder:
                 if isinstance(err, ReplicaFailure):  # a full queue elsewhere is no reason to wait; a fault is
                     await self.sleep(Backoff(self.settings.backoff_s, self.settings.backoff_max_s).delay_s(attempt))
         raise AssertionError("unreachable: itertools.count() does not end")
+
+    async def _cold_start(self, request: Request, group: InstanceGroup) -> Replica | None:
+        """The replica a model on demand starts for this request (or another's start it shares): how long it
+        waited is the request's (its log line, `cold_start_wait_seconds`). Raises `ColdStartFailed`."""
+        started = self.clock()
+        try:
+            replica = await self.pool.cold_start(group)
+        finally:
+            waited = self.clock() - started
+            request_context(request.scope).cold_start_s = waited
+            self.metrics.cold_start_wait.labels(group.spec.name).observe(waited)
+        return replica if replica.routable() else None
 
     async def _send(self, request: Request, replica: Replica, endpoint: str, content: bytes, stream: bool,
                     call: _Call) -> Response:
@@ -354,6 +377,8 @@ class Forwarder:
         budget = self._budget()
         try:
             self.metrics.ttft.labels(model).observe(self.clock() - call.start)
+            if request_context(request.scope).cold_start_s is not None:
+                self.metrics.cold_ttft.labels(model).observe(self.clock() - call.start)
             while True:
                 num_before = 0 if tracker is None else len(tracker.token_ids)
                 try:

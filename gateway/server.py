@@ -66,7 +66,8 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     launchers: dict[str, Launcher] = {
         "local": launcher, "url": UrlLauncher(), "ray": RayLauncher(ray_cluster, ray_placer),
         "command": CommandLauncher(log_dir=log_dir, env_drop=secrets)}
-    pool = ModelPool(launchers, http, pool_settings, placement_for=placer)
+    pool = ModelPool(launchers, http, pool_settings, placement_for=placer, footprint_for=placer.footprint,
+                     default_budget=placer.budget)
     metrics = GatewayMetrics(pool)
     metrics.add_time_shares(placer.shares)
 

@@ -16,6 +16,13 @@ streams moved regardless: it will not finish them.
 A replica whose process is alive but whose probes keep failing (hung, or its engine stuck: it reports itself
 unready) is taken out of routing after `unhealthy_after` probes and restarted once it has been unhealthy for
 `restart_unhealthy_after_s`; that counts as a crash, so a replica that keeps hanging ends up failed.
+
+A model with `replicas: {min, max}` runs on demand: `min` replicas are kept, the first request to it while none is
+ready starts one (`cold_start`, shared by every request that waits for it, outside the pool's lock), and a replica
+idle for `scaling.idle_unload_s` is stopped, down to `min`. Every start (on demand or not) is admitted under its
+device's memory budget (`model_pool/residency.py`): idle replicas of models on demand are evicted to make room,
+least recently used first; a cold start that still does not fit waits for replicas in use to go idle, for
+`gateway.eviction_wait_s`, and is then refused.
 """
 
 from __future__ import annotations
@@ -32,9 +39,21 @@ import structlog
 from model_pool.health import BreakerConfig, CircuitBreaker
 from model_pool.launcher import Launcher
 from model_pool.replica import Lease, Replica, ReplicaState
+from model_pool.residency import (
+    BudgetFor,
+    FootprintFor,
+    ResidencyStats,
+    Room,
+    budget_from,
+    budget_key_name,
+    find_room,
+    gib,
+    holders_text,
+    holds,
+)
 from policies.retry import Backoff
 from policies.routing import Candidate, RoutingPolicy, make_policy
-from registry.launch import ReplicaPlacement, replica_launch
+from registry.launch import Footprint, ReplicaPlacement, replica_launch
 from registry.schema import ModelSpec, Registry
 from registry.store import diff_registries
 
@@ -65,9 +84,22 @@ class InstanceGroup:
     replicas: list[Replica] = field(default_factory=list)
     revision: int = 0  # rollouts so far: a rolled-out replica's id says which (`<model>/<index>-r<revision>`)
     rollout: dict[str, Any] = field(default_factory=dict)  # the last rollout's progress, for /health/models
+    waiters: int = 0  # requests waiting for a cold start: the group is never evicted meanwhile
+    starting: asyncio.Task[Replica] | None = None  # the cold start every waiting request shares
+    last_unload: dict[str, Any] | None = None  # the last replica stopped for idleness or evicted, and why
 
     def replica_id(self, index: int) -> str:
         return f"{self.spec.name}/{index}" if self.revision == 0 else f"{self.spec.name}/{index}-r{self.revision}"
+
+
+class ColdStartFailed(Exception):
+    """A model on demand could not be started for a request: its replica exited or was not ready in time, or its
+    device's memory budget had no room (`budget`). `retry_after_s`: when to try again."""
+
+    def __init__(self, message: str, retry_after_s: float, budget: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.budget = budget
 
 
 @dataclass(frozen=True)
@@ -95,6 +127,8 @@ class ModelPool:
         placement_for: PlacementFor | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        footprint_for: FootprintFor | None = None,
+        default_budget: BudgetFor | None = None,
     ) -> None:
         self.launchers = launchers
         self.http = http
@@ -106,6 +140,12 @@ class ModelPool:
         self._applied = Registry(models=[])  # what `apply` last made the pool match
         self._schedule = _Schedule()
         self._lock = asyncio.Lock()
+        # what a replica holds of which device's budget (None: nothing known, nothing counted), and the budget of a
+        # device the registry does not name (None: unlimited)
+        self.footprint_for = footprint_for or (lambda spec, index: Footprint())
+        self.default_budget = default_budget or (lambda device: None)
+        self.stats = ResidencyStats()
+        self._unloading: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------------------------ desired state
 
@@ -136,19 +176,217 @@ class ModelPool:
                                                                                    spec.policy.load_bound):
                     group.routing = _routing_policy(spec)
                 group.spec = spec
+                target = _target_count(group)
                 if name in diff.relaunched:  # what its replicas run changed: fewer first, then roll, then more
-                    await self._resize(group, min(spec.replicas, len(_live(group))))
+                    await self._resize(group, min(target, len(_live(group))))
                     await self._roll(group)
-                await self._resize(group, spec.replicas)
+                await self._resize(group, target)
 
     async def _resize(self, group: InstanceGroup, count: int) -> None:
         live = _live(group)
-        for index in range(len(live), count):
-            replica = self._new_replica(group, index)
+        for _ in range(len(live), count):
+            replica = self._new_replica(group, _free_index(group))
+            await self._make_room(group, replica)
             group.replicas.append(replica)
             await self._launch(group, replica)
         for replica in sorted(live, key=lambda r: r.index)[count:]:
             await self._retire(group, replica)
+
+    async def _make_room(self, group: InstanceGroup, replica: Replica) -> None:
+        """Room under the budget for a replica the registry wants resident (the caller holds the lock): idle
+        replicas of models on demand are evicted first, least recently used first, then those in use (their streams
+        move or finish, as in a scale-down): a resident model's place comes before a model called on demand. The
+        registry check has refused resident replicas that do not fit together; a replica whose footprint is larger
+        than the estimate made room for starts anyway, logged."""
+        replica.footprint = footprint = self.footprint_for(group.spec, replica.index)
+
+        def room(idle_only: bool) -> Room:
+            return find_room(footprint, self._budget(footprint.device), self.replicas(),
+                             self._evictable(group, idle_only=idle_only))
+
+        # replicas already stopping (unloaded in the background) free their share first
+        await self._wait_supervising(lambda: room(idle_only=False).wait, supervise=True)
+        for idle_only in (True, False):
+            found = room(idle_only)
+            if found.fits:
+                await asyncio.gather(*(self._unload(v, "evicted", wait=True) for v in found.victims))
+                return
+        log.warning("replica_over_budget", replica=replica.replica_id, device=footprint.device,
+                    needs=gib(footprint.bytes or 0), budget=gib(self._budget(footprint.device) or 0))
+
+    def _budget(self, device: str) -> int | None:
+        return budget_from(self._applied.gateway.memory_budget_gib, self.default_budget)(device)
+
+    def _evictable(self, group: InstanceGroup, idle_only: bool) -> list[Replica]:
+        """Replicas that may be stopped to make room for one of `group`: ready replicas of the other models on
+        demand that are not pinned and have no request waiting for a cold start, above their model's resident
+        floor (the least recently used ones), idle if `idle_only`."""
+        victims = []
+        for other in self.groups.values():
+            if other is group or not other.spec.on_demand or other.spec.scaling.pinned or other.waiters:
+                continue
+            running = [r for r in other.replicas if r.state == ReplicaState.READY and not r.manually_drained]
+            spare = len(running) - other.spec.resident_replicas
+            candidates = [r for r in running if r.outstanding == 0 or not idle_only]
+            victims += sorted(candidates, key=lambda r: r.last_used)[:max(spare, 0)]
+        return victims
+
+    def _unload(self, replica: Replica, reason: str, wait: bool = False) -> Awaitable[None]:
+        """Stop a replica of a model on demand (`idle` or `evicted`): out of routing now, its streams moved or
+        finished as in a scale-down, then its process stopped and the replica dropped from its group. It holds its
+        budget until its process is gone. Runs in the background (tracked for shutdown) unless the caller awaits
+        what this returns (`wait`: the caller holds the lock, so the others are supervised meanwhile)."""
+        group = self.groups.get(replica.model)
+        replica.set_state(ReplicaState.DRAINING, self.clock())
+        self.stats.unloads[(replica.model, reason)] += 1
+        if group is not None:
+            group.last_unload = {"replica": replica.replica_id, "reason": reason, "at": time.time()}
+        log.info("replica_unloading", replica=replica.replica_id, reason=reason,
+                 idle_s=round(self.clock() - replica.last_used, 1), memory=gib(replica.footprint.bytes or 0))
+
+        async def unload() -> None:
+            await self.stop_replica(replica, migrate=True, supervise_others=wait)
+            if group is not None and replica in group.replicas:
+                group.replicas.remove(replica)
+
+        if wait:
+            return unload()
+        task = asyncio.create_task(unload())
+        self._unloading.add(task)
+        task.add_done_callback(self._unloading.discard)
+        return task
+
+    def _unload_idle(self) -> None:
+        """Stop the replicas of models on demand that have had no request for `scaling.idle_unload_s`, least
+        recently used first, down to each model's resident floor (the caller holds the lock)."""
+        now = self.clock()
+        for group in self.groups.values():
+            scaling = group.spec.scaling
+            if not group.spec.on_demand or scaling.idle_unload_s is None or scaling.pinned or group.waiters:
+                continue
+            running = [r for r in group.replicas if r.state == ReplicaState.READY and not r.manually_drained]
+            idle = sorted((r for r in running if r.outstanding == 0 and now - r.last_used >= scaling.idle_unload_s),
+                          key=lambda r: r.last_used)
+            for replica in idle[:max(len(running) - group.spec.resident_replicas, 0)]:
+                self._unload(replica, "idle")
+
+    def _residency_view(self, group: InstanceGroup) -> dict[str, Any]:
+        """For /health/models: whether the model runs on demand and is resident, starting, cold or evicted."""
+        spec = group.spec
+        if any(r.state == ReplicaState.READY for r in group.replicas):
+            residency = "resident"
+        elif any(holds(r) for r in group.replicas) or (group.starting is not None and not group.starting.done()):
+            residency = "starting"
+        else:
+            evicted = group.last_unload is not None and group.last_unload["reason"] == "evicted"
+            residency = "evicted" if evicted else "cold"
+        view: dict[str, Any] = {"on_demand": spec.on_demand, "residency": residency}
+        if spec.on_demand:
+            view |= {"replicas_min": spec.resident_replicas, "replicas_max": spec.max_replicas,
+                     "pinned": spec.scaling.pinned, "idle_unload_s": spec.scaling.idle_unload_s,
+                     "waiting_for_cold_start": group.waiters, "last_unload": group.last_unload}
+        return view
+
+    # ------------------------------------------------------------------------------------ cold starts
+
+    async def cold_start(self, group: InstanceGroup) -> Replica:
+        """A ready replica for a model on demand with none routable: started now, or the start already under way
+        for another request (one start for them all). Waits up to `scaling.cold_start_timeout_s`, without holding
+        the pool's lock; raises `ColdStartFailed` (with when to retry) if it is not ready by then, its process
+        exits, or its device's budget has no room. A timed-out wait leaves the start going for later requests."""
+        spec = group.spec
+        if group.starting is None or group.starting.done():
+            group.starting = asyncio.create_task(self._start_on_demand(group))
+            group.starting.add_done_callback(_retrieve)
+        group.waiters += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(group.starting), spec.scaling.cold_start_timeout_s)
+        except asyncio.TimeoutError:
+            raise ColdStartFailed(
+                f"model {spec.name!r} was not ready within scaling.cold_start_timeout_s = "
+                f"{spec.scaling.cold_start_timeout_s:g} s (its start goes on)",
+                retry_after_s=5.0) from None
+        finally:
+            group.waiters -= 1
+
+    async def _start_on_demand(self, group: InstanceGroup) -> Replica:
+        """The one cold start of `group`: admit a replica under its device's budget (evicting idle replicas, least
+        recently used first; waiting up to `gateway.eviction_wait_s` for those in use to go idle), launch it, and
+        probe it until it is ready."""
+        name = group.spec.name
+        deadline = self.clock() + self._applied.gateway.eviction_wait_s
+        try:
+            replica = await self._admit(group, deadline)
+            if replica.state != ReplicaState.READY:
+                await self._wait_ready(replica)
+        except ColdStartFailed as err:
+            self.stats.cold_starts[(name, "refused" if err.budget else "failed")] += 1
+            log.warning("cold_start_failed", model=name, reason=str(err))
+            raise
+        self.stats.cold_starts[(name, "ok")] += 1
+        return replica
+
+    async def _admit(self, group: InstanceGroup, deadline: float) -> Replica:
+        """A replica of `group` that is ready or starting: one already there, or a new one launched once its
+        footprint fits its device's budget."""
+        while True:
+            async with self._lock:
+                spec = group.spec
+                if self.groups.get(spec.name) is not group:
+                    raise ColdStartFailed(f"model {spec.name!r} was removed or disabled while it started", 1.0)
+                pending = [r for r in group.replicas if not r.manually_drained and (
+                    r.routable() or r.state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY))]
+                if pending:
+                    return next((r for r in pending if r.routable()), pending[0])
+                failed = next((r for r in group.replicas if r.state == ReplicaState.FAILED), None)
+                if failed is not None:
+                    raise ColdStartFailed(f"replica {failed.replica_id} failed (it crashed repeatedly); fix the "
+                                          f"model and edit the registry to start it again", 30.0)
+                if len(_live(group)) < spec.max_replicas:  # else: its replicas are stopping, wait for them
+                    replica = self._new_replica(group, _free_index(group))
+                    replica.footprint = footprint = self.footprint_for(spec, replica.index)
+                    budget = self._budget(footprint.device)
+                    room = find_room(footprint, budget, self.replicas(), self._evictable(group, idle_only=True))
+                    if room.fits and not room.victims:
+                        group.replicas.append(replica)
+                        await self._launch(group, replica)
+                        if replica.handle is None:
+                            raise ColdStartFailed(f"replica {replica.replica_id} could not be launched", 5.0)
+                        log.info("cold_start", replica=replica.replica_id, device=footprint.device,
+                                 memory=gib(footprint.bytes or 0))
+                        return replica
+                    for victim in room.victims:  # they hold the budget until stopped: admitted on a later pass
+                        self._unload(victim, "evicted")
+                    if not room.fits and not room.wait and self.clock() >= deadline:
+                        raise ColdStartFailed(
+                            f"no room for model {spec.name!r} ({gib(footprint.bytes or 0)}) under "
+                            f"{budget_key_name(footprint.device)} = {gib(budget or 0)}: held by "
+                            f"{holders_text(self.replicas(), footprint.device, self._pinned)}; waited "
+                            f"{self._applied.gateway.eviction_wait_s:g} s (gateway.eviction_wait_s) for one to go "
+                            f"idle", 5.0, budget=True)
+            await self.sleep(0.05)
+
+    async def _wait_ready(self, replica: Replica) -> None:
+        """Probe a replica just launched on demand until it is ready; `ColdStartFailed` if its process exits first
+        (the supervisor restarts it as any crash) or it is not ready within its ready timeout."""
+        deadline = self.clock() + replica.ready_timeout_s
+        while replica.state != ReplicaState.READY:
+            handle = replica.handle
+            if handle is None or handle.exit_code() is not None or replica.state == ReplicaState.FAILED:
+                tail = _output_tail(replica).strip().splitlines()[-1:] or [""]
+                raise ColdStartFailed(f"replica {replica.replica_id} exited while starting: {tail[0]}".rstrip(": "),
+                                      5.0)
+            if self.clock() >= deadline:
+                raise ColdStartFailed(f"replica {replica.replica_id} was not ready within "
+                                      f"{replica.ready_timeout_s:g} s of its launch", 5.0)
+            if replica.state == ReplicaState.STARTING:
+                await self._probe(replica)
+            if replica.state != ReplicaState.READY:
+                await self.sleep(0.05)
+
+    def _pinned(self, replica: Replica) -> bool:
+        group = self.groups.get(replica.model)
+        return group is not None and (not group.spec.on_demand or group.spec.scaling.pinned)
 
     def _new_replica(self, group: InstanceGroup, index: int) -> Replica:
         return Replica(group.replica_id(index), group.spec.name, index,
@@ -224,6 +462,7 @@ class ModelPool:
         replica.ready_timeout_s = (spec.command.ready_timeout_s if spec.command is not None
                                    else self.settings.ready_timeout_s)
         replica.set_state(ReplicaState.STARTING, self.clock())
+        replica.last_used = self.clock()
         self._schedule.launched_at[replica.replica_id] = self.clock()
         log.info("replica_launched", replica=replica.replica_id, url=replica.display_url)
 
@@ -280,6 +519,7 @@ class ModelPool:
                 next_tick = self.clock() + self.settings.probe_interval_s
 
     async def shutdown(self) -> None:
+        await asyncio.gather(*self._unloading, return_exceptions=True)
         async with self._lock:
             await asyncio.gather(*(self._stop_group(g) for g in self.groups.values()))
             self.groups.clear()
@@ -312,9 +552,10 @@ class ModelPool:
                 self._move_waiting()
 
     async def tick(self) -> None:
-        """One pass: restart what crashed (with backoff), probe everything else."""
+        """One pass: restart what crashed (with backoff), probe everything else, unload what has been idle."""
         async with self._lock:
             await self._supervise_all()
+            self._unload_idle()
 
     async def _supervise_all(self, skip: Replica | None = None) -> None:
         """One supervision pass over every replica but `skip` (the caller holds the lock)."""
@@ -429,8 +670,9 @@ class ModelPool:
         return by_id[pick.replica_id]
 
     def lease(self, replica: Replica) -> Lease:
-        """A request's hold on `replica` (in flight until released; its outcome feeds the breaker)."""
-        return Lease(replica)
+        """A request's hold on `replica` (in flight until released; its outcome feeds the breaker). It marks the
+        replica used, at its start and its end (idle unload and eviction go by that)."""
+        return Lease(replica, self.clock)
 
     def replicas(self) -> list[Replica]:
         """Every replica of every group, in group order (for metrics and health views)."""
@@ -468,8 +710,19 @@ class ModelPool:
     def health(self) -> dict[str, Any]:
         return {name: {"replicas": [r.snapshot() for r in g.replicas],
                        "ready_replicas": sum(r.state == ReplicaState.READY for r in g.replicas),
-                       "engine": g.spec.engine.model_dump(mode="json"), "rollout": g.rollout or None}
+                       "engine": g.spec.engine.model_dump(mode="json"), "rollout": g.rollout or None,
+                       **self._residency_view(g)}
                 for name, g in self.groups.items()}
+
+    def memory(self) -> dict[str, dict[str, Any]]:
+        """Per device with a budget or a replica counted on it: the budget and what is held (bytes)."""
+        replicas = self.replicas()
+        devices = {r.footprint.device for r in replicas if r.footprint.bytes is not None}
+        devices |= set(self._applied.gateway.memory_budget_gib)
+        return {device: {"budget_bytes": self._budget(device),
+                         "held_bytes": sum(r.footprint.bytes or 0 for r in replicas
+                                           if holds(r) and r.footprint.device == device)}
+                for device in sorted(devices)}
 
 
 def _output_tail(replica: Replica) -> str:
@@ -486,6 +739,28 @@ def has_migration_target(group_replicas: Iterable[Replica], replica: Replica) ->
 
 def _live(group: InstanceGroup) -> list[Replica]:
     return [r for r in group.replicas if r.state != ReplicaState.STOPPED]
+
+
+def _free_index(group: InstanceGroup) -> int:
+    """The smallest replica index no live replica of `group` has (replicas on demand come and go)."""
+    taken = {r.index for r in _live(group)}
+    return next(i for i in range(len(taken) + 1) if i not in taken)
+
+
+def _target_count(group: InstanceGroup) -> int:
+    """How many replicas `apply` keeps: the count; on demand, those running now (not draining), kept within
+    `[min, max]` (at least one when pinned)."""
+    spec = group.spec
+    if not spec.on_demand:
+        return spec.max_replicas
+    running = sum(r.state != ReplicaState.DRAINING for r in _live(group))
+    return min(max(running, spec.resident_replicas), spec.max_replicas)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """A cold start nobody waits for any more may fail: its exception is read here, not reported as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _routing_policy(spec: ModelSpec) -> RoutingPolicy:

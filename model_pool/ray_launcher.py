@@ -338,7 +338,7 @@ class RayLauncher:
 def ray_problems(registry: Registry, cluster: RayCluster | None) -> list[Problem]:
     """Why the registry's `launcher: ray` models cannot run on the cluster: it cannot be reached, or a model asks
     for more than any one of its nodes has (an actor Ray could never place). Empty when there is no such model."""
-    models = [(i, m) for i, m in enumerate(registry.models) if m.launcher == "ray" and m.enabled and m.replicas]
+    models = [(i, m) for i, m in enumerate(registry.models) if m.launcher == "ray" and m.enabled and m.max_replicas]
     if not models:
         return []
     if cluster is None:

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 from foundation.http.replica_auth import bearer
 from model_pool.health import CircuitBreaker
 from model_pool.launcher import ReplicaHandle
+from registry.launch import Footprint
 
 
 class ReplicaState(enum.Enum):
@@ -48,6 +49,8 @@ class Replica:
     ready_timeout_s: float = 180.0  # not ready this long after its launch: a failed start (set at each launch)
     # streams relayed from this replica that can go on elsewhere: each callback asks its relay to move
     movable: set[Callable[[], None]] = field(default_factory=set)
+    footprint: Footprint = field(default_factory=Footprint)  # what it holds of its device's memory budget
+    last_used: float = 0.0  # the pool's clock at its launch and at each request's start and end (least recently used)
 
     def migrate_streams(self) -> int:
         """Ask every movable stream to continue on another replica; returns how many were asked."""
@@ -100,6 +103,8 @@ class Replica:
             "in_flight": self.outstanding,
             "migration_waiting": self.migration_waiting,
             "restarts": self.restarts,
+            "memory_bytes": self.footprint.bytes,
+            "device": self.footprint.device,
             "transitions": [{"at": t, "state": s} for t, s in self.transitions],
         }
 
@@ -110,12 +115,15 @@ class Lease:
     (a sane refusal, such as a full queue, is a success: the replica answered). A stream's lease is handed to the
     code that relays it, which releases it at the stream's end; `async with` releases it on leaving."""
 
-    def __init__(self, replica: Replica) -> None:
+    def __init__(self, replica: Replica, clock: Callable[[], float] | None = None) -> None:
         self.replica = replica
         self._held = True
         self._mover: Callable[[], None] | None = None
+        self._clock = clock  # the pool's: marks the replica used at the start and the end
         replica.outstanding += 1
         replica.breaker.on_dispatch()
+        if clock is not None:
+            replica.last_used = clock()
 
     def movable(self, move: Callable[[], None]) -> None:
         """While held, `move()` is called if the replica is drained with migration."""
@@ -133,6 +141,8 @@ class Lease:
         if self._held:
             self._held = False
             self.replica.outstanding -= 1
+            if self._clock is not None:
+                self.replica.last_used = self._clock()
             if self._mover is not None:
                 self.replica.movable.discard(self._mover)
 

@@ -10,6 +10,7 @@ count, aliases, fallbacks, URLs, the gateway's side of its policy) does not.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator
@@ -18,6 +19,16 @@ from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type, kv_cache_budget
 from registry.fields import Alias, Device, Frozen, ModelName, ModelType
 from registry.schema import ChatOptions, ModelSpec, Placement, RayResources
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one replica holds while it runs, by the planner's memory model (weights + KV cache + overhead), and on
+    which memory budget: `cpu` or a GPU's index (a MIG slice counts on its GPU). `bytes` None: unknown, not
+    counted."""
+
+    device: str = "cpu"
+    bytes: int | None = None
 
 
 class ReplicaPlacement(Frozen):

@@ -22,6 +22,7 @@ from pydantic import (
     BaseModel,
     Field,
     ValidationError,
+    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -61,6 +62,14 @@ def _check_http_url(url: str) -> str:
 
 
 HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]
+def _check_budget_device(device: str) -> str:
+    if device != "cpu" and not (device.isascii() and device.isdigit() and len(device) <= 2):
+        raise ValueError(f"a device is cpu or a GPU's index (\"0\", \"1\", ...), got {device!r}")
+    return device
+
+
+# a key of `gateway.memory_budget_gib`: the host's memory (`cpu`) or a GPU by index
+BudgetDevice = Annotated[str, AfterValidator(_check_budget_device)]
 
 
 class TrafficLogConfig(Frozen):
@@ -135,6 +144,21 @@ class GatewayConfig(Frozen):
     # models outside it need an entry here (e.g. [/srv/models]). `[]` allows no `{path}` sources at all.
     model_roots: list[Annotated[str, Field(min_length=1)]] = ["."]
     ray: RayConnection = Field(default_factory=RayConnection)
+    # The most memory resident replicas may hold, per device: `cpu`, and GPUs by index ("0", "1", ...), in GiB.
+    # A device not named: its inventory's memory (a GPU's total, the host's RAM). A replica's share is the
+    # planner's memory model (weights + KV cache + overhead); starting one that does not fit first evicts idle
+    # replicas started on demand, least recently used first (docs/on-demand.md).
+    memory_budget_gib: dict[BudgetDevice, Annotated[float, Field(gt=0, le=MAX_GIB)]] = {}
+    # a cold start that does not fit waits this long for replicas in use to go idle, then is refused (503)
+    eviction_wait_s: float = Field(default=30.0, ge=0, le=MAX_WAIT_S)
+
+    @field_validator("memory_budget_gib", mode="before")
+    @classmethod
+    def _gpu_keys_as_text(cls, value: Any) -> Any:
+        """YAML reads `{0: 70}` with an integer key: a GPU's index either way."""
+        if isinstance(value, dict):
+            return {str(k) if isinstance(k, int) and not isinstance(k, bool) else k: v for k, v in value.items()}
+        return value
 
 
 class ModelSource(Frozen):
@@ -224,6 +248,36 @@ class ChatOptions(Frozen):
     reasoning_parser: ReasoningParserName | None = None
 
 
+class ReplicaRange(Frozen):
+    """`replicas: {min, max}`: a model started on demand. `min` replicas are kept resident; up to `max` run while it
+    is called (the first request to a model with none starts one: a cold start); a replica idle for
+    `scaling.idle_unload_s` is stopped, down to `min`."""
+
+    min: int = Field(default=0, ge=0, le=MAX_REPLICAS, strict=True)
+    max: int = Field(default=1, ge=1, le=MAX_REPLICAS, strict=True)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplicaRange:
+        if self.min > self.max:
+            raise FieldProblems([Problem("min", f"must be at most max ({self.max}), got {self.min}")])
+        return self
+
+
+class Scaling(Frozen):
+    """How a model with `replicas: {min, max}` comes and goes (model_pool/pool.py, docs/on-demand.md)."""
+
+    # no request this long: a replica is drained and stopped, down to `min` (null: never for idleness; an idle
+    # replica above `min` may still be evicted to make room under `gateway.memory_budget_gib`)
+    idle_unload_s: float | None = Field(default=300.0, gt=0, le=MAX_WAIT_S)
+    # a cold request waits this long for its replica to be ready, then gets 503 with Retry-After (the start goes on)
+    cold_start_timeout_s: float = Field(default=120.0, gt=0, le=MAX_WAIT_S)
+    # kept resident: at least one replica runs, never unloaded when idle nor evicted (the admin API's /pin)
+    pinned: bool = False
+
+
+_REPLICA_COUNT: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=0, le=MAX_REPLICAS, strict=True)])
+
+
 class ModelSpec(Frozen):
     """One model of the registry and how to run it."""
 
@@ -231,7 +285,9 @@ class ModelSpec(Frozen):
     aliases: list[Alias] = []
     type: ModelType
     source: ModelSource | None = None  # required unless launcher is `url`
-    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, strict=True)  # 0: defined, not running
+    # a count (0: defined, not running), or {min, max}: started on demand, unloaded when idle (`scaling`)
+    replicas: Annotated[int, Field(ge=0, le=MAX_REPLICAS, strict=True)] | ReplicaRange = 1
+    scaling: Scaling = Field(default_factory=Scaling)
     launcher: Launcher = "local"
     # launcher `url`: one running OpenAI-compatible server per replica
     urls: list[HttpUrlStr] = Field(default=[], max_length=MAX_REPLICAS)
@@ -251,6 +307,18 @@ class ModelSpec(Frozen):
     # {internal: smollm2-int8}: internal callers asking for this model get the int8 variant
     variants: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]+$")], ModelName] = {}
 
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _count_or_range(cls, value: Any) -> int | ReplicaRange:
+        """A count or `{min, max}`, each checked by its own rules (one error, not one per form it could be)."""
+        try:
+            if isinstance(value, (dict, ReplicaRange)):
+                return ReplicaRange.model_validate(value)
+            return _REPLICA_COUNT.validate_python(value)
+        except ValidationError as exc:
+            raise FieldProblems([Problem("" if p.field == "(top level)" else p.field, p.message)
+                                 for p in pydantic_problems(exc)]) from None
+
     @field_validator("engine", mode="before")
     @classmethod
     def _engine_of_its_type(cls, value: Any, info: ValidationInfo) -> EngineSpec | EmbeddingEngineSpec:
@@ -262,7 +330,7 @@ class ModelSpec(Frozen):
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
         problems = [*self._launcher_problems(), *self._embedding_problems(), *self._chat_problems(),
-                    *_duplicates("aliases", self.aliases)]
+                    *self._scaling_problems(), *_duplicates("aliases", self.aliases)]
         problems += _duplicates("fallbacks", self.fallbacks)
         problems += _duplicates("context_window_fallbacks", self.context_window_fallbacks)
         if self.placement.mig_instance is not None and self.device == "cpu":
@@ -274,6 +342,34 @@ class ModelSpec(Frozen):
         if problems:
             raise FieldProblems(problems)
         return self
+
+    @property
+    def on_demand(self) -> bool:
+        """Started on demand and unloaded when idle: `replicas: {min, max}`."""
+        return isinstance(self.replicas, ReplicaRange)
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas it runs: its count, or `max` (what the partitioner plans a place for)."""
+        return self.replicas.max if isinstance(self.replicas, ReplicaRange) else self.replicas
+
+    @property
+    def resident_replicas(self) -> int:
+        """The replicas kept running whether called or not: its count, or `min` (at least one when pinned)."""
+        if isinstance(self.replicas, ReplicaRange):
+            return max(self.replicas.min, 1 if self.scaling.pinned else 0)
+        return self.replicas
+
+    def _scaling_problems(self) -> list[Problem]:
+        """`scaling:` is about replicas that come and go: `replicas: {min, max}` with a launcher that starts them."""
+        problems = []
+        if "scaling" in self.model_fields_set and not self.on_demand:
+            problems.append(Problem("scaling", f"only for a model started on demand (replicas: {{min, max}}); "
+                                               f"replicas is {self.replicas!r}"))
+        if self.on_demand and self.launcher == "url":
+            problems.append(Problem("replicas", "{min, max} starts replicas on demand; launcher 'url' adopts servers "
+                                                "that run already: give their count"))
+        return problems
 
     def _chat_problems(self) -> list[Problem]:
         """`chat:` is read by our engine's replicas, for models that chat."""
@@ -309,7 +405,7 @@ class ModelSpec(Frozen):
             return problems
         if not self.urls:
             return [*problems, Problem("urls", "launcher 'url' needs the URL of each replica's server")]
-        if self.replicas not in (0, len(self.urls)):
+        if self.max_replicas not in (0, len(self.urls)):
             return [*problems, Problem("urls", f"launcher 'url' needs one URL per replica: replicas={self.replicas}, "
                                                f"got {len(self.urls)} url(s)")]
         return problems
@@ -475,7 +571,8 @@ def _duplicates(field: str, values: list[str]) -> list[Problem]:
 
 
 _SCHEMA_CLASSES: tuple[type[BaseModel], ...] = (
-    Registry, GatewayConfig, ModelSpec, ModelSource, Placement, EngineSpec, EmbeddingEngineSpec, PolicySpec)
+    Registry, GatewayConfig, ModelSpec, ModelSource, Placement, EngineSpec, EmbeddingEngineSpec, PolicySpec,
+    ReplicaRange, Scaling)
 _FIELD_NAMES = sorted({name for cls in _SCHEMA_CLASSES for name in cls.model_fields})
 
 

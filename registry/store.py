@@ -35,7 +35,7 @@ from registry.registry_file import (
     replace_if_unchanged,
     validate,
 )
-from registry.schema import Registry
+from registry.schema import ModelSpec, Registry
 
 __all__ = ["ModelNotFound", "RegistryCheck", "RegistryDiff", "RegistryError", "RegistryStore", "RejectedEdit",
            "content_hash", "diff_registries", "load_registry", "parse_registry"]
@@ -53,7 +53,8 @@ class RegistryDiff:
     removed: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()  # any field other than `replicas` differs
     relaunched: tuple[str, ...] = ()  # what its replicas run with changed (`registry.launch.launch_key`): restart
-    resized: tuple[tuple[str, int, int], ...] = ()  # (name, old replicas, new replicas)
+    # (name, old replicas, new replicas): a count, or {min, max} as in the registry
+    resized: tuple[tuple[str, ReplicaCount, ReplicaCount], ...] = ()
     gateway_changed: bool = False
 
     @property
@@ -81,6 +82,14 @@ class RejectedEdit:
                 "errors": [{"field": p.field, "message": p.message} for p in self.problems]}
 
 
+ReplicaCount = int | dict[str, int]
+
+
+def _count(spec: ModelSpec) -> ReplicaCount:
+    """A model's `replicas` as plain data (JSON-ready)."""
+    return spec.replicas if isinstance(spec.replicas, int) else spec.replicas.model_dump()
+
+
 def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
     """The model-level difference between two registries, in registry order."""
     old_by_name, new_by_name = {m.name: m for m in old.models}, {m.name: m for m in new.models}
@@ -92,7 +101,7 @@ def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
         removed=tuple(name for name in old_by_name if name not in new_by_name),
         changed=changed,
         relaunched=tuple(name for name in changed if launch_key(old_by_name[name]) != launch_key(new_by_name[name])),
-        resized=tuple((name, old_by_name[name].replicas, new_by_name[name].replicas) for name in common
+        resized=tuple((name, _count(old_by_name[name]), _count(new_by_name[name])) for name in common
                       if old_by_name[name].replicas != new_by_name[name].replicas),
         gateway_changed=old.gateway != new.gateway,
     )
@@ -191,13 +200,22 @@ class RegistryStore:
             registry = self._validated(doc)
             return self._commit(registry, lambda text: yaml_edit.remove_entry(text, index))
 
-    def scale(self, name: str, replicas: int) -> RegistryDiff:
-        """Set a model's replica count (0 keeps it defined but stops it). `replicas` is checked by the schema like
-        any edit (an integer from 0 to `schema.MAX_REPLICAS`). Raises `ModelNotFound`."""
+    def scale(self, name: str, replicas: Any) -> RegistryDiff:
+        """Set a model's replicas: a count (0 keeps it defined but stops it) or `{min, max}` (on demand). Checked by
+        the schema like any edit (a count from 0 to `schema.MAX_REPLICAS`). Raises `ModelNotFound`."""
+        return self._edit_model(name, lambda entry: entry.__setitem__("replicas", replicas))
+
+    def pin(self, name: str, pinned: bool) -> RegistryDiff:
+        """Keep a model started on demand resident (`scaling.pinned`), or let it go idle again. Raises
+        `ModelNotFound`; the schema refuses it for a model with a fixed count (always resident already)."""
+        return self._edit_model(name, lambda entry: entry.setdefault("scaling", {}).__setitem__("pinned", pinned))
+
+    def _edit_model(self, name: str, edit: Callable[[dict[str, Any]], None]) -> RegistryDiff:
+        """Change one model's entry in place (`edit` gets it as plain data), validated whole and persisted."""
         with self._lock:
             doc = self._current_document()
             index = self._index_of(name)
-            doc["models"][index]["replicas"] = replicas
+            edit(doc["models"][index])
             registry = self._validated(doc)
             entry = registry.models[index].model_dump(mode="json", exclude_unset=True)
             return self._commit(registry, lambda text: yaml_edit.replace_entry(text, index, entry))

@@ -14,7 +14,7 @@ from partitioner.planning.placer import ArbiterStart, ReplicaPlacer
 from partitioner.timeslice.arbiter import ClientShare
 from partitioner.timeslice.service import ArbiterService
 from registry.errors import Problem
-from registry.launch import ReplicaPlacement
+from registry.launch import Footprint, ReplicaPlacement
 from registry.schema import ModelSpec, Registry
 
 
@@ -35,6 +35,12 @@ class PlacementApplier:
 
     def problems(self, registry: Registry) -> list[Problem]:
         return self.placer.problems(registry)
+
+    def footprint(self, spec: ModelSpec, index: int) -> Footprint:
+        return self.placer.footprint(spec, index)
+
+    def budget(self, device: str) -> int | None:
+        return self.placer.budget(device)
 
     def start(self, arbiter: ArbiterStart) -> ArbiterService:
         """The service of `arbiter`'s device, started now unless it already runs."""

@@ -77,7 +77,7 @@ class ClusterPlan:
 def planned_on_cluster(model: ModelSpec) -> bool:
     """Whether the cluster plan places `model`'s replicas: a `launcher: ray` model that writes `placement:` or
     targets a GPU (`device: cuda`). Other Ray models go wherever the cluster's scheduler puts them."""
-    return (model.launcher == "ray" and model.enabled and model.replicas > 0
+    return (model.launcher == "ray" and model.enabled and model.max_replicas > 0
             and ("placement" in model.model_fields_set or model.device == "cuda"))
 
 

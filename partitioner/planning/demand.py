@@ -66,7 +66,7 @@ class ReplicaDemand:
 def planned_locally(model: ModelSpec) -> bool:
     """Whether this host's plan places `model`: enabled, with replicas, launched here (a `url` replica runs
     elsewhere already; `ray` replicas are planned per node, `planning/cluster.py`)."""
-    return model.enabled and model.replicas > 0 and model.launcher not in ("url", "ray")
+    return model.enabled and model.max_replicas > 0 and model.launcher not in ("url", "ray")
 
 
 def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None = None,
@@ -89,7 +89,7 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
         demands += [ReplicaDemand(model=model.name, replica=r, isolation=placement.isolation, memory_bytes=memory,
                                   kv_cache_bytes=kv, sm_percent=placement.sm_percent, weight=placement.weight,
                                   device=model.device, mig_instance=placement.mig_instance)
-                    for r in range(model.replicas)]
+                    for r in range(model.max_replicas)]
     if problems:
         raise InfeasiblePlan(problems)
     return demands

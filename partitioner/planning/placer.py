@@ -25,13 +25,15 @@ from pathlib import Path
 import structlog
 
 from partitioner.devices.inventory import Inventory
-from partitioner.planning.demand import ModelShape, replica_demands
+from partitioner.planning.demand import ModelShape, planned_locally, replica_demands
+from partitioner.planning.footprint import device_budget, replica_footprint
 from partitioner.planning.placement import PlanOptions
 from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
 from partitioner.planning.shapes import family_problems, plan_shapes
 from registry.errors import Problem
-from registry.launch import ReplicaPlacement
+from registry.fields import GIB
+from registry.launch import Footprint, ReplicaPlacement
 from registry.schema import ModelSpec, Registry
 
 log = structlog.get_logger(__name__)
@@ -102,6 +104,20 @@ class ReplicaPlacer:
             arbiter_client=replica.replica_id if arbiter else None,
             arbiter_weight=replica.weight if arbiter else 1.0), arbiter)
 
+    def footprint(self, spec: ModelSpec, index: int) -> Footprint:
+        """What replica `index` of `spec` holds of which device's memory budget (planning/footprint.py)."""
+        return replica_footprint(spec, index, self.plan_for(self._registry()))
+
+    def budget(self, device: str) -> int | None:
+        """A device's memory budget when the registry sets none: the inventory's (a GPU's total, the host's RAM)."""
+        return device_budget(device, self._inventory_now())
+
+    def _inventory_now(self) -> Inventory:
+        with self._plan_lock:
+            if self._inventory is None:
+                self._inventory = self._read_inventory()
+            return self._inventory
+
     def arbiter_for(self, device_key: str) -> ArbiterStart:
         """The arbiter of `device_key`: its socket in `socket_dir`. Raises ValueError when that path is longer than a
         Unix socket's address holds."""
@@ -131,6 +147,8 @@ class ReplicaPlacer:
         result = self._plan(registry)
         if isinstance(result, InfeasiblePlan):
             return [Problem("(partition plan)", problem) for problem in result.problems]
+        if budgets := budget_problems(registry, result):
+            return budgets
         actions = result.actions() if self.require_applied else ()
         if actions:
             changes = "; ".join(a.describe() for a in actions)
@@ -162,6 +180,39 @@ class ReplicaPlacer:
         for model, reason in unknown.items():
             log.warning("model_shape_unknown", model=model, reason=reason)
         return shapes
+
+
+def budget_problems(registry: Registry, current: Plan | None) -> list[Problem]:
+    """Where the registry sets `gateway.memory_budget_gib` for a device: the replicas always resident there (fixed
+    counts, `min`, pinned models) must fit it together, and each model started on demand must fit it alone (else it
+    could never start). Devices it leaves unset are not checked: their budget is all of their memory."""
+    budgets = registry.gateway.memory_budget_gib
+    if not budgets:
+        return []
+    resident: dict[str, list[tuple[str, int]]] = {}
+    problems = []
+    for i, model in enumerate(registry.models):
+        if not planned_locally(model):
+            continue
+        for index in range(model.max_replicas):
+            footprint = replica_footprint(model, index, current)
+            budget = budgets.get(footprint.device)
+            if budget is None or footprint.bytes is None:
+                continue
+            if index < model.resident_replicas:
+                resident.setdefault(footprint.device, []).append((f"{model.name}/{index}", footprint.bytes))
+            elif footprint.bytes > budget * GIB:
+                problems.append(Problem(f"models[{i}].replicas", (
+                    f"a replica of {model.name} holds {footprint.bytes / GIB:.2f} GiB, more than "
+                    f"gateway.memory_budget_gib.{footprint.device} = {budget:g} GiB: it could never start")))
+    for device, held in sorted(resident.items()):
+        total = sum(size for _, size in held)
+        if total > budgets[device] * GIB:
+            listed = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in held)
+            problems.append(Problem(f"gateway.memory_budget_gib.{device}", (
+                f"{budgets[device]:g} GiB cannot hold the replicas always resident there ({total / GIB:.2f} GiB: "
+                f"{listed}); raise it, or start models on demand (replicas: {{min: 0, max: N}})")))
+    return problems
 
 
 def needs_arbiter(current: Plan, replica: ReplicaPlan, registry: Registry) -> bool:

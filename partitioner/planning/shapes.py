@@ -49,7 +49,7 @@ def needs_estimate(model: ModelSpec, shapes: Mapping[str, ModelShape]) -> bool:
     """Whether the planner wants `model`'s shape from its files when it goes to a GPU: an LLM of ours, launched here
     and not pinned to the CPU, without a given shape (which wins). Embedding models are left out: the encoder runtime
     keeps its weights in another dtype and reads other keys."""
-    if not model.enabled or model.replicas == 0 or model.launcher in ("url", "command") or model.device == "cpu":
+    if not model.enabled or model.max_replicas == 0 or model.launcher in ("url", "command") or model.device == "cpu":
         return False
     return isinstance(model.engine, EngineSpec) and model.name not in shapes
 

@@ -62,13 +62,13 @@ class Harness:
 
 @asynccontextmanager
 async def open_pool(settings: PoolSettings | None = None,
-                    placement_for: Callable[[ModelSpec, int], ReplicaPlacement] | None = None
-                    ) -> AsyncIterator[Harness]:
+                    placement_for: Callable[[ModelSpec, int], ReplicaPlacement] | None = None,
+                    launcher: FakeLauncher | None = None, **pool_options: Any) -> AsyncIterator[Harness]:
     clock = FakeClock()
-    launcher, replicas, sleep = FakeLauncher(), FakeReplicas(), FakeSleep(clock)
+    launcher, replicas, sleep = launcher or FakeLauncher(), FakeReplicas(), FakeSleep(clock)
     async with httpx.AsyncClient(transport=httpx.MockTransport(replicas.handler)) as http:
         pool = ModelPool({"local": launcher, "url": UrlLauncher()}, http, settings, placement_for=placement_for,
-                         clock=clock, sleep=sleep)
+                         clock=clock, sleep=sleep, **pool_options)
         try:
             yield Harness(pool, launcher, replicas, clock, sleep)
         finally:

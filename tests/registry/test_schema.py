@@ -97,6 +97,23 @@ INVALID = {
                    "models[1].engine.block_size: must be a power of two, got 12"),
     "negative replicas": (registry_text(chat("a", ", replicas: -1")),
                           "models[0].replicas: Input should be greater than or equal to 0"),
+    "replica range upside down": (registry_text(chat("a", ", replicas: {min: 2, max: 1}")),
+                                  "models[0].replicas.min: must be at most max (1), got 2"),
+    "replica range typo": (registry_text(chat("a", ", replicas: {min: 0, maxi: 1}")),
+                           "models[0].replicas.maxi: unknown field"),
+    "replicas neither count nor range": (registry_text(chat("a", ", replicas: two")),
+                                         "models[0].replicas: Input should be a valid integer"),
+    "scaling of a fixed count": (registry_text(chat("a", ", replicas: 2, scaling: {idle_unload_s: 5}")),
+                                 "models[0].scaling: only for a model started on demand (replicas: {min, max}); "
+                                 "replicas is 2"),
+    "url model on demand": (registry_text("{name: a, type: chat, launcher: url, urls: ['http://127.0.0.1:9'], "
+                                          "replicas: {min: 0, max: 1}}"),
+                            "models[0].replicas: {min, max} starts replicas on demand; launcher 'url' adopts"),
+    "budget of an unknown device": (registry_text(chat("a"), extra="gateway: {memory_budget_gib: {gpu0: 8}}"),
+                                    "gateway.memory_budget_gib.gpu0[key]: a device is cpu or a GPU's index "
+                                    "(\"0\", \"1\", ...), got 'gpu0'"),
+    "zero budget": (registry_text(chat("a"), extra="gateway: {memory_budget_gib: {cpu: 0}}"),
+                    "gateway.memory_budget_gib.cpu: Input should be greater than 0"),
     "typo": (registry_text(chat("a", ", replica: 2")), "models[0].replica: unknown field; did you mean 'replicas'?"),
     "nested typo": (registry_text(chat("a", ", engine: {blocksize: 8}")),
                     "models[0].engine.blocksize: unknown field; did you mean 'block_size'?"),
@@ -304,3 +321,16 @@ def test_chat_options_reach_the_replica_and_name_the_servers_parsers():
     assert replica_launch(plain, 0).chat.tool_parser is None
     assert set(typing.get_args(ToolParserName)) == set(TOOL_PARSERS)
     assert set(typing.get_args(ReasoningParserName)) == {*REASONING_PARSERS, "none"}
+
+
+def test_replicas_take_a_count_or_a_range_started_on_demand():
+    registry = parse_registry(registry_text(
+        chat("fixed", ", replicas: 2"), chat("lazy", ", replicas: {max: 3}, scaling: {idle_unload_s: 30}"),
+        chat("pinned", ", replicas: {min: 0, max: 1}, scaling: {pinned: true}"),
+        extra='gateway: {memory_budget_gib: {cpu: 6, 0: 70.5}}'), "x.yaml")
+    fixed, lazy, pinned = registry.models
+    assert (fixed.on_demand, fixed.max_replicas, fixed.resident_replicas) == (False, 2, 2)
+    assert (lazy.on_demand, lazy.max_replicas, lazy.resident_replicas) == (True, 3, 0)
+    assert lazy.scaling.idle_unload_s == 30 and lazy.scaling.cold_start_timeout_s == 120
+    assert (pinned.resident_replicas, pinned.scaling.idle_unload_s) == (1, 300)  # pinned: one kept
+    assert registry.gateway.memory_budget_gib == {"cpu": 6, "0": 70.5}

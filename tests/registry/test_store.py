@@ -160,6 +160,22 @@ def test_scale_changes_one_line_and_keeps_its_comment(make_store):
     assert store.reload_from_file() is None  # its own write is not a change
 
 
+def test_scale_to_a_range_and_pin_persist_a_model_on_demand(make_store):
+    store = make_store()
+    diff = store.scale("chat-a", {"min": 0, "max": 2})
+    assert diff == RegistryDiff(resized=(("chat-a", 1, {"min": 0, "max": 2}),))
+    assert diff.as_dict()["resized"] == [{"name": "chat-a", "old_replicas": 1, "new_replicas": {"min": 0, "max": 2}}]
+    spec = store.registry.resolve("chat-a")
+    assert spec is not None and spec.on_demand and spec.resident_replicas == 0
+    assert store.pin("chat-a", True) == RegistryDiff(changed=("chat-a",))
+    assert load_registry(store.path) == store.registry
+    pinned = store.registry.resolve("chat-a")
+    assert pinned is not None and pinned.scaling.pinned and pinned.resident_replicas == 1
+    with pytest.raises(RegistryError, match=r"models\[1\]\.scaling: only for a model started on demand"):
+        store.pin("chat-b", True)  # a fixed count is resident already
+    assert store.registry.resolve("chat-b").scaling.pinned is False  # nothing changed
+
+
 def test_scale_to_the_same_count_writes_nothing(make_store):
     store = make_store()
     before = os.stat(store.path)

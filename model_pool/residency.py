@@ -1,0 +1,104 @@
+"""Which replicas may be resident at once: each device's memory budget, what the running replicas hold of it, and
+which idle replicas to evict for a new one (least recently used first). Decisions only: the pool acts on them.
+
+A replica holds its footprint (`Footprint`, the planner's memory model) from its launch until its process is gone:
+starting, ready, unhealthy (a restart is due) and draining replicas all count, so a replica being stopped to make
+room is still counted until it has stopped, and the budget is never exceeded on the way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from model_pool.replica import Replica, ReplicaState
+from registry.fields import GIB
+from registry.launch import Footprint
+
+# a replica in any of these states may have its process (and its memory) up
+HOLDING = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY, ReplicaState.DRAINING})
+
+BudgetFor = Callable[[str], int | None]  # device ("cpu", "0", ...) -> its budget in bytes (None: no limit)
+FootprintFor = Callable[..., Footprint]  # (spec, replica index) -> what that replica holds
+
+
+def budget_key_name(device: str) -> str:
+    """Where a device's budget is set in the registry (for messages)."""
+    return f"gateway.memory_budget_gib.{device}" if device == "cpu" else f'gateway.memory_budget_gib."{device}"'
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def holds(replica: Replica) -> bool:
+    """Whether `replica` counts against its device's budget now."""
+    return replica.state in HOLDING and replica.footprint.bytes is not None
+
+
+def held_bytes(replicas: Iterable[Replica], device: str) -> int:
+    """What the replicas counted on `device` hold."""
+    return sum(r.footprint.bytes or 0 for r in replicas if holds(r) and r.footprint.device == device)
+
+
+@dataclass(frozen=True)
+class Room:
+    """Whether a footprint fits on its device: now (`fits` with no `victims`), after evicting `victims` (idle
+    replicas, least recently used first), once replicas already stopping are gone (`wait`), or not."""
+
+    fits: bool
+    victims: tuple[Replica, ...] = ()
+    wait: bool = False
+
+
+def find_room(footprint: Footprint, budget: int | None, resident: Iterable[Replica],
+              evictable: Iterable[Replica]) -> Room:
+    """Room for `footprint` under `budget` among the `resident` replicas, evicting from `evictable` (on the same
+    device, idle, above their model's resident floor) in least-recently-used order only as many as it takes."""
+    if budget is None or footprint.bytes is None:
+        return Room(True)
+    replicas = list(resident)
+    free = budget - held_bytes(replicas, footprint.device)
+    if footprint.bytes <= free:
+        return Room(True)
+    stopping = held_bytes((r for r in replicas if r.state == ReplicaState.DRAINING), footprint.device)
+    if footprint.bytes <= free + stopping:  # evicted (or drained) already: room once they are gone
+        return Room(False, wait=True)
+    victims = []
+    for replica in sorted((r for r in evictable if holds(r) and r.footprint.device == footprint.device),
+                          key=lambda r: r.last_used):
+        victims.append(replica)
+        free += replica.footprint.bytes or 0
+        if footprint.bytes <= free:
+            return Room(True, tuple(victims))
+    return Room(False)
+
+
+def holders_text(replicas: Iterable[Replica], device: str, pinned: Callable[[Replica], bool]) -> str:
+    """Who holds `device`'s budget, largest first: `chat/0 1.03 GiB (2 in flight)` ..."""
+    held = sorted((r for r in replicas if holds(r) and r.footprint.device == device),
+                  key=lambda r: -(r.footprint.bytes or 0))
+    parts = []
+    for r in held:
+        why = ("pinned" if pinned(r) else f"{r.outstanding} in flight" if r.outstanding
+               else r.state.value if r.state != ReplicaState.READY else "resident")
+        parts.append(f"{r.replica_id} {gib(r.footprint.bytes or 0)} ({why})")
+    return ", ".join(parts) or "nothing"
+
+
+@dataclass
+class ResidencyStats:
+    """Counters the metrics read at scrape time: cold starts by (model, outcome), unloads by (model, reason)."""
+
+    cold_starts: Counter[tuple[str, str]] = field(default_factory=Counter)
+    unloads: Counter[tuple[str, str]] = field(default_factory=Counter)
+
+
+def budget_from(explicit: Mapping[str, float], default: BudgetFor) -> BudgetFor:
+    """A device's budget: the registry's `gateway.memory_budget_gib` entry, else `default` (the inventory's)."""
+    def budget(device: str) -> int | None:
+        given = explicit.get(device)
+        return int(given * GIB) if given is not None else default(device)
+
+    return budget
