@@ -28,6 +28,7 @@ from gateway.server import make_state
 from gateway.upstream import HttpxUpstream
 from model_pool.launcher import UrlLauncher
 from model_pool.pool import ModelPool, PoolSettings
+from model_pool.residency import FootprintFor
 from registry.launch import ReplicaLaunch
 from registry.store import RegistryStore
 
@@ -438,6 +439,7 @@ async def open_gateway(
     api_keys: Mapping[str, ApiKey] | None = None,
     admin_token: str | None = ADMIN_TOKEN,
     ready: bool = True,
+    footprint_for: FootprintFor | None = None,
 ) -> AsyncIterator[FakeGateway]:
     """A gateway wired as `gateway.server.make_state` wires it, with the fakes at its seams.
 
@@ -456,7 +458,7 @@ async def open_gateway(
     pool_sleep, proxy_sleep = FakeSleep(clock), FakeSleep(clock)
     http = httpx.AsyncClient(transport=httpx.MockTransport(replicas.handler))
     pool = ModelPool({"local": launcher, "url": UrlLauncher(), "command": launcher}, http, pool_settings, clock=clock,
-                     sleep=pool_sleep)
+                     sleep=pool_sleep, footprint_for=footprint_for)
     metrics = GatewayMetrics(pool)
     forwarder = Forwarder(pool, base.forwarder.resolve, base.forwarder.known_models, HttpxUpstream(http), metrics,
                           proxy_settings, sleep=proxy_sleep, clock=clock)
