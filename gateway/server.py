@@ -60,7 +60,8 @@ def make_state(store: RegistryStore, pool_settings: PoolSettings | None = None,
     def secrets() -> set[str]:  # asked at each launch: the names can change with the registry
         return secret_env_names(store.registry.gateway)
 
-    launcher = LocalLauncher(log_dir=log_dir, env_drop=secrets)
+    launcher = LocalLauncher(log_dir=log_dir, env_drop=secrets,
+                             warm_workers=lambda: store.registry.gateway.warm_workers)
     ray_cluster = ray_cluster or RayCluster(gateway_cfg.ray)
     ray_placer = ray_placer or RayPlacer(lambda: store.registry, ray_cluster)
     launchers: dict[str, Launcher] = {
@@ -106,6 +107,9 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await state.pool.apply(state.store.registry)
+        local = state.pool.launchers.get("local")
+        if isinstance(local, LocalLauncher):
+            local.fill()  # the warm pool starts once the resident replicas have
         # What start-up made (the modules, torch's among them: ~200k objects) lives as long as the process: kept out
         # of the collector, a full collection no longer walks it, which paused the event loop ~120 ms each time.
         gc.collect()
@@ -130,6 +134,8 @@ def lifespan_for(state: GatewayState, watch_interval_s: float = 1.0):
                 task.cancel()
             await asyncio.gather(*tasks, *applying, return_exceptions=True)
             await state.pool.shutdown()
+            if isinstance(local, LocalLauncher):
+                local.close()
             if isinstance(state.pool.placement_for, PlacementApplier):
                 state.pool.placement_for.close()  # the replicas are gone: so are the arbiters they shared
             await state.forwarder.upstream.aclose()  # and with it the pool's httpx client

@@ -4,12 +4,19 @@ with the environment the partitioner planned; the URL one adopts a replica start
 A local worker gets a fresh random token (foundation/http/replica_auth.py) that every request to it must carry,
 and does not inherit the gateway's own secrets: `LocalLauncher(env_drop=...)` names the variables (the admin
 token's, the API keys') that are taken out of its environment.
+
+The local launcher can keep a warm pool of standby workers (`warm_workers`, the registry's
+`gateway.warm_workers`): processes that have imported the runtimes and wait for an assignment on their standard
+input (multiserve/worker.py). A launch takes one when there is one, saving the interpreter's and the imports'
+start (most of a small model's cold start); a replacement is started `refill_delay_s` later, so it does not compete
+for the CPU with the model just being loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import secrets
 import signal
@@ -117,14 +124,22 @@ class ProcessHandle:
 
 
 class LocalLauncher:
-    """Spawns `multiserve worker` processes bound to 127.0.0.1 on free ports."""
+    """Spawns `multiserve worker` processes bound to 127.0.0.1 on free ports, from a warm pool of standby workers
+    when it keeps one (`warm_workers`, asked at each launch and `fill`)."""
 
     def __init__(self, host: str = "127.0.0.1", log_dir: Path | None = None, python: str = sys.executable,
-                 env_drop: Callable[[], Iterable[str]] = lambda: ()) -> None:
+                 env_drop: Callable[[], Iterable[str]] = lambda: (), warm_workers: Callable[[], int] = lambda: 0,
+                 refill_delay_s: float = 5.0) -> None:
         self.host = host
         self.log_dir = log_dir
         self.python = python
         self.env_drop = env_drop  # asked at each launch: the names can change with the registry
+        self.warm_workers = warm_workers
+        self.refill_delay_s = refill_delay_s
+        self._standby: list[subprocess.Popen[bytes]] = []
+        self._spawned = 0
+        self._refill: asyncio.TimerHandle | None = None
+        self.took_standby = 0  # launches served by a standby worker (for tests and logs)
 
     def command(self, launch: ReplicaLaunch, port: int) -> list[str]:
         """The worker's command line: the launch as one JSON document (it holds no secret: the token is in the
@@ -135,21 +150,95 @@ class LocalLauncher:
     async def start(self, launch: ReplicaLaunch) -> ProcessHandle:
         port = free_port(self.host)
         token = secrets.token_urlsafe(32)
-        env = replica_env(launch, token, self.env_drop())
         log_path = None
-        stdout: Any = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"{launch.model}-{launch.index}.log"
-            stdout = log_path.open("ab")
+        standby = self._take_standby()
+        if standby is not None:
+            assignment = {"launch": launch.model_dump(mode="json"), "host": self.host, "port": port, "token": token,
+                          "env": dict(launch.placement.env), "log_path": None if log_path is None else str(log_path)}
+            try:
+                assert standby.stdin is not None
+                standby.stdin.write(json.dumps(assignment).encode() + b"\n")
+                standby.stdin.close()
+            except OSError:  # it died meanwhile: a fresh worker instead
+                standby = None
+        self._schedule_refill()
+        if standby is not None:
+            self.took_standby += 1
+            return ProcessHandle(f"http://{self.host}:{port}", standby, log_path, token)
+        return ProcessHandle(f"http://{self.host}:{port}",
+                             self._spawn(self.command(launch, port), replica_env(launch, token, self.env_drop()),
+                                         log_path), log_path, token)
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None,
+               stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+        stdout: Any = subprocess.DEVNULL if log_path is None else log_path.open("ab")
         preexec = die_with_parent if sys.platform.startswith("linux") else None
-        process = subprocess.Popen(  # our own interpreter and module, no shell
-            self.command(launch, port), env=env, stdout=stdout, stderr=subprocess.STDOUT,
-            preexec_fn=preexec,
-        )
-        if stdout is not subprocess.DEVNULL:
-            stdout.close()
-        return ProcessHandle(f"http://{self.host}:{port}", process, log_path, token)
+        try:
+            return subprocess.Popen(  # our own interpreter and module, no shell
+                argv, env=env, stdin=stdin, stdout=stdout, stderr=subprocess.STDOUT, preexec_fn=preexec)
+        finally:
+            if stdout is not subprocess.DEVNULL:
+                stdout.close()
+
+    def _take_standby(self) -> subprocess.Popen[bytes] | None:
+        while self._standby:
+            process = self._standby.pop(0)
+            if process.poll() is None:
+                return process
+        return None
+
+    def fill(self) -> None:
+        """Start standby workers up to `warm_workers()` (and let go of any beyond it)."""
+        self._standby = [p for p in self._standby if p.poll() is None]
+        wanted = max(self.warm_workers(), 0)
+        while len(self._standby) > wanted:
+            self._release(self._standby.pop())
+        while len(self._standby) < wanted:
+            self._spawned += 1
+            log_path = None
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                log_path = self.log_dir / f"standby-{self._spawned}.log"
+            env = {**{k: v for k, v in os.environ.items() if k not in set(self.env_drop())}, "PYTHONUNBUFFERED": "1"}
+            env.pop(REPLICA_TOKEN_ENV, None)
+            self._standby.append(self._spawn([self.python, "-m", "multiserve", "worker", "--standby"], env, log_path,
+                                             stdin=subprocess.PIPE))
+
+    def _schedule_refill(self) -> None:
+        if self.warm_workers() <= 0 or self._refill is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def refill() -> None:
+            self._refill = None
+            self.fill()
+
+        self._refill = loop.call_later(self.refill_delay_s, refill)
+
+    def close(self) -> None:
+        """Let the standby workers go (they exit when their standard input closes)."""
+        if self._refill is not None:
+            self._refill.cancel()
+            self._refill = None
+        while self._standby:
+            self._release(self._standby.pop())
+
+    @staticmethod
+    def _release(process: subprocess.Popen[bytes]) -> None:
+        try:
+            if process.stdin is not None:
+                process.stdin.close()
+        except OSError:
+            pass
+        process.terminate()  # a standby has no handler of its own yet: it ends at once
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @dataclass

@@ -76,6 +76,9 @@ def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
                         help='the registry\'s engine: options for the model\'s type and the engine\'s side of its '
                              'policy: as JSON, e.g. \'{"block_size": 16, "kv_cache_gib": 1, "max_queue_len": 64}\'')
     worker.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    worker.add_argument("--standby", action="store_true",
+                        help="import the runtimes, then serve the assignment read as one JSON line from standard "
+                             "input (the gateway's warm pool of workers)")
     worker.add_argument("--stall-timeout-s", type=float, default=60.0,
                         help="the replica reports itself unready when its engine loop makes no progress this long")
     worker.set_defaults(func=_worker)

@@ -1,7 +1,13 @@
 """`multiserve worker`: one replica's process, assembled from its parts. Its launch (registry/launch.py) comes from
 the pool as one JSON document (`--launch`), or is built from the command line's options for a replica started by
 hand; the engine and its HTTP face come from runtimes/, the time-slice lease from the partitioner's arbiter client,
-and the launch token from the gateway's launcher (its environment)."""
+and the launch token from the gateway's launcher (its environment).
+
+`multiserve worker --standby` is a worker started before there is a replica for it (the local launcher's warm pool,
+`gateway.warm_workers`): it imports the runtimes (torch, the engines, the HTTP stack: most of a worker's start) and
+then waits for one line on its standard input, its assignment (`Assignment`: the launch, where to listen, the
+token, the placement's environment and the replica's log file), and serves it as `--launch` would. CUDA reads its
+variables when it is first used, which the imports do not do, so the placement's environment still applies."""
 
 from __future__ import annotations
 
@@ -9,9 +15,10 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from foundation.http.wire import REPLICA_TOKEN_ENV
 from registry.engine import QueueOptions
@@ -50,13 +57,64 @@ def _validated(option: str, build: Callable[[], ReplicaLaunch]) -> ReplicaLaunch
     raise ValueError(f"{option}: " + "; ".join(str(p) for p in problems))
 
 
+class Assignment(BaseModel):
+    """What a standby worker is told to serve: one JSON line on its standard input."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    launch: ReplicaLaunch
+    host: str
+    port: int
+    token: str | None = None
+    env: dict[str, str] = {}  # the placement's device variables (CUDA reads them at its first use)
+    log_path: str | None = None  # the replica's log: the standby's output goes there from now on
+
+
 def run_worker_command(args: argparse.Namespace) -> int:
     """Serve one replica until SIGTERM; 2 on a bad launch or bad options (the message says which)."""
+    if args.standby:
+        return run_standby(args)
     try:
         launch = launch_from_args(args)
     except ValueError as err:  # json.JSONDecodeError included
         print(f"error: {err}", file=sys.stderr)
         return 2
+    token = os.environ.pop(REPLICA_TOKEN_ENV, None) or None  # not passed on to anything this process starts
+    return _serve(launch, args.host, args.port, token, args)
+
+
+def run_standby(args: argparse.Namespace) -> int:
+    """Import what serving takes, then wait for the assignment line and serve it; 2 on a bad one, 0 when standard
+    input closes first (the launcher let the standby go)."""
+    import structlog
+
+    from foundation.logs import configure_logging
+    from runtimes.server.worker import preload
+
+    configure_logging()
+    started = time.perf_counter()
+    preload()
+    structlog.get_logger(__name__).info("standby_ready", import_s=round(time.perf_counter() - started, 3))
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    try:
+        assignment = Assignment.model_validate_json(line)
+    except ValidationError as exc:
+        print(f"error: the assignment: {'; '.join(str(p) for p in pydantic_problems(exc))}", file=sys.stderr)
+        return 2
+    if assignment.log_path is not None:  # from here on the replica's own log, as a worker launched for it
+        fd = os.open(assignment.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.environ.update(assignment.env)
+    return _serve(assignment.launch, assignment.host, assignment.port, assignment.token, args)
+
+
+def _serve(launch: ReplicaLaunch, host: str, port: int, token: str | None, args: argparse.Namespace) -> int:
     placement = launch.placement
     gate = None
     if placement.arbiter_socket:  # the device is time-shared: every engine step takes the arbiter's lease
@@ -64,9 +122,8 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
         gate = LeaseClient(placement.arbiter_socket, placement.arbiter_client or launch.replica_id,
                            placement.arbiter_weight)
-    token = os.environ.pop(REPLICA_TOKEN_ENV, None) or None  # not passed on to anything this process starts
     try:
-        run_worker(launch, args.host, args.port, args.log_level, step_gate=gate, replica_token=token,
+        run_worker(launch, host, port, args.log_level, step_gate=gate, replica_token=token,
                    stall_timeout_s=args.stall_timeout_s)
     finally:
         if gate is not None:

@@ -21,8 +21,8 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     Field,
-    ValidationError,
     TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -151,6 +151,10 @@ class GatewayConfig(Frozen):
     memory_budget_gib: dict[BudgetDevice, Annotated[float, Field(gt=0, le=MAX_GIB)]] = {}
     # a cold start that does not fit waits this long for replicas in use to go idle, then is refused (503)
     eviction_wait_s: float = Field(default=30.0, ge=0, le=MAX_WAIT_S)
+    # Standby worker processes kept started with the runtimes imported, each taken by the next local launch (most
+    # of a small model's cold start is the interpreter and torch's import); ~0.3 GiB of host memory each, outside
+    # the budget. Taken at the next launch after an edit.
+    warm_workers: int = Field(default=0, ge=0, le=8, strict=True)
 
     @field_validator("memory_budget_gib", mode="before")
     @classmethod

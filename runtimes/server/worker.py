@@ -85,6 +85,19 @@ def _load_embedding(launch: ReplicaLaunch, config: EmbeddingConfig,
     return engine, build_embedding_app(engine, launch.model, launch.aliases)
 
 
+def preload() -> None:
+    """Import what loading and serving any model takes (torch, both engines, their apps, uvicorn): the larger part
+    of a worker's start (docs/on-demand.md), done by a standby worker before it has a model."""
+    import uvicorn  # noqa: F401
+
+    from runtimes.embedding.async_engine import AsyncEmbeddingEngine  # noqa: F401
+    from runtimes.embedding.engine import EmbeddingEngine  # noqa: F401
+    from runtimes.llm.async_engine import AsyncLLMEngine  # noqa: F401
+    from runtimes.llm.engine import LLMEngine  # noqa: F401
+    from runtimes.server.app import build_app  # noqa: F401
+    from runtimes.server.embedding_app import build_embedding_app  # noqa: F401
+
+
 def _load(launch: ReplicaLaunch, step_gate: StepGate | None = None) -> tuple[_EngineLoop, Starlette]:
     """The engine (not yet running) and its app, for the launch's model type, inside its memory share."""
     config = embedding_config(launch) if launch.type == "embedding" else engine_config(launch)
