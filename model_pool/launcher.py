@@ -63,12 +63,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 TAIL_BYTES = 4096  # of a replica's output, shown when it fails to start
 
 
-def replica_env(launch: ReplicaLaunch, token: str, drop: Iterable[str]) -> dict[str, str]:
-    """A replica process's environment on this host: the gateway's less the variables in `drop` (its secrets), the
-    placement's device variables, unbuffered output, and the launch token it must ask of every request."""
+# Worker processes share the host's cores. GNU OpenMP (torch's CPU thread pool) spins 300,000 times at every barrier
+# before it sleeps, since a process cannot see the others' threads: with several workers busy at once (models
+# loading and decoding side by side) the spinning threads take the cores from the ones they wait for, and steps
+# ran up to 10x slower. 1000 spins is what libgomp itself uses when it knows the cores are oversubscribed; a
+# worker alone decodes as fast with it (docs/benchmarks.md, "Models on demand"). The gateway's own setting wins.
+SHARED_HOST_ENV = {"GOMP_SPINCOUNT": "1000"}
+
+
+def worker_env(drop: Iterable[str]) -> dict[str, str]:
+    """The environment of a worker process on this host: the gateway's less the variables in `drop` (its
+    secrets), with `SHARED_HOST_ENV` where the gateway sets none, and unbuffered output."""
     dropped = set(drop)
-    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **launch.placement.env,
-            "PYTHONUNBUFFERED": "1", REPLICA_TOKEN_ENV: token}
+    return {**SHARED_HOST_ENV, **{k: v for k, v in os.environ.items() if k not in dropped and k != REPLICA_TOKEN_ENV},
+            "PYTHONUNBUFFERED": "1"}
+
+
+def replica_env(launch: ReplicaLaunch, token: str, drop: Iterable[str]) -> dict[str, str]:
+    """A replica process's environment on this host: `worker_env`, the placement's device variables, and the
+    launch token it must ask of every request."""
+    return {**worker_env(drop), **launch.placement.env, REPLICA_TOKEN_ENV: token}
 
 
 def read_tail(path: Path | None) -> str:
@@ -129,7 +143,7 @@ class LocalLauncher:
 
     def __init__(self, host: str = "127.0.0.1", log_dir: Path | None = None, python: str = sys.executable,
                  env_drop: Callable[[], Iterable[str]] = lambda: (), warm_workers: Callable[[], int] = lambda: 0,
-                 refill_delay_s: float = 5.0) -> None:
+                 refill_delay_s: float = 1.0) -> None:
         self.host = host
         self.log_dir = log_dir
         self.python = python
@@ -202,10 +216,8 @@ class LocalLauncher:
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 log_path = self.log_dir / f"standby-{self._spawned}.log"
-            env = {**{k: v for k, v in os.environ.items() if k not in set(self.env_drop())}, "PYTHONUNBUFFERED": "1"}
-            env.pop(REPLICA_TOKEN_ENV, None)
-            self._standby.append(self._spawn([self.python, "-m", "multiserve", "worker", "--standby"], env, log_path,
-                                             stdin=subprocess.PIPE))
+            self._standby.append(self._spawn([self.python, "-m", "multiserve", "worker", "--standby"],
+                                             worker_env(self.env_drop()), log_path, stdin=subprocess.PIPE))
 
     def _schedule_refill(self) -> None:
         if self.warm_workers() <= 0 or self._refill is not None:

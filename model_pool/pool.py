@@ -21,8 +21,8 @@ A model with `replicas: {min, max}` runs on demand: `min` replicas are kept, the
 ready starts one (`cold_start`, shared by every request that waits for it, outside the pool's lock), and a replica
 idle for `scaling.idle_unload_s` is stopped, down to `min`. Every start (on demand or not) is admitted under its
 device's memory budget (`model_pool/residency.py`): idle replicas of models on demand are evicted to make room,
-least recently used first; a cold start that still does not fit waits for replicas in use to go idle, for
-`gateway.eviction_wait_s`, and is then refused.
+least recently used first (by their second most recent request: `residency.eviction_key`); a cold start that
+still does not fit waits for replicas in use to go idle, for `gateway.eviction_wait_s`, and is then refused.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from model_pool.residency import (
     Room,
     budget_from,
     budget_key_name,
+    eviction_key,
     find_room,
     gib,
     holders_text,
@@ -220,7 +221,7 @@ class ModelPool:
     def _evictable(self, group: InstanceGroup, idle_only: bool) -> list[Replica]:
         """Replicas that may be stopped to make room for one of `group`: ready replicas of the other models on
         demand that are not pinned and have no request waiting for a cold start, above their model's resident
-        floor (the least recently used ones), idle if `idle_only`."""
+        floor (the first in `eviction_key` order), idle if `idle_only`."""
         victims = []
         for other in self.groups.values():
             if other is group or not other.spec.on_demand or other.spec.scaling.pinned or other.waiters:
@@ -228,7 +229,7 @@ class ModelPool:
             running = [r for r in other.replicas if r.state == ReplicaState.READY and not r.manually_drained]
             spare = len(running) - other.spec.resident_replicas
             candidates = [r for r in running if r.outstanding == 0 or not idle_only]
-            victims += sorted(candidates, key=lambda r: r.last_used)[:max(spare, 0)]
+            victims += sorted(candidates, key=eviction_key)[:max(spare, 0)]
         return victims
 
     def _unload(self, replica: Replica, reason: str, wait: bool = False) -> Awaitable[None]:

@@ -50,7 +50,9 @@ class Replica:
     # streams relayed from this replica that can go on elsewhere: each callback asks its relay to move
     movable: set[Callable[[], None]] = field(default_factory=set)
     footprint: Footprint = field(default_factory=Footprint)  # what it holds of its device's memory budget
-    last_used: float = 0.0  # the pool's clock at its launch and at each request's start and end (least recently used)
+    last_used: float = 0.0  # the pool's clock at its launch and at each request's start and end (idleness)
+    # the pool's clock at its last two requests' starts: eviction goes by the older (`eviction_key`)
+    request_starts: deque[float] = field(default_factory=lambda: deque(maxlen=2))
 
     def migrate_streams(self) -> int:
         """Ask every movable stream to continue on another replica; returns how many were asked."""
@@ -124,6 +126,7 @@ class Lease:
         replica.breaker.on_dispatch()
         if clock is not None:
             replica.last_used = clock()
+            replica.request_starts.append(replica.last_used)
 
     def movable(self, move: Callable[[], None]) -> None:
         """While held, `move()` is called if the replica is drained with migration."""

@@ -1,5 +1,6 @@
 """Which replicas may be resident at once: each device's memory budget, what the running replicas hold of it, and
-which idle replicas to evict for a new one (least recently used first). Decisions only: the pool acts on them.
+which idle replicas to evict for a new one (least recently used first, by their second most recent request).
+Decisions only: the pool acts on them.
 
 A replica holds its footprint (`Footprint`, the planner's memory model) from its launch until its process is gone:
 starting, ready, unhealthy (a restart is due) and draining replicas all count, so a replica being stopped to make
@@ -32,6 +33,14 @@ def gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def eviction_key(replica: Replica) -> tuple[float, float]:
+    """The order replicas are evicted in, first first: least recently used by their second most recent request
+    (LRU-2), so a model called once (a scan over the long tail) goes before one called steadily whose last request
+    happens to be older; those with fewer than two requests go first, by their last use."""
+    starts = replica.request_starts
+    return (starts[0] if len(starts) == 2 else float("-inf"), replica.last_used)
+
+
 def holds(replica: Replica) -> bool:
     """Whether `replica` counts against its device's budget now."""
     return replica.state in HOLDING and replica.footprint.bytes is not None
@@ -55,7 +64,7 @@ class Room:
 def find_room(footprint: Footprint, budget: int | None, resident: Iterable[Replica],
               evictable: Iterable[Replica]) -> Room:
     """Room for `footprint` under `budget` among the `resident` replicas, evicting from `evictable` (on the same
-    device, idle, above their model's resident floor) in least-recently-used order only as many as it takes."""
+    device, idle, above their model's resident floor) in `eviction_key` order, only as many as it takes."""
     if budget is None or footprint.bytes is None:
         return Room(True)
     replicas = list(resident)
@@ -67,7 +76,7 @@ def find_room(footprint: Footprint, budget: int | None, resident: Iterable[Repli
         return Room(False, wait=True)
     victims = []
     for replica in sorted((r for r in evictable if holds(r) and r.footprint.device == footprint.device),
-                          key=lambda r: r.last_used):
+                          key=eviction_key):
         victims.append(replica)
         free += replica.footprint.bytes or 0
         if footprint.bytes <= free:

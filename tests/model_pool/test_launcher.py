@@ -59,3 +59,14 @@ def test_a_local_worker_gets_a_fresh_token_and_none_of_the_gateways_secrets(monk
         assert env[REPLICA_TOKEN_ENV] == handle.token and len(handle.token) >= 32
     assert handles[0].token != handles[1].token
     assert handles[0].token not in repr(handles[0])  # kept out of logs and reprs
+
+
+def test_workers_spin_briefly_at_openmp_barriers_unless_the_gateway_says_otherwise(monkeypatch):
+    from model_pool.launcher import replica_env, worker_env
+
+    launch = ReplicaLaunch(model="m", index=0, type="chat", source="x.gguf")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert replica_env(launch, "t", ())["GOMP_SPINCOUNT"] == "1000"
+    assert worker_env(())["GOMP_SPINCOUNT"] == "1000" and "MULTISERVE_REPLICA_TOKEN" not in worker_env(())
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    assert replica_env(launch, "t", ())["GOMP_SPINCOUNT"] == "300000"

@@ -155,23 +155,32 @@ def test_a_replica_in_use_is_never_unloaded_for_idleness_nor_one_at_its_min():
 
 
 def test_a_start_over_budget_evicts_the_least_recently_used_idle_replica_and_never_exceeds_the_budget():
+    """Least recently used by the second most recent request (LRU-2): a model asked once goes before one asked
+    steadily, even when the steady one's last request is the older."""
     async def scenario(h: Harness, launcher: WatchedLauncher) -> None:
         await h.pool.apply(registry(on_demand("a"), on_demand("b"), on_demand("c"), on_demand("d")))
         await use(h, "a")
         h.clock.advance(1)
         await use(h, "b")
         h.clock.advance(1)
-        await use(h, "a")  # `a` used last: `b` is now the least recently used
+        await use(h, "b")
+        h.clock.advance(1)
+        await use(h, "a")  # both asked twice: `b`'s second-last request (t=1) is after `a`'s (t=0)
         h.clock.advance(1)
         await use(h, "c")
         await settle()
-        assert h.group("b").replicas == [] and len(h.group("a").replicas) == 1
-        assert h.pool.stats.unloads == {("b", "evicted"): 1}
-        assert h.pool.health()["b"]["residency"] == "evicted"
+        assert h.group("a").replicas == [] and len(h.group("b").replicas) == 1
+        assert h.pool.stats.unloads == {("a", "evicted"): 1}
+        assert h.pool.health()["a"]["residency"] == "evicted"
         h.clock.advance(1)
-        await use(h, "d")  # now `a` (used before `c`) goes
+        await use(h, "d")  # `c`, asked once (and last), goes before `b`, asked twice
         await settle()
-        assert h.group("a").replicas == [] and len(h.group("c").replicas) == 1
+        assert h.group("c").replicas == [] and len(h.group("b").replicas) == 1
+        h.clock.advance(1)
+        await use(h, "b")
+        await use(h, "c")  # `d`, asked once, goes before `b`, asked steadily
+        await settle()
+        assert h.group("d").replicas == [] and len(h.group("b").replicas) == 1
         assert max(launcher.held_at_start) == BUDGET  # two replicas of 1 GiB, never three
         assert h.pool.memory() == {"cpu": {"budget_bytes": BUDGET, "held_bytes": BUDGET}}
 
