@@ -343,7 +343,12 @@ class ModelPool:
                 if failed is not None:
                     raise ColdStartFailed(f"replica {failed.replica_id} failed (it crashed repeatedly); fix the "
                                           f"model and edit the registry to start it again", 30.0)
-                if len(_live(group)) < spec.max_replicas:  # else: its replicas are stopping, wait for them
+                if len(_live(group)) >= spec.max_replicas:  # its replicas are all draining: wait for them to stop
+                    if self.clock() >= deadline:
+                        draining = ", ".join(r.replica_id for r in _live(group))
+                        raise ColdStartFailed(f"every replica it may run ({spec.max_replicas}) is draining "
+                                              f"({draining}); undrain one, or raise replicas.max", 5.0)
+                else:
                     replica = self._new_replica(group, _free_index(group))
                     replica.footprint = footprint = self.footprint_for(spec, replica.index)
                     budget = self._budget(footprint.device)
@@ -520,7 +525,10 @@ class ModelPool:
                 next_tick = self.clock() + self.settings.probe_interval_s
 
     async def shutdown(self) -> None:
-        await asyncio.gather(*self._unloading, return_exceptions=True)
+        starting = [g.starting for g in self.groups.values() if g.starting is not None and not g.starting.done()]
+        for task in starting:  # no cold start launches anything from here on
+            task.cancel()
+        await asyncio.gather(*starting, *self._unloading, return_exceptions=True)
         async with self._lock:
             await asyncio.gather(*(self._stop_group(g) for g in self.groups.values()))
             self.groups.clear()

@@ -63,7 +63,8 @@ class Arrival:
 def workload(models: list[str], rate: float, duration_s: float, zipf: float, seed: int) -> list[Arrival]:
     rng = random.Random(seed)
     weights = [1 / (i + 1) ** zipf for i in range(len(models))]
-    arrivals, t = [], 0.0
+    arrivals: list[Arrival] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= duration_s:

@@ -340,3 +340,21 @@ def test_a_start_waits_for_a_replica_already_stopping_instead_of_evicting_anothe
         assert len(h.group("b").replicas) == 1 and h.pool.stats.unloads == {("a", "idle"): 1}
 
     run(scenario)
+
+
+def test_a_cold_start_behind_a_drained_replica_is_refused_after_eviction_wait_s_and_shutdown_cancels_starts():
+    async def scenario(h: Harness, launcher: WatchedLauncher) -> None:
+        await h.pool.apply(registry(on_demand("a"), on_demand("b"), eviction_wait_s=2))
+        replica = await h.pool.cold_start(h.group("a"))
+        h.pool.drain(replica.replica_id)  # an operator's drain: it stays, draining, at the model's max of 1
+        with pytest.raises(ColdStartFailed, match=r"every replica it may run \(1\) is draining \(a/0\); undrain one"):
+            await h.pool.cold_start(h.group("a"))
+        launcher.gate = asyncio.Event()  # a start that hangs in its launch: shutdown must not wait for it
+        waiting = asyncio.ensure_future(h.pool.cold_start(h.group("b")))
+        await settle()
+        starting = h.group("b").starting
+        await h.pool.shutdown()
+        assert starting is not None and starting.cancelled()
+        waiting.cancel()
+
+    run(scenario)
