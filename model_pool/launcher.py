@@ -154,6 +154,7 @@ class LocalLauncher:
         self._spawned = 0
         self._refill: asyncio.TimerHandle | None = None
         self.took_standby = 0  # launches served by a standby worker (for tests and logs)
+        self._closed = False  # `close`d: no more standby workers
 
     def command(self, launch: ReplicaLaunch, port: int) -> list[str]:
         """The worker's command line: the launch as one JSON document (it holds no secret: the token is in the
@@ -207,7 +208,7 @@ class LocalLauncher:
     def fill(self) -> None:
         """Start standby workers up to `warm_workers()` (and let go of any beyond it)."""
         self._standby = [p for p in self._standby if p.poll() is None]
-        wanted = max(self.warm_workers(), 0)
+        wanted = 0 if self._closed else max(self.warm_workers(), 0)
         while len(self._standby) > wanted:
             self._release(self._standby.pop())
         while len(self._standby) < wanted:
@@ -220,7 +221,7 @@ class LocalLauncher:
                                              worker_env(self.env_drop()), log_path, stdin=subprocess.PIPE))
 
     def _schedule_refill(self) -> None:
-        if self.warm_workers() <= 0 or self._refill is not None:
+        if self._closed or self._refill is not None or (self.warm_workers() <= 0 and not self._standby):
             return
         loop = asyncio.get_running_loop()
 
@@ -231,7 +232,8 @@ class LocalLauncher:
         self._refill = loop.call_later(self.refill_delay_s, refill)
 
     def close(self) -> None:
-        """Let the standby workers go (they exit when their standard input closes)."""
+        """Let the standby workers go (they exit when their standard input closes); none is started after."""
+        self._closed = True
         if self._refill is not None:
             self._refill.cancel()
             self._refill = None
@@ -247,7 +249,7 @@ class LocalLauncher:
             pass
         process.terminate()  # a standby has no handler of its own yet: it ends at once
         try:
-            process.wait(timeout=5)
+            process.wait(timeout=2)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()

@@ -179,12 +179,12 @@ class ModelPool:
                 group.spec = spec
                 target = _target_count(group)
                 if name in diff.relaunched:  # what its replicas run changed: fewer first, then roll, then more
-                    await self._resize(group, min(target, len(_live(group))))
+                    await self._resize(group, min(target, len(_kept(group))))
                     await self._roll(group)
                 await self._resize(group, target)
 
     async def _resize(self, group: InstanceGroup, count: int) -> None:
-        live = _live(group)
+        live = _kept(group)
         for _ in range(len(live), count):
             replica = self._new_replica(group, _free_index(group))
             await self._make_room(group, replica)
@@ -205,8 +205,10 @@ class ModelPool:
             return find_room(footprint, self._budget(footprint.device), self.replicas(),
                              self._evictable(group, idle_only=idle_only))
 
-        # replicas already stopping (unloaded in the background) free their share first
-        await self._wait_supervising(lambda: room(idle_only=False).wait, supervise=True)
+        # replicas the pool is stopping (unloaded in the background) free their share first; they stop within their
+        # drain timeout
+        deadline = self.clock() + self.settings.drain_timeout_s + 15.0
+        await self._wait_supervising(lambda: room(idle_only=False).wait and self.clock() < deadline, supervise=True)
         for idle_only in (True, False):
             found = room(idle_only)
             if found.fits:
@@ -238,6 +240,7 @@ class ModelPool:
         budget until its process is gone. Runs in the background (tracked for shutdown) unless the caller awaits
         what this returns (`wait`: the caller holds the lock, so the others are supervised meanwhile)."""
         group = self.groups.get(replica.model)
+        replica.stopping = True
         replica.set_state(ReplicaState.DRAINING, self.clock())
         self.stats.unloads[(replica.model, reason)] += 1
         if group is not None:
@@ -317,28 +320,30 @@ class ModelPool:
         name = group.spec.name
         deadline = self.clock() + self._applied.gateway.eviction_wait_s
         try:
-            replica = await self._admit(group, deadline)
+            replica, launched = await self._admit(group, deadline)
             if replica.state != ReplicaState.READY:
                 await self._wait_ready(replica)
         except ColdStartFailed as err:
             self.stats.cold_starts[(name, "refused" if err.budget else "failed")] += 1
             log.warning("cold_start_failed", model=name, reason=str(err))
             raise
-        self.stats.cold_starts[(name, "ok")] += 1
+        if launched:
+            self.stats.cold_starts[(name, "ok")] += 1
         return replica
 
-    async def _admit(self, group: InstanceGroup, deadline: float) -> Replica:
-        """A replica of `group` that is ready or starting: one already there, or a new one launched once its
-        footprint fits its device's budget."""
+    async def _admit(self, group: InstanceGroup, deadline: float) -> tuple[Replica, bool]:
+        """A replica of `group` that is ready or starting: one already there (False), or a new one launched once
+        its footprint fits its device's budget (True). A ready one that is not routable (its breaker is open) is
+        returned as it is: the request fails over at once rather than waiting for a start that cannot happen."""
         while True:
             async with self._lock:
                 spec = group.spec
                 if self.groups.get(spec.name) is not group:
                     raise ColdStartFailed(f"model {spec.name!r} was removed or disabled while it started", 1.0)
-                pending = [r for r in group.replicas if not r.manually_drained and (
-                    r.routable() or r.state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY))]
+                pending = [r for r in group.replicas if not r.manually_drained and r.state in (
+                    ReplicaState.READY, ReplicaState.STARTING, ReplicaState.UNHEALTHY)]
                 if pending:
-                    return next((r for r in pending if r.routable()), pending[0])
+                    return next((r for r in pending if r.routable()), pending[0]), False
                 failed = next((r for r in group.replicas if r.state == ReplicaState.FAILED), None)
                 if failed is not None:
                     raise ColdStartFailed(f"replica {failed.replica_id} failed (it crashed repeatedly); fix the "
@@ -360,10 +365,10 @@ class ModelPool:
                             raise ColdStartFailed(f"replica {replica.replica_id} could not be launched", 5.0)
                         log.info("cold_start", replica=replica.replica_id, device=footprint.device,
                                  memory=gib(footprint.bytes or 0))
-                        return replica
+                        return replica, True
                     for victim in room.victims:  # they hold the budget until stopped: admitted on a later pass
                         self._unload(victim, "evicted")
-                    if not room.fits and not room.wait and self.clock() >= deadline:
+                    if not room.fits and self.clock() >= deadline:
                         raise ColdStartFailed(
                             f"no room for model {spec.name!r} ({gib(footprint.bytes or 0)}) under "
                             f"{budget_key_name(footprint.device)} = {gib(budget or 0)}: held by "
@@ -400,7 +405,7 @@ class ModelPool:
 
     async def _roll(self, group: InstanceGroup) -> None:
         """Replace every live replica of `group` by one running `group.spec`, one at a time (see the module)."""
-        old_replicas = sorted(_live(group), key=lambda r: r.index)
+        old_replicas = sorted(_kept(group), key=lambda r: r.index)
         if not old_replicas:
             return
         group.revision += 1
@@ -414,6 +419,7 @@ class ModelPool:
             new = self._new_replica(group, old.index)
             if not surge:  # no room for both: the old one's streams move to the others first
                 await self._retire(group, old)
+            await self._make_room(group, new)  # counted under its device's budget, as any start
             group.replicas.append(new)
             await self._launch(group, new, placement)
             if not await self._await_ready(new):
@@ -476,7 +482,8 @@ class ModelPool:
         """Stop a replica the group no longer wants, its streams moved to the others first. The caller holds the
         lock, so the others are supervised while it drains (as `tick` would: it waits for that lock)."""
         await self.stop_replica(replica, migrate=True, supervise_others=True)
-        group.replicas.remove(replica)
+        if replica in group.replicas:  # (an unload that ran alongside may have dropped it already)
+            group.replicas.remove(replica)
 
     async def _stop_group(self, group: InstanceGroup, supervise_others: bool = False) -> None:
         """Stop every replica of a group, draining them together. `supervise_others` (the group is out of the pool
@@ -498,6 +505,7 @@ class ModelPool:
         # Forget its schedule: a pending restart must not fire on a later replica that reuses the id.
         self._schedule.restart_at.pop(replica.replica_id, None)
         self._schedule.launched_at.pop(replica.replica_id, None)
+        replica.stopping = True
         replica.set_state(ReplicaState.DRAINING, self.clock())
         if migrate:
             moved = self._migrate(replica)
@@ -628,6 +636,7 @@ class ModelPool:
             replica.breaker.record_success()
             if replica.state in (ReplicaState.STARTING, ReplicaState.UNHEALTHY) and not replica.manually_drained:
                 replica.set_state(ReplicaState.READY, now)
+                replica.last_used = now  # idle from now on, however long its start took
             return
         replica.consecutive_failures += 1
         if replica.state == ReplicaState.READY:
@@ -750,6 +759,11 @@ def _live(group: InstanceGroup) -> list[Replica]:
     return [r for r in group.replicas if r.state != ReplicaState.STOPPED]
 
 
+def _kept(group: InstanceGroup) -> list[Replica]:
+    """The live replicas the pool is not stopping (a replica unloaded in the background is on its way out)."""
+    return [r for r in _live(group) if not r.stopping]
+
+
 def _free_index(group: InstanceGroup) -> int:
     """The smallest replica index no live replica of `group` has (replicas on demand come and go)."""
     taken = {r.index for r in _live(group)}
@@ -762,7 +776,7 @@ def _target_count(group: InstanceGroup) -> int:
     spec = group.spec
     if not spec.on_demand:
         return spec.max_replicas
-    running = sum(r.state != ReplicaState.DRAINING for r in _live(group))
+    running = len(_kept(group))
     return min(max(running, spec.resident_replicas), spec.max_replicas)
 
 

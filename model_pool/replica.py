@@ -50,6 +50,7 @@ class Replica:
     # streams relayed from this replica that can go on elsewhere: each callback asks its relay to move
     movable: set[Callable[[], None]] = field(default_factory=set)
     footprint: Footprint = field(default_factory=Footprint)  # what it holds of its device's memory budget
+    stopping: bool = False  # being stopped by the pool (retired, unloaded, evicted): its memory frees soon
     last_used: float = 0.0  # the pool's clock at its launch and at each request's start and end (idleness)
     # the pool's clock at its last two requests' starts: eviction goes by the older (`eviction_key`)
     request_starts: deque[float] = field(default_factory=lambda: deque(maxlen=2))

@@ -58,7 +58,7 @@ class Room:
 
     fits: bool
     victims: tuple[Replica, ...] = ()
-    wait: bool = False
+    wait: bool = False  # not now, but once the replicas the pool is stopping are gone (never a drained one)
 
 
 def find_room(footprint: Footprint, budget: int | None, resident: Iterable[Replica],
@@ -71,8 +71,8 @@ def find_room(footprint: Footprint, budget: int | None, resident: Iterable[Repli
     free = budget - held_bytes(replicas, footprint.device)
     if footprint.bytes <= free:
         return Room(True)
-    stopping = held_bytes((r for r in replicas if r.state == ReplicaState.DRAINING), footprint.device)
-    if footprint.bytes <= free + stopping:  # evicted (or drained) already: room once they are gone
+    stopping = held_bytes((r for r in replicas if r.stopping), footprint.device)
+    if footprint.bytes <= free + stopping:  # being stopped already (evicted, retired): room once they are gone
         return Room(False, wait=True)
     victims = []
     for replica in sorted((r for r in evictable if holds(r) and r.footprint.device == footprint.device),

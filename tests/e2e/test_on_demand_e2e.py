@@ -1,8 +1,8 @@
 """Models on demand with real workers on loopback: six SmolLM2 chat models, each `replicas: {min: 0, max: 1}`, on a
 CPU budget that holds two of them. A skewed sequence of requests over all six, two at a time, through the official
 `openai` client: every request is answered, what the pool counts as resident never exceeds the budget (nor does the
-workers' own resident memory, read from /proc: the memory model is an upper bound), the least recently used idle
-model is the one evicted, and the models left idle are unloaded after `idle_unload_s`."""
+workers' own resident memory, read from /proc: the memory model is an upper bound), models are evicted to make room
+(which ones: tests/model_pool/test_on_demand.py), and the models left idle are unloaded after `idle_unload_s`."""
 
 from __future__ import annotations
 

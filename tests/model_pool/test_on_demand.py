@@ -358,3 +358,98 @@ def test_a_cold_start_behind_a_drained_replica_is_refused_after_eviction_wait_s_
         waiting.cancel()
 
     run(scenario)
+
+
+def test_an_operators_drain_is_not_counted_as_memory_about_to_free():
+    """A replica drained by hand keeps running: a start that needs its room is refused after eviction_wait_s (not
+    left waiting for it), and a resident model the registry adds starts without waiting for it either."""
+    async def scenario(h: Harness, launcher: WatchedLauncher) -> None:
+        await h.pool.apply(registry(on_demand("a"), on_demand("b"), on_demand("c"), eviction_wait_s=2))
+        drained = await h.pool.cold_start(h.group("a"))
+        h.pool.drain(drained.replica_id)
+        lease = h.pool.lease(await h.pool.cold_start(h.group("b")))
+        with pytest.raises(ColdStartFailed, match="no room for model 'c'") as refused:
+            await h.pool.cold_start(h.group("c"))
+        assert "a/0 1.00 GiB (draining)" in str(refused.value)
+        await asyncio.wait_for(h.pool.apply(registry(on_demand("a"), on_demand("b"), on_demand("c"),
+                                                     resident("fixed"), eviction_wait_s=2)), timeout=10)
+        assert [r.replica_id for r in h.group("fixed").replicas] == ["fixed/0"]
+        lease.release()
+
+    run(scenario)
+
+
+def test_a_rolled_out_replica_is_counted_under_the_budget():
+    async def scenario(h: Harness, launcher: WatchedLauncher) -> None:
+        await h.pool.apply(registry({**resident("fixed"), "device": "cpu"}))
+        await h.pool.tick()
+        changed = {**resident("fixed"), "device": "cpu", "engine": {"block_size": 32}}
+        await h.pool.apply(registry(changed))  # relaunched: a new replica beside the old (CPU surge), then the old goes
+        await settle()
+        assert [r.replica_id for r in h.group("fixed").replicas] == ["fixed/0-r1"]
+        assert h.pool.memory()["cpu"]["held_bytes"] == GIB
+        assert max(launcher.held_at_start) == 2 * GIB  # the surge: old and new side by side, within the budget
+
+    run(scenario)
+
+
+def test_an_edit_while_a_replica_unloads_neither_fails_nor_leaves_a_pinned_model_without_one():
+    async def scenario(h: Harness, launcher: WatchedLauncher) -> None:
+        await h.pool.apply(registry(on_demand("a", idle_unload_s=5)))
+        await use(h, "a")
+        handle, stopped = launcher.latest("a/0"), asyncio.Event()
+        stop = handle.stop
+
+        async def slow_stop(timeout_s: float) -> None:
+            await stopped.wait()
+            await stop(timeout_s)
+
+        handle.stop = slow_stop  # type: ignore[method-assign]
+        h.clock.advance(10)
+        await h.pool.tick()  # idle: unloading in the background, its process slow to exit
+        await settle()
+        assert [r.state for r in h.group("a").replicas] == [DRAINING]
+        await h.pool.apply(registry(on_demand("a", idle_unload_s=5, pinned=True)))
+        stopped.set()
+        await settle()
+        assert [r.replica_id for r in h.group("a").replicas] == ["a/1"]  # the pinned floor, beside the one leaving
+        await h.pool.tick()
+        assert h.pool.health()["a"]["residency"] == "resident"
+
+    run(scenario)
+
+
+def test_a_start_slower_than_idle_unload_s_is_not_unloaded_as_it_becomes_ready():
+    async def scenario(h: Harness, launcher: WatchedLauncher) -> None:
+        await h.pool.apply(registry(on_demand("a", idle_unload_s=5)))
+        h.replicas.set("a/0", "not_ready")
+        probes = 0
+
+        def slow_load(_: float) -> None:
+            nonlocal probes
+            probes += 1
+            if probes == 200:  # 10 s of the fake clock: twice idle_unload_s
+                h.replicas.set("a/0", "ok")
+
+        h.sleep.on_sleep = slow_load
+        replica = await h.pool.cold_start(h.group("a"))
+        await h.pool.tick()
+        await settle()
+        assert replica.state == READY and h.pool.stats.unloads == {}
+
+    run(scenario)
+
+
+def test_a_ready_replica_with_its_breaker_open_fails_over_at_once_instead_of_starting_another():
+    async def scenario(h: Harness, launcher: WatchedLauncher) -> None:
+        await h.pool.apply(registry(on_demand("a")))
+        replica = await h.pool.cold_start(h.group("a"))
+        for _ in range(3):
+            replica.breaker.record_failure()
+        assert not replica.routable()
+        start = h.clock()
+        assert await h.pool.cold_start(h.group("a")) is replica  # the gateway finds it unroutable: fallbacks next
+        assert h.clock() - start < 1 and len(launcher.handles) == 1
+        assert h.pool.stats.cold_starts == {("a", "ok"): 1}  # that second call started nothing
+
+    run(scenario)
