@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +64,21 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def wait_until_ready(url: str, exited: Callable[[], bool], output: Callable[[], str], timeout_s: float,
+                     poll_s: float = 0.25) -> None:
+    """Poll `url` until it answers 200; fail with the process's `output()` if it `exited()` or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert not exited(), f"exited: {output()}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise AssertionError(f"not ready in {timeout_s} s: {output()}")
+
+
 @dataclass
 class Gateway:
     url: str
@@ -76,16 +91,8 @@ class Gateway:
         return httpx.Client(base_url=self.url, timeout=60)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"gateway exited: {self.log_path.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise AssertionError(f"gateway not ready in {timeout_s} s: {self.log_path.read_text()[-3000:]}")
+        wait_until_ready(f"{self.url}/ready", lambda: self.process.poll() is not None,
+                         lambda: f"gateway: {self.log_path.read_text()[-3000:]}", timeout_s)
 
     def stop(self) -> int:
         if self.process.poll() is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 
 from model_pool.launcher import LocalLauncher, ProcessHandle
 from registry.launch import ReplicaLaunch
+from tests.e2e.conftest import wait_until_ready
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 
@@ -29,17 +29,9 @@ def launch_of(model: Path, index: int) -> ReplicaLaunch:
                          engine={"kv_cache_gib": 0.01, "max_model_len": 256, "block_size": 16})
 
 
-def wait_ready(handle: ProcessHandle, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert handle.exit_code() is None, handle.output_tail()
-        try:
-            if httpx.get(f"{handle.base_url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"not ready in {timeout_s} s: {handle.output_tail()}")
+def wait_ready(handle: ProcessHandle) -> None:
+    wait_until_ready(f"{handle.base_url}/ready", lambda: handle.exit_code() is not None, handle.output_tail, 90.0,
+                     poll_s=0.1)
 
 
 def test_a_launch_takes_a_standby_worker_which_serves_it_as_its_own(tiny_model, tmp_path, monkeypatch):
