@@ -284,6 +284,16 @@ class Forwarder:
             self.metrics.cold_start_wait.labels(group.spec.name).observe(waited)
         return replica if replica.routable() else None
 
+    async def _start_for_continuation(self, group: InstanceGroup, give_up: float) -> Replica | None:
+        """A replica started on demand for a continuation that found none (its own was evicted or drained), within
+        what is left of its wait; None when the start fails or takes longer (the continuation then gives up as it
+        would have)."""
+        try:
+            replica = await asyncio.wait_for(self.pool.cold_start(group), max(0.0, give_up - self.clock()))
+        except (ColdStartFailed, asyncio.TimeoutError):
+            return None
+        return replica if replica.routable() else None
+
     async def _send(self, request: Request, replica: Replica, endpoint: str, content: bytes, stream: bool,
                     call: _Call) -> Response:
         context = request_context(request.scope)
@@ -517,6 +527,8 @@ class Forwarder:
             replica = self.pool.choose(resume.group, tried, call.key)
             if replica is None:  # none untried: any ready one will do (a restarted replica is a fresh process)
                 replica = self.pool.choose(resume.group, set(), call.key)
+            if replica is None and resume.group.spec.on_demand:  # none at all: a model on demand starts one
+                replica = await self._start_for_continuation(resume.group, give_up)
             if replica is not None:
                 tried.add(replica.replica_id)
                 own = {k: v for k, v in headers.items() if k != "authorization"}  # the first replica's token stays

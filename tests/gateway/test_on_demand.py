@@ -105,3 +105,29 @@ def test_a_model_with_a_fixed_count_cannot_be_pinned(with_gateway):
         assert "models[1].scaling: only for a model started on demand" in error["message"]
 
     with_gateway(scenario)
+
+
+def test_a_stream_whose_replica_is_drained_goes_on_on_a_replica_started_for_it(with_gateway):
+    """A model on demand with no replica left for a broken stream's continuation starts one (within the
+    continuation's wait), instead of ending the stream."""
+    registry = REGISTRY.replace("    replicas: {min: 0, max: 1}\n  - name: other",
+                                "    replicas: {min: 0, max: 2}\n  - name: other")
+    registry = registry.replace("memory_budget_gib: {cpu: 1.5}", "memory_budget_gib: {cpu: 3}")
+
+    async def scenario(gw: FakeGateway) -> None:
+        await gw.pool.apply(gw.store.registry)
+        gw.replicas.set("lazy/0", "break_midstream")
+
+        def drain(received) -> None:  # its only replica leaves routing once the stream started
+            if received.host == "fake-lazy-0":
+                gw.pool.drain("lazy/0")
+
+        gw.replicas.on_request = drain
+        response = await gw.client.post("/v1/chat/completions", json=chat("lazy", stream=True))
+        assert response.status_code == 200
+        assert "stream_interrupted" not in response.text
+        assert [h.request.index for h in gw.launcher.handles] == [0, 1]  # the second started for the continuation
+        resumed = [r for r in gw.replicas.received if "multiserve_resume" in r.body]
+        assert [r.host for r in resumed] == ["fake-lazy-1"]
+
+    with_gateway(scenario, registry_text=registry, ready=False, footprint_for=one_gib)
