@@ -44,16 +44,16 @@ from model_pool.residency import (
     FootprintFor,
     ResidencyStats,
     Room,
-    budget_from,
     budget_key_name,
     eviction_key,
     find_room,
-    gib,
+    held_bytes,
     holders_text,
     holds,
 )
 from policies.retry import Backoff
 from policies.routing import Candidate, RoutingPolicy, make_policy
+from registry.fields import GIB, gib
 from registry.launch import Footprint, ReplicaPlacement, replica_launch
 from registry.schema import ModelSpec, Registry
 from registry.store import diff_registries
@@ -218,7 +218,9 @@ class ModelPool:
                     needs=gib(footprint.bytes or 0), budget=gib(self._budget(footprint.device) or 0))
 
     def _budget(self, device: str) -> int | None:
-        return budget_from(self._applied.gateway.memory_budget_gib, self.default_budget)(device)
+        """A device's budget: the registry's `gateway.memory_budget_gib` entry, else `default_budget`'s."""
+        given = self._applied.gateway.memory_budget_gib.get(device)
+        return int(given * GIB) if given is not None else self.default_budget(device)
 
     def _evictable(self, group: InstanceGroup, idle_only: bool) -> list[Replica]:
         """Replicas that may be stopped to make room for one of `group`: ready replicas of the other models on
@@ -228,10 +230,9 @@ class ModelPool:
         for other in self.groups.values():
             if other is group or not other.spec.on_demand or other.spec.scaling.pinned or other.waiters:
                 continue
-            running = [r for r in other.replicas if r.state == ReplicaState.READY and not r.manually_drained]
-            spare = len(running) - other.spec.resident_replicas
+            running = _running(other)
             candidates = [r for r in running if r.outstanding == 0 or not idle_only]
-            victims += sorted(candidates, key=eviction_key)[:max(spare, 0)]
+            victims += sorted(candidates, key=eviction_key)[:_spare(other, running)]
         return victims
 
     def _unload(self, replica: Replica, reason: str, wait: bool = False) -> Awaitable[None]:
@@ -268,10 +269,10 @@ class ModelPool:
             scaling = group.spec.scaling
             if not group.spec.on_demand or scaling.idle_unload_s is None or scaling.pinned or group.waiters:
                 continue
-            running = [r for r in group.replicas if r.state == ReplicaState.READY and not r.manually_drained]
+            running = _running(group)
             idle = sorted((r for r in running if r.outstanding == 0 and now - r.last_used >= scaling.idle_unload_s),
                           key=lambda r: r.last_used)
-            for replica in idle[:max(len(running) - group.spec.resident_replicas, 0)]:
+            for replica in idle[:_spare(group, running)]:
                 self._unload(replica, "idle")
 
     def _residency_view(self, group: InstanceGroup) -> dict[str, Any]:
@@ -321,8 +322,10 @@ class ModelPool:
         deadline = self.clock() + self._applied.gateway.eviction_wait_s
         try:
             replica, launched = await self._admit(group, deadline)
-            if replica.state != ReplicaState.READY:
-                await self._wait_ready(replica)
+            if replica.state != ReplicaState.READY:  # probed often: the requests waiting for it are served at once
+                failure = await self._await_ready(replica, supervise=False, poll_s=0.05)
+                if failure is not None:  # (the supervisor restarts an exited one, as any crash)
+                    raise ColdStartFailed(f"replica {replica.replica_id} {failure}", 5.0)
         except ColdStartFailed as err:
             self.stats.cold_starts[(name, "refused" if err.budget else "failed")] += 1
             log.warning("cold_start_failed", model=name, reason=str(err))
@@ -377,24 +380,6 @@ class ModelPool:
                             f"idle", 5.0, budget=True)
             await self.sleep(0.05)
 
-    async def _wait_ready(self, replica: Replica) -> None:
-        """Probe a replica just launched on demand until it is ready; `ColdStartFailed` if its process exits first
-        (the supervisor restarts it as any crash) or it is not ready within its ready timeout."""
-        deadline = self.clock() + replica.ready_timeout_s
-        while replica.state != ReplicaState.READY:
-            handle = replica.handle
-            if handle is None or handle.exit_code() is not None or replica.state == ReplicaState.FAILED:
-                tail = _output_tail(replica).strip().splitlines()[-1:] or [""]
-                raise ColdStartFailed(f"replica {replica.replica_id} exited while starting: {tail[0]}".rstrip(": "),
-                                      5.0)
-            if self.clock() >= deadline:
-                raise ColdStartFailed(f"replica {replica.replica_id} was not ready within "
-                                      f"{replica.ready_timeout_s:g} s of its launch", 5.0)
-            if replica.state == ReplicaState.STARTING:
-                await self._probe(replica)
-            if replica.state != ReplicaState.READY:
-                await self.sleep(0.05)
-
     def _pinned(self, replica: Replica) -> bool:
         group = self.groups.get(replica.model)
         return group is not None and (not group.spec.on_demand or group.spec.scaling.pinned)
@@ -422,7 +407,7 @@ class ModelPool:
             await self._make_room(group, new)  # counted under its device's budget, as any start
             group.replicas.append(new)
             await self._launch(group, new, placement)
-            if not await self._await_ready(new):
+            if await self._await_ready(new) is not None:
                 kept = "the replicas after it keep"
                 if surge:  # the old one never left: it stays, the new one goes
                     await self._retire(group, new)
@@ -439,23 +424,26 @@ class ModelPool:
         group.rollout["state"] = "done"
         log.info("rollout_done", model=group.spec.name, revision=group.revision)
 
-    async def _await_ready(self, replica: Replica) -> bool:
-        """Probe `replica` until it is ready (True), or it exits or its ready timeout passes (False). The pool's
-        other replicas are supervised meanwhile, as `tick` would (it waits for this rollout's lock)."""
+    async def _await_ready(self, replica: Replica, supervise: bool = True, poll_s: float | None = None
+                           ) -> str | None:
+        """Probe `replica` every `poll_s` (default `rollout_poll_s`) until it is ready (None), or it exits or its
+        ready timeout passes (why it is not ready, for messages). With `supervise` (the caller holds the lock, as a
+        rollout does) the pool's other replicas are supervised meanwhile, as `tick` would (it waits for that lock)."""
         deadline = self.clock() + replica.ready_timeout_s
         next_tick = self.clock() + self.settings.probe_interval_s
         while True:
             if replica.handle is None or replica.handle.exit_code() is not None:
-                return False
+                tail = _output_tail(replica).strip().splitlines()[-1:] or [""]
+                return f"exited while starting: {tail[0]}".rstrip(": ")
             await self._probe(replica)
             if replica.state == ReplicaState.READY:
-                return True
+                return None
             if self.clock() >= deadline:
-                return False
-            if self.clock() >= next_tick:
+                return f"was not ready within {replica.ready_timeout_s:g} s of its launch"
+            if supervise and self.clock() >= next_tick:
                 await self._supervise_all(skip=replica)
                 next_tick = self.clock() + self.settings.probe_interval_s
-            await self.sleep(self.settings.rollout_poll_s)
+            await self.sleep(self.settings.rollout_poll_s if poll_s is None else poll_s)
 
     async def _launch(self, group: InstanceGroup, replica: Replica, placement: ReplicaPlacement | None = None) -> None:
         """Start the replica's process. A launcher that cannot (a Ray cluster that does not place the actor in time)
@@ -737,9 +725,7 @@ class ModelPool:
         replicas = self.replicas()
         devices = {r.footprint.device for r in replicas if r.footprint.bytes is not None}
         devices |= set(self._applied.gateway.memory_budget_gib)
-        return {device: {"budget_bytes": self._budget(device),
-                         "held_bytes": sum(r.footprint.bytes or 0 for r in replicas
-                                           if holds(r) and r.footprint.device == device)}
+        return {device: {"budget_bytes": self._budget(device), "held_bytes": held_bytes(replicas, device)}
                 for device in sorted(devices)}
 
 
@@ -762,6 +748,16 @@ def _live(group: InstanceGroup) -> list[Replica]:
 def _kept(group: InstanceGroup) -> list[Replica]:
     """The live replicas the pool is not stopping (a replica unloaded in the background is on its way out)."""
     return [r for r in _live(group) if not r.stopping]
+
+
+def _running(group: InstanceGroup) -> list[Replica]:
+    """Its ready replicas in service (not drained): those idle unload and eviction may stop."""
+    return [r for r in group.replicas if r.state == ReplicaState.READY and not r.manually_drained]
+
+
+def _spare(group: InstanceGroup, running: list[Replica]) -> int:
+    """How many of its `running` replicas may stop: those above its resident floor."""
+    return max(len(running) - group.spec.resident_replicas, 0)
 
 
 def _free_index(group: InstanceGroup) -> int:

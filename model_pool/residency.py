@@ -10,27 +10,24 @@ room is still counted until it has stopped, and the budget is never exceeded on 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from model_pool.replica import Replica, ReplicaState
-from registry.fields import GIB
+from registry.fields import gib
 from registry.launch import Footprint
+from registry.schema import ModelSpec
 
 # a replica in any of these states may have its process (and its memory) up
 HOLDING = frozenset({ReplicaState.STARTING, ReplicaState.READY, ReplicaState.UNHEALTHY, ReplicaState.DRAINING})
 
 BudgetFor = Callable[[str], int | None]  # device ("cpu", "0", ...) -> its budget in bytes (None: no limit)
-FootprintFor = Callable[..., Footprint]  # (spec, replica index) -> what that replica holds
+FootprintFor = Callable[[ModelSpec, int], Footprint]  # (spec, replica index) -> what that replica holds
 
 
 def budget_key_name(device: str) -> str:
     """Where a device's budget is set in the registry (for messages)."""
     return f"gateway.memory_budget_gib.{device}" if device == "cpu" else f'gateway.memory_budget_gib."{device}"'
-
-
-def gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
 
 
 def eviction_key(replica: Replica) -> tuple[float, float]:
@@ -102,12 +99,3 @@ class ResidencyStats:
 
     cold_starts: Counter[tuple[str, str]] = field(default_factory=Counter)
     unloads: Counter[tuple[str, str]] = field(default_factory=Counter)
-
-
-def budget_from(explicit: Mapping[str, float], default: BudgetFor) -> BudgetFor:
-    """A device's budget: the registry's `gateway.memory_budget_gib` entry, else `default` (the inventory's)."""
-    def budget(device: str) -> int | None:
-        given = explicit.get(device)
-        return int(given * GIB) if given is not None else default(device)
-
-    return budget

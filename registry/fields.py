@@ -10,6 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field
 MIB = 1 << 20
 GIB = 1 << 30
 
+
+def gib(n: int) -> str:
+    """Bytes as people read a memory size in messages: `1.50 GiB`."""
+    return f"{n / GIB:.2f} GiB"
+
+
 # Upper bounds of the numeric fields. Each is far above what one host runs and low enough that a typo (an extra
 # zero or six) is refused instead of starting a million processes or sizing a cache beyond any device.
 MAX_REPLICAS = 64  # per model; each replica is a process with its own weights and KV cache

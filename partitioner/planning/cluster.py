@@ -28,7 +28,7 @@ from partitioner.planning.placement import PlanOptions
 from partitioner.planning.placer import needs_arbiter
 from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
-from registry.fields import GIB
+from registry.fields import gib
 from registry.schema import ModelSpec, Registry
 
 
@@ -243,10 +243,8 @@ def _unit_label(unit: list[ReplicaDemand]) -> str:
     if first.mig_instance is not None and first.device != "cpu":
         memory = sum(d.memory_bytes or 0 for d in unit)
         return (f"MIG instance {first.mig_instance!r} ({first.isolation}: {', '.join(d.replica_id for d in unit)}; "
-                f"needs {_gib(memory)} in all)")
-    need = "" if first.memory_bytes is None else f", needs {_gib(first.memory_bytes)}"  # on a GPU the reason says
+                f"needs {gib(memory)} in all)")
+    need = "" if first.memory_bytes is None else f", needs {gib(first.memory_bytes)}"  # on a GPU the reason says
     return f"{first.replica_id} ({first.isolation}, device {first.device}{need})"
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"

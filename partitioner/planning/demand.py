@@ -15,7 +15,7 @@ from pathlib import Path
 from foundation.config_files import config_path
 from partitioner.planning.plan import InfeasiblePlan
 from registry.engine import EngineSpec, kv_cache_budget, sequence_blocks
-from registry.fields import GIB, MIB, Device, Isolation
+from registry.fields import GIB, MIB, Device, Isolation, gib
 from registry.schema import ModelSpec, Registry
 
 # Each process on a GPU pays for more than weights and KV: its CUDA context (0.4-0.55 GiB on Hopper with torch's
@@ -114,16 +114,16 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
         budget = kv_cache_budget(explicit_kv, total - weights - overhead_bytes) if is_llm else 0
         need = weights + max(budget, 0) + overhead_bytes
         if need > total:
-            with_kv = f" + KV cache {_gib(budget)}" if budget > 0 else (", before any KV cache" if is_llm else "")
-            raise ValueError(f"placement.memory_gib {_gib(total)} cannot hold weights {_gib(weights)} + overhead "
-                             f"{_gib(overhead_bytes)}{with_kv}: short by {_gib(need - total)}")
+            with_kv = f" + KV cache {gib(budget)}" if budget > 0 else (", before any KV cache" if is_llm else "")
+            raise ValueError(f"placement.memory_gib {gib(total)} cannot hold weights {gib(weights)} + overhead "
+                             f"{gib(overhead_bytes)}{with_kv}: short by {gib(need - total)}")
         try:
             _check_kv(budget if is_llm else None, one_seq, engine)
         except ValueError as exc:
             if explicit_kv is not None:
                 raise
-            raise ValueError(f"placement.memory_gib {_gib(total)} less weights {_gib(weights)} and overhead "
-                             f"{_gib(overhead_bytes)}: {exc}") from None
+            raise ValueError(f"placement.memory_gib {gib(total)} less weights {gib(weights)} and overhead "
+                             f"{gib(overhead_bytes)}: {exc}") from None
         return total, budget if is_llm else None
     kv = kv_cache_budget(explicit_kv, one_seq)
     _check_kv(kv, one_seq, engine)
@@ -146,16 +146,12 @@ def _one_sequence_kv(engine: EngineSpec, shape: ModelShape | None) -> int | None
 
 def _check_kv(kv: int | None, one_seq: int | None, engine: EngineSpec | None) -> None:
     if engine is not None and kv is not None and one_seq is not None and kv < one_seq:
-        raise ValueError(f"a KV cache of {_gib(kv)} holds less than one {engine.max_model_len or 'full'}-token "
-                         f"sequence ({_gib(one_seq)}): short by {_gib(one_seq - kv)}")
+        raise ValueError(f"a KV cache of {gib(kv)} holds less than one {engine.max_model_len or 'full'}-token "
+                         f"sequence ({gib(one_seq)}): short by {gib(one_seq - kv)}")
 
 
-def _bytes(gib: float | None) -> int | None:
-    return None if gib is None else int(gib * GIB)
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+def _bytes(size_gib: float | None) -> int | None:
+    return None if size_gib is None else int(size_gib * GIB)
 
 
 SHIPPED_SHAPES = config_path("model_shapes.json")  # the known models' shapes

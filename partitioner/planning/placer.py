@@ -32,7 +32,7 @@ from partitioner.planning.plan import InfeasiblePlan, Plan, ReplicaPlan
 from partitioner.planning.planner import plan
 from partitioner.planning.shapes import family_problems, plan_shapes
 from registry.errors import Problem
-from registry.fields import GIB
+from registry.fields import GIB, gib
 from registry.launch import Footprint, ReplicaPlacement
 from registry.schema import ModelSpec, Registry
 
@@ -203,14 +203,14 @@ def budget_problems(registry: Registry, current: Plan | None) -> list[Problem]:
                 resident.setdefault(footprint.device, []).append((f"{model.name}/{index}", footprint.bytes))
             elif footprint.bytes > budget * GIB:
                 problems.append(Problem(f"models[{i}].replicas", (
-                    f"a replica of {model.name} holds {footprint.bytes / GIB:.2f} GiB, more than "
+                    f"a replica of {model.name} holds {gib(footprint.bytes)}, more than "
                     f"gateway.memory_budget_gib.{footprint.device} = {budget:g} GiB: it could never start")))
     for device, held in sorted(resident.items()):
         total = sum(size for _, size in held)
         if total > budgets[device] * GIB:
-            listed = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in held)
+            listed = ", ".join(f"{name} {gib(size)}" for name, size in held)
             problems.append(Problem(f"gateway.memory_budget_gib.{device}", (
-                f"{budgets[device]:g} GiB cannot hold the replicas always resident there ({total / GIB:.2f} GiB: "
+                f"{budgets[device]:g} GiB cannot hold the replicas always resident there ({gib(total)}: "
                 f"{listed}); raise it, or start models on demand (replicas: {{min: 0, max: N}})")))
     return problems
 

@@ -27,7 +27,7 @@ from partitioner.planning.demand import ReplicaDemand
 from partitioner.planning.placement import GpuState, Placed, PlanOptions, shared_key
 from partitioner.planning.plan import InfeasiblePlan, Plan
 from partitioner.planning.plan_build import build_plan
-from registry.fields import GIB, Device
+from registry.fields import Device, gib
 
 _ORDER = {"exclusive": 0, "mig": 1, "mps": 2, "timeslice": 3}
 
@@ -216,8 +216,8 @@ def _shared_gpu_refusal(p: Placed, gpu: GpuState, options: PlanOptions) -> str |
         return f"already planned for {gpu.mode} with {len(gpu.placed)} replica(s) (one mode per GPU{hint})"
     need, free = p.demand.memory_bytes or 0, gpu.capacity_bytes - gpu.planned_bytes
     if need > free:
-        return (f"{_gib(free)} free of {_gib(gpu.capacity_bytes)} usable ({len(gpu.placed)} replica(s) planned, "
-                f"{_gib(gpu.foreign_bytes)} used by other processes): short by {_gib(need - free)}")
+        return (f"{gib(free)} free of {gib(gpu.capacity_bytes)} usable ({len(gpu.placed)} replica(s) planned, "
+                f"{gib(gpu.foreign_bytes)} used by other processes): short by {gib(need - free)}")
     if p.isolation == "mps":
         if len(gpu.placed) >= options.max_mps_clients:
             return f"MPS allows {options.max_mps_clients} clients per device"
@@ -316,10 +316,10 @@ def _no_profile_reason(p: Placed, gpu: GpuState, options: PlanOptions) -> str:
         usable = int(largest.memory_bytes * options.max_memory_fraction)
         short = max((p.demand.memory_bytes or 0) - usable, 0)
         sm = f" and {_sm_needed(p.demand, gpu.dev)} SMs" if p.demand.sm_percent else ""
-        return (f"no MIG profile holds {_gib(p.demand.memory_bytes or 0)}{sm}: the largest, {largest.name}, "
-                f"gives {_gib(usable)} usable ({largest.sm_count} SMs): short by {_gib(short)}")
+        return (f"no MIG profile holds {gib(p.demand.memory_bytes or 0)}{sm}: the largest, {largest.name}, "
+                f"gives {gib(usable)} usable ({largest.sm_count} SMs): short by {gib(short)}")
     taken = [f"{m.profile} at slot {m.start} (existing)" for m in gpu.dev.mig_devices]
-    taken += [f"{q.profile.name} for {q.label()} ({_gib(q.demand.memory_bytes or 0)})" for q in gpu.placed
+    taken += [f"{q.profile.name} for {q.label()} ({gib(q.demand.memory_bytes or 0)})" for q in gpu.placed
               if q.profile is not None]
     return f"no free slots for {fitting[0].name} or larger: taken by " + ", ".join(taken) + _slot_shortfall(p, gpu,
                                                                                                           options)
@@ -339,19 +339,17 @@ def _slot_shortfall(p: Placed, gpu: GpuState, options: PlanOptions) -> str:
     if short <= 0:  # its memory would fit; the SMs asked for do not
         return (f"; the largest that still fits, {largest.name}, has {largest.sm_count} SMs: short by "
                 f"{_sm_needed(p.demand, gpu.dev) - largest.sm_count} SMs")
-    return f"; the largest that still fits, {largest.name}, gives {_gib(usable)} usable: short by {_gib(short)}"
+    return f"; the largest that still fits, {largest.name}, gives {gib(usable)} usable: short by {gib(short)}"
 
 
 def _refused(p: Placed, reasons: list[str]) -> str:
     d = p.demand
     if p.instance is not None:  # the label already says who shares it and how
         head = f"MIG instance {p.instance!r} ({p.sharing} for {', '.join(p.replica_ids())}; needs " \
-               f"{_gib(d.memory_bytes or 0)} in all)"
+               f"{gib(d.memory_bytes or 0)} in all)"
     else:
         sm = f", {d.sm_percent} % SMs" if d.sm_percent else ""
-        head = f"{d.replica_id} ({p.isolation}, needs {_gib(d.memory_bytes or 0)}{sm})"
+        head = f"{d.replica_id} ({p.isolation}, needs {gib(d.memory_bytes or 0)}{sm})"
     return f"{head} does not fit: " + "; ".join(reasons)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
