@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import json
 import os
 import secrets
 import signal
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from foundation.http.wire import REPLICA_TOKEN_ENV
-from registry.launch import ReplicaLaunch
+from registry.launch import ReplicaLaunch, StandbyAssignment
 
 
 class ReplicaHandle(Protocol):
@@ -165,17 +164,14 @@ class LocalLauncher:
     async def start(self, launch: ReplicaLaunch) -> ProcessHandle:
         port = free_port(self.host)
         token = secrets.token_urlsafe(32)
-        log_path = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"{launch.model}-{launch.index}.log"
+        log_path = self._log_path(f"{launch.model}-{launch.index}.log")
         standby = self._take_standby()
         if standby is not None:
-            assignment = {"launch": launch.model_dump(mode="json"), "host": self.host, "port": port, "token": token,
-                          "env": dict(launch.placement.env), "log_path": None if log_path is None else str(log_path)}
+            assignment = StandbyAssignment(launch=launch, host=self.host, port=port, token=token,
+                                           log_path=None if log_path is None else str(log_path))
             try:
                 assert standby.stdin is not None
-                standby.stdin.write(json.dumps(assignment).encode() + b"\n")
+                standby.stdin.write(assignment.model_dump_json().encode() + b"\n")
                 standby.stdin.close()
             except OSError:  # it died meanwhile: a fresh worker instead
                 standby = None
@@ -186,6 +182,13 @@ class LocalLauncher:
         return ProcessHandle(f"http://{self.host}:{port}",
                              self._spawn(self.command(launch, port), replica_env(launch, token, self.env_drop()),
                                          log_path), log_path, token)
+
+    def _log_path(self, name: str) -> Path | None:
+        """Where a process's output goes (None: nowhere, without a log directory)."""
+        if self.log_dir is None:
+            return None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir / name
 
     def _spawn(self, argv: list[str], env: dict[str, str], log_path: Path | None,
                stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
@@ -213,10 +216,7 @@ class LocalLauncher:
             self._release(self._standby.pop())
         while len(self._standby) < wanted:
             self._spawned += 1
-            log_path = None
-            if self.log_dir is not None:
-                self.log_dir.mkdir(parents=True, exist_ok=True)
-                log_path = self.log_dir / f"standby-{self._spawned}.log"
+            log_path = self._log_path(f"standby-{self._spawned}.log")
             self._standby.append(self._spawn([self.python, "-m", "multiserve", "worker", "--standby"],
                                              worker_env(self.env_drop()), log_path, stdin=subprocess.PIPE))
 

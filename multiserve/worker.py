@@ -5,9 +5,9 @@ and the launch token from the gateway's launcher (its environment).
 
 `multiserve worker --standby` is a worker started before there is a replica for it (the local launcher's warm pool,
 `gateway.warm_workers`): it imports the runtimes (torch, the engines, the HTTP stack: most of a worker's start) and
-then waits for one line on its standard input, its assignment (`Assignment`: the launch, where to listen, the
-token, the placement's environment and the replica's log file), and serves it as `--launch` would. CUDA reads its
-variables when it is first used, which the imports do not do, so the placement's environment still applies."""
+then waits for one line on its standard input, its assignment (`registry.launch.StandbyAssignment`: the launch,
+where to listen, the token and the replica's log file), and serves it as `--launch` would. CUDA reads its variables
+when it is first used, which the imports do not do, so the placement's environment still applies."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import sys
 import time
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from foundation.http.wire import REPLICA_TOKEN_ENV
 from registry.engine import QueueOptions
 from registry.errors import FieldProblems, pydantic_problems
-from registry.launch import ReplicaLaunch
+from registry.launch import ReplicaLaunch, StandbyAssignment
 from runtimes.server.worker import run_worker
 
 _QUEUE_OPTIONS = frozenset(QueueOptions.model_fields)
@@ -57,19 +57,6 @@ def _validated(option: str, build: Callable[[], ReplicaLaunch]) -> ReplicaLaunch
     raise ValueError(f"{option}: " + "; ".join(str(p) for p in problems))
 
 
-class Assignment(BaseModel):
-    """What a standby worker is told to serve: one JSON line on its standard input."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    launch: ReplicaLaunch
-    host: str
-    port: int
-    token: str | None = None
-    env: dict[str, str] = {}  # the placement's device variables (CUDA reads them at its first use)
-    log_path: str | None = None  # the replica's log: the standby's output goes there from now on
-
-
 def run_worker_command(args: argparse.Namespace) -> int:
     """Serve one replica until SIGTERM; 2 on a bad launch or bad options (the message says which)."""
     if args.standby:
@@ -99,7 +86,7 @@ def run_standby(args: argparse.Namespace) -> int:
     if not line.strip():
         return 0
     try:
-        assignment = Assignment.model_validate_json(line)
+        assignment = StandbyAssignment.model_validate_json(line)
     except ValidationError as exc:
         print(f"error: the assignment: {'; '.join(str(p) for p in pydantic_problems(exc))}", file=sys.stderr)
         return 2
@@ -110,7 +97,7 @@ def run_standby(args: argparse.Namespace) -> int:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-    os.environ.update(assignment.env)
+    os.environ.update(assignment.launch.placement.env)
     return _serve(assignment.launch, assignment.host, assignment.port, assignment.token, args)
 
 

@@ -79,6 +79,18 @@ class ReplicaLaunch(Frozen):
 
 
 
+class StandbyAssignment(Frozen):
+    """What a standby worker (`multiserve worker --standby`, the local launcher's warm pool) is told to serve: one
+    JSON line on its standard input. The placement's environment comes with the launch; CUDA reads it at its first
+    use, which a standby's imports do not make."""
+
+    launch: ReplicaLaunch
+    host: str
+    port: int = Field(ge=0, le=65535)
+    token: str | None = None  # what every request but its probes must carry (never in its environment)
+    log_path: str | None = None  # the replica's log: the standby's output goes there from now on
+
+
 def launch_key(spec: ModelSpec) -> tuple[ReplicaLaunch, Placement]:
     """What decides whether a registry change restarts a model's replicas: their launch, less the replica index, the
     gateway-side aliases and the resolved placement, plus the model's `placement:` section (its isolation and

@@ -113,6 +113,7 @@ class ReplicaPlacer:
         return device_budget(device, self._inventory_now())
 
     def _inventory_now(self) -> Inventory:
+        """The host's inventory, read on first use."""
         with self._plan_lock:
             if self._inventory is None:
                 self._inventory = self._read_inventory()
@@ -159,15 +160,14 @@ class ReplicaPlacer:
         return []
 
     def _plan(self, registry: Registry) -> Plan | InfeasiblePlan:
+        inventory = self._inventory_now()
         with self._plan_lock:  # the store checks edits from admin threads while the pool launches replicas
             if self._planned is not None and self._planned[0] is registry:
                 return self._planned[1]
-            if self._inventory is None:
-                self._inventory = self._read_inventory()
             result: Plan | InfeasiblePlan
             try:
-                shapes = self._shapes_for(registry, self._inventory)
-                result = plan(self._inventory, replica_demands(registry, shapes), self._options)
+                shapes = self._shapes_for(registry, inventory)
+                result = plan(inventory, replica_demands(registry, shapes), self._options)
             except InfeasiblePlan as exc:
                 result = exc
             self._planned = (registry, result)
