@@ -30,7 +30,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench.measure.gateway_overhead import spawn, stop, wait_ready
+from bench.measure.memory_watch import MemoryWatch
 from bench.measure.timing import machine_info
 from model_pool.launcher import free_port
 from partitioner.planning.footprint import CPU_PROCESS_OVERHEAD_BYTES
@@ -95,51 +95,6 @@ def registry_text(setting: str, port: int, models: list[str], model: Path, args:
     return yaml.safe_dump({"gateway": gateway, "models": entries}, sort_keys=False)
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
-    return int(line.split()[1]) * 1024
-
-
-class MemoryWatch(threading.Thread):
-    """Peak memory the gateway counts resident (its metrics) and its workers' peak RSS, sampled every 0.25 s."""
-
-    def __init__(self, url: str, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.url, self.pid = url, pid
-        self.held_peak = 0.0
-        self.rss_peak = 0
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=10) as client:
-            while not self.stopped.is_set():
-                try:
-                    text = client.get("/metrics").text
-                    for family in text_string_to_metric_families(text):
-                        if family.name == "multiserve_gateway_memory_held_bytes":
-                            self.held_peak = max(self.held_peak, sum(s.value for s in family.samples))
-                except httpx.HTTPError:
-                    pass
-                self.rss_peak = max(self.rss_peak, sum(rss_bytes(p) for p in children_of(self.pid)))
-                self.stopped.wait(0.25)
-
-
 async def one(client: httpx.AsyncClient, arrival: Arrival, start: float, max_tokens: int
               ) -> tuple[int, float | None]:
     await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
@@ -185,11 +140,8 @@ def run_setting(setting: str, models: list[str], model: Path, arrivals: list[Arr
     try:
         wait_ready(f"{url}/ready", process, log_path, timeout_s=600)
         time.sleep(3)  # the warm pool's standby workers finish their imports
-        watch = MemoryWatch(url, process.pid)
-        watch.start()
-        results = asyncio.run(drive(url, arrivals, args.max_tokens, setting))
-        watch.stopped.set()
-        watch.join()
+        with MemoryWatch(url, process.pid, interval_s=0.25) as watch:
+            results = asyncio.run(drive(url, arrivals, args.max_tokens, setting))
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     finally:
         stop(process)

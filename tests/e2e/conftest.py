@@ -48,22 +48,6 @@ def replica_get(replica: dict, path: str) -> httpx.Response:
     return httpx.get(f"{replica['url']}{path}", headers=headers, timeout=10)
 
 
-def children_of(pid: int) -> list[int]:
-    """Live child processes of `pid` (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 def wait_until_ready(url: str, exited: Callable[[], bool], output: Callable[[], str], timeout_s: float,
                      poll_s: float = 0.25) -> None:
     """Poll `url` until it answers 200; fail with the process's `output()` if it `exited()` or `timeout_s` passes."""

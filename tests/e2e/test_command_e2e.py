@@ -23,8 +23,9 @@ import openai
 import pytest
 import yaml
 
+from bench.measure.memory_watch import children_of
 from model_pool.launcher import free_port
-from tests.e2e.conftest import Gateway, children_of, running_gateway
+from tests.e2e.conftest import Gateway, running_gateway
 from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
 
 pytestmark = pytest.mark.slow

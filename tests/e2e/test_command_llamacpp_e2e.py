@@ -18,9 +18,10 @@ import openai
 import pytest
 import yaml
 
+from bench.measure.memory_watch import children_of
 from model_pool.launcher import free_port
 from registry.sources import package_file
-from tests.e2e.conftest import children_of, running_gateway
+from tests.e2e.conftest import running_gateway
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,8 @@ import openai
 import pydantic
 import pytest
 
-from tests.e2e.conftest import ADMIN_TOKEN, Gateway, children_of, replica_get
+from bench.measure.memory_watch import children_of
+from tests.e2e.conftest import ADMIN_TOKEN, Gateway, replica_get
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,6 @@ workers' own resident memory, read from /proc: the memory model is an upper boun
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,11 +16,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.measure.memory_watch import MemoryWatch, children_of
 from model_pool.launcher import free_port
 from partitioner.planning.footprint import CPU_PROCESS_OVERHEAD_BYTES
 from registry.fields import GIB
 from registry.sources import package_file
-from tests.e2e.conftest import Gateway, children_of, running_gateway
+from tests.e2e.conftest import running_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -37,45 +37,6 @@ IDLE_UNLOAD_S = 3.0
 def metric_values(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     return {tuple(sorted(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
-    return 0 if line is None else int(line.split()[1]) * 1024
-
-
-class Watch:
-    """Samples, every 50 ms, the memory the gateway counts on the CPU and its workers' resident memory."""
-
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.held: list[float] = []
-        self.rss: list[int] = []
-        self.workers: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Watch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.gateway.url, timeout=10) as client:
-            while not self._stop.is_set():
-                text = client.get("/metrics").text
-                self.held.append(sum(metric_values(text, "multiserve_gateway_memory_held_bytes").values()))
-                workers = children_of(self.gateway.process.pid)
-                self.workers.append(len(workers))
-                self.rss.append(sum(rss_bytes(pid) for pid in workers))
-                self._stop.wait(0.05)
 
 
 def test_six_models_on_demand_share_a_budget_that_holds_two(tmp_path):
@@ -104,16 +65,16 @@ def test_six_models_on_demand_share_a_budget_that_holds_two(tmp_path):
             return reply.model, reply.choices[0].message.content or ""
 
         answered = []
-        with Watch(gateway) as watch, ThreadPoolExecutor(2) as pool:
+        with MemoryWatch(gateway.url, gateway.process.pid) as watch, ThreadPoolExecutor(2) as pool:
             for pair in PAIRS:
                 answered += list(pool.map(ask, pair))
         assert [m for m, _ in answered] == [name for pair in PAIRS for name in pair]
         assert all(content for _, content in answered)
 
         budget = budget_gib * GIB
-        assert max(watch.held) <= budget, f"held {max(watch.held) / GIB:.2f} GiB of {budget_gib} GiB"
-        assert max(watch.workers) <= 2
-        assert max(watch.rss) <= budget, f"workers' RSS peaked at {max(watch.rss) / GIB:.2f} GiB"
+        assert watch.held_peak <= budget, f"held {watch.held_peak / GIB:.2f} GiB of {budget_gib} GiB"
+        assert watch.workers_peak <= 2
+        assert watch.rss_peak <= budget, f"workers' RSS peaked at {watch.rss_peak / GIB:.2f} GiB"
         metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
         cold = metric_values(metrics, "multiserve_gateway_cold_starts_total")
         assert set(dict(labels)["outcome"] for labels in cold) == {"ok"}
@@ -131,5 +92,5 @@ def test_six_models_on_demand_share_a_budget_that_holds_two(tmp_path):
         health = httpx.get(f"{gateway.url}/health/models", timeout=10).json()
         assert health["memory"]["cpu"]["held_bytes"] == 0
         assert httpx.get(f"{gateway.url}/ready", timeout=10).status_code == 200  # cold is not a failure
-        print(f"\nheld peak {max(watch.held) / GIB:.2f} GiB, workers' RSS peak {max(watch.rss) / GIB:.2f} GiB, "
+        print(f"\nheld peak {watch.held_peak / GIB:.2f} GiB, workers' RSS peak {watch.rss_peak / GIB:.2f} GiB, "
               f"budget {budget_gib} GiB; cold starts {sum(cold.values()):g}")
