@@ -213,3 +213,15 @@ def test_a_worker_process_takes_its_leases_from_the_arbiter(tmp_path, monkeypatc
         assert service.shares() == []  # the worker left the arbiter when it stopped
     finally:
         service.close()
+
+
+def test_a_model_on_demand_is_planned_for_its_max_so_a_cold_start_never_needs_a_partition_change(tmp_path):
+    """Its MIG slices are planned (and must exist) when the registry is validated, for `max` replicas, none running:
+    a registry whose slices do not exist is refused then, with the command, never at a cold start."""
+    lazy = registry(sliced={"device": "cuda", "replicas": {"min": 0, "max": 2},
+                            "placement": {"isolation": "mig", "memory_gib": 10}})
+    strict = ReplicaPlacer(lambda: lazy, lambda: gpus("h100-80gb"), tmp_path, require_applied=True)
+    (problem,) = strict.problems(lazy)
+    assert "create MIG device" in problem.message and "multiserve partition apply --config" in problem.message
+    plan = ReplicaPlacer(lambda: lazy, lambda: gpus("h100-80gb"), tmp_path).plan_for(lazy)
+    assert plan is not None and [r.replica_id for r in plan.replicas] == ["sliced/0", "sliced/1"]
