@@ -33,6 +33,31 @@ from registry.fields import (
     Scheduling,
 )
 
+MAX_SPECULATIVE_TOKENS = 16  # the most tokens one request proposes per step
+
+
+class SpeculativeOptions(Frozen):
+    """Speculative decoding (runtimes/llm/speculative.py): each decode step also verifies up to `k` proposed tokens
+    per request; greedy and seeded requests get the same tokens as without, sampled ones the same distribution."""
+
+    # ngram: prompt lookup, what followed the latest earlier occurrence of the output's last n tokens (n from
+    # prompt_lookup_max down to prompt_lookup_min)
+    method: Literal["ngram"] = "ngram"
+    k: int = Field(default=8, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True)
+    prompt_lookup_max: int = Field(default=4, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True)
+    prompt_lookup_min: int = Field(default=2, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True)
+    # each request's proposal length follows its recent acceptance and the measured cost of a verified row, and is
+    # none where a row costs more than it is expected to save (a large batch); false always proposes up to k
+    adaptive: bool = True
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> SpeculativeOptions:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise FieldProblems([Problem("prompt_lookup_min", f"must be at most prompt_lookup_max "
+                                                              f"({self.prompt_lookup_max}), "
+                                                              f"got {self.prompt_lookup_min}")])
+        return self
+
 
 class EngineOptions(Frozen):
     """The LLM engine's options: what the registry's `engine:` section and the runtime's `EngineConfig` share."""
@@ -60,6 +85,8 @@ class EngineOptions(Frozen):
     # already; on CUDA it changes the attention and dense-matmul kernels (slower); a replica whose weights or
     # attention backend have no such kernel fails to start, naming this field
     deterministic: bool = False
+    # speculative decoding; None: off
+    speculative: SpeculativeOptions | None = None
 
     @field_validator("block_size")
     @classmethod

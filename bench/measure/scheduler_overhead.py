@@ -39,8 +39,9 @@ from runtimes.llm.sampling_params import SamplingParams
 from runtimes.llm.scheduler import Scheduler, SchedulerOutput
 
 
-def fake_runner(plan: SchedulerOutput) -> dict[str, int]:
-    return {item.request.request_id: 1000 + item.request.num_tokens % 1000 for item in plan.scheduled if item.samples}
+def fake_runner(plan: SchedulerOutput) -> dict[str, list[int]]:
+    return {item.request.request_id: [1000 + item.request.num_tokens % 1000] for item in plan.scheduled
+            if item.samples}
 
 
 def build(args: argparse.Namespace, num_seqs: int) -> Scheduler:

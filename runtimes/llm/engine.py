@@ -30,6 +30,7 @@ from runtimes.llm.request_faults import RequestFaults
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.llm.scheduler import Scheduler
 from runtimes.llm.sequences import SequenceTable
+from runtimes.llm.speculative import Speculation
 from runtimes.llm.step_loop import StepLoop
 from runtimes.llm.steps import Ran
 
@@ -52,8 +53,10 @@ class LLMEngine:
                                      self.model_name if config.enable_prefix_caching else None, self.model_name)
         self.outputs = OutputProcessor(self.scheduler, clock)
         self.faults = RequestFaults(self.sequences, self.outputs, self.abort_request, self._start_self_check)
+        self.speculation = None if config.speculative is None else Speculation(config.speculative, self.scheduler)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.max_model_len, config.overlap_steps,
-                             quiet=lambda: not self.sequences.has_staged and self.faults.self_check_id is None)
+                             quiet=lambda: not self.sequences.has_staged and self.faults.self_check_id is None,
+                             speculation=self.speculation)
         self._limits = config.admission_limits()
         self._finishes = RateMeter()  # finished sequences per second, for Retry-After estimates
         self.num_steps = 0
@@ -141,18 +144,18 @@ class LLMEngine:
         advanced = self.scheduler.update(ran.plan, ran.result.sampled)
         self.num_steps += 1
         now = self.clock()
-        for request in advanced:
+        for request, tokens in advanced:
             seq = self.sequences.get(request.request_id)
             if seq is None:  # a sibling's fault ended it earlier in this loop
                 continue
             try:
-                outputs.append(self.outputs.on_token(seq, ran.result.logprobs, now))
+                outputs.append(self.outputs.on_tokens(seq, tokens, ran.result.logprobs, now))
             except Exception as error:  # detokenizing or stop strings: this request's fault only
                 outputs += self.faults.fail(request.request_id, error)
                 continue
             if request.status.finished:
                 self.sequences.forget(seq)
-        self._finishes.record(now, sum(1 for r in advanced if r.status.finished))
+        self._finishes.record(now, sum(1 for r, _ in advanced if r.status.finished))
         for request in self.sequences.release_staged():
             self.scheduler.add_request(request)
         self.faults.after_step()

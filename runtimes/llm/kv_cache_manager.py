@@ -205,6 +205,21 @@ class KVCacheManager:
                             tuple(request.token_ids[i * bs : (i + 1) * bs]))
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request) -> int:
+        """Hand back the request's blocks past the one its next token goes in (at `num_computed_tokens`): slots
+        allocated for proposed tokens that were rejected (their KV, written, is never read: positions are written
+        again before they are read). Returns how many blocks went back."""
+        table = self.block_tables.get(request.request_id)
+        if table is None:
+            return 0
+        keep = self.blocks_for(request.num_computed_tokens + 1)
+        if len(table) <= keep:
+            return 0
+        surplus = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(surplus))
+        return len(surplus)
+
     def release_behind_window(self, request: Request) -> int:
         """Hand back the request's blocks wholly before the window of its next token (at `num_computed_tokens`):
         no later query of it reads them. Called once a step's results are applied, after `commit` (so a full block

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -13,9 +13,11 @@ from runtimes.llm.config import ModelConfig
 from runtimes.llm.cuda_graphs import DecodeGraphs
 from runtimes.llm.logits_processors import SamplingRow
 from runtimes.llm.model import LlamaForCausalLM, PartialForward, StepInterrupted
+from runtimes.llm.outputs import TokenLogprobs
 from runtimes.llm.request import Request
 from runtimes.llm.sampler import Sampler
 from runtimes.llm.scheduler import ScheduledRequest, SchedulerOutput
+from runtimes.llm.speculative import accepted, verification_rows
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -43,8 +45,9 @@ def sampling_row(request: Request) -> SamplingRow:
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, tuple[float, list[tuple[int, float]] | None]] = field(default_factory=dict)
+    # request id -> its new tokens: one, or with a draft verified the accepted proposal and the token after it
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # for each new token, where asked
 
 
 class ModelRunner:
@@ -68,27 +71,12 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, block_tables: Mapping[str, list[int]],
                 interrupt: Callable[[], bool] | None = None) -> StepResult:
         """Run the plan; `interrupt` (asked between layers) may stop it with StepInterrupted, whose `partial` is a
-        `SuspendedStep` that `resume` finishes. A step of one new token per request replays a captured decode graph
-        when there are graphs (`self.graphs`) and its batch fits them; it cannot be interrupted."""
+        `SuspendedStep` that `resume` finishes. A step of decode rows only (one new token per request, or a draft's
+        rows) replays a captured decode graph when there are graphs (`self.graphs`) and its rows fit them; it cannot
+        be interrupted."""
         self._flush_denormals()
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sampling = _Sampling()
-        for item in plan.scheduled:
-            request, start, count = item.request, item.start, item.num_new_tokens
-            input_ids.extend(request.token_ids[start : start + count])
-            positions.extend(range(start, start + count))
-            query_lens.append(count)
-            seq_lens.append(start + count)
-            tables.append(block_tables[request.request_id])
-            if item.samples:
-                sampling.index.append(len(input_ids) - 1)
-                sampling.rows.append(sampling_row(request))
-                sampling.request_ids.append(request.request_id)
-        if self.graphs is not None and len(input_ids) == len(tables):  # one new token per request
+        input_ids, positions, query_lens, seq_lens, tables, sampling = _pack(plan.scheduled, block_tables)
+        if self.graphs is not None and len(input_ids) == len(tables):  # decode rows only (a draft's rows included)
             hidden = self.graphs.run(input_ids, positions, tables)
             if hidden is not None:
                 return self._sample(hidden, sampling)
@@ -161,8 +149,8 @@ class ModelRunner:
         for item in step.plan.scheduled:
             if item.request.request_id not in request_ids:
                 kept.append(item)
-                rows.extend(range(offset, offset + item.num_new_tokens))
-            offset += item.num_new_tokens
+                rows.extend(range(offset, offset + item.num_query_tokens))
+            offset += item.num_query_tokens
         if not kept:
             return None
         index = to_device(rows, torch.long, self.device)
@@ -170,17 +158,9 @@ class ModelRunner:
         cos, sin = partial.rope
         pruned = PartialForward(partial.next_layer, partial.x[index],
                                 None if partial.residual is None else partial.residual[index], (cos[index], sin[index]))
-        meta = AttentionMetadata.build([i.num_new_tokens for i in kept], [i.start + i.num_new_tokens for i in kept],
-                                       [block_tables[i.request.request_id] for i in kept], self.block_size,
-                                       self.device)
-        sampling, at = _Sampling(), 0
-        by_id = dict(zip(step.sampling.request_ids, step.sampling.rows, strict=True))
-        for item in kept:
-            at += item.num_new_tokens
-            if (row := by_id.get(item.request.request_id)) is not None:
-                sampling.index.append(at - 1)
-                sampling.rows.append(row)
-                sampling.request_ids.append(item.request.request_id)
+        # the kept requests are as the step left them (StoppedSteps._take), so their rows pack as before
+        _, _, query_lens, seq_lens, tables, sampling = _pack(kept, block_tables)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         return SuspendedStep(SchedulerOutput(scheduled=kept, urgent=step.plan.urgent), meta, pruned, sampling)
 
     def _flush_denormals(self) -> None:
@@ -191,25 +171,76 @@ class ModelRunner:
             torch.set_flush_denormal(True)
 
     def _sample(self, hidden: torch.Tensor, sampling: _Sampling) -> StepResult:
+        """Each sampled row's token; a request with a draft has a row per proposed position, and keeps its
+        proposal up to the first difference from those samples, then the sample there (`speculative.accepted`)."""
         result = StepResult()
         if not sampling.rows:
             return result
         logits = self.model.compute_logits(hidden[to_device(sampling.index, torch.long, self.device)])  # [B, V]
         out = self.sampler(logits, sampling.rows)
         for i, request_id in enumerate(sampling.request_ids):
-            result.sampled[request_id] = out.token_ids[i]
+            result.sampled.setdefault(request_id, []).append(out.token_ids[i])
             if out.logprobs is not None and sampling.rows[i].params.logprobs is not None:
-                result.logprobs[request_id] = (out.logprobs[i], out.top_logprobs[i])
+                result.logprobs.setdefault(request_id, []).append((out.logprobs[i], out.top_logprobs[i]))
+        for request_id, draft in sampling.drafts.items():
+            samples = result.sampled[request_id]
+            kept = result.sampled[request_id] = accepted(draft, samples)
+            if request_id in result.logprobs:  # an accepted token's logprob is its sample's: they are equal
+                del result.logprobs[request_id][len(kept):]
         return result
+
+
+def _pack(items: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int]]
+          ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]], _Sampling]:
+    """A step's rows: input tokens, positions, query and sequence lengths, block tables, and what to sample. A
+    request's new tokens are one query; a decode with a draft is one decode row per verified position instead
+    (its known token, then each proposed token), each attending to the cache up to its own position, so each is
+    computed as plain decoding would compute it there (the same kernel: the same bits on a batch-invariant one)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    sampling = _Sampling()
+    for item in items:
+        request, start, count = item.request, item.start, item.num_new_tokens
+        table = block_tables[request.request_id]
+        if item.draft:
+            verified = [request.token_ids[start], *item.draft]
+            input_ids.extend(verified)
+            positions.extend(range(start, start + len(verified)))
+            query_lens.extend([1] * len(verified))
+            seq_lens.extend(range(start + 1, start + len(verified) + 1))
+            tables.extend([table] * len(verified))
+            first = len(input_ids) - len(verified)
+            for j, row in enumerate(verification_rows(sampling_row(request), item.draft)):
+                sampling.add(first + j, row, request.request_id)
+            sampling.drafts[request.request_id] = item.draft
+            continue
+        input_ids.extend(request.token_ids[start : start + count])
+        positions.extend(range(start, start + count))
+        query_lens.append(count)
+        seq_lens.append(start + count)
+        tables.append(table)
+        if item.samples:
+            sampling.add(len(input_ids) - 1, sampling_row(request), request.request_id)
+    return input_ids, positions, query_lens, seq_lens, tables, sampling
 
 
 @dataclass
 class _Sampling:
-    """Which of a step's rows are sampled (their index in the batch), for whom and how."""
+    """Which of a step's rows are sampled (their index in the batch), for whom and how; a request with a draft has
+    one row per verified position, in order."""
 
     index: list[int] = field(default_factory=list)
     rows: list[SamplingRow] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # request id -> its proposal, verified by its rows
+
+    def add(self, index: int, row: SamplingRow, request_id: str) -> None:
+        self.index.append(index)
+        self.rows.append(row)
+        self.request_ids.append(request_id)
 
 
 @dataclass
@@ -260,4 +291,5 @@ class PendingStep:
         """Wait for this step (not for anything launched after it) and return its tokens."""
         if self.event is not None:
             self.event.synchronize()
-        return StepResult(sampled=dict(zip(self.request_ids, self.host.tolist(), strict=True)))
+        tokens = self.host.tolist()
+        return StepResult(sampled={request_id: [tokens[i]] for i, request_id in enumerate(self.request_ids)})

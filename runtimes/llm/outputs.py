@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TokenLogprobs = tuple[float, list[tuple[int, float]] | None]  # a sampled token's logprob, and its top alternatives
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

@@ -19,7 +19,7 @@ request it displaces is taken out of the held step (`ModelRunner.without`); the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from runtimes.llm.kv_cache_manager import KVCacheManager
@@ -32,11 +32,19 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # num_computed_tokens when scheduled: the new tokens are token_ids[start : start + num_new_tokens]
+    # a decode's proposed next tokens, verified in the same step (runtimes/llm/speculative.py): computed after its
+    # known token, each position sampled; their slots are allocated with it
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a new token is sampled."""
         return self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def num_query_tokens(self) -> int:
+        """The tokens this step computes for the request: its new known tokens and its draft."""
+        return self.num_new_tokens + len(self.draft)
 
 
 @dataclass
@@ -47,7 +55,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_query_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -270,25 +278,39 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------- results
 
-    def update(self, plan: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
-        """Apply a step's results. Returns the requests that received a token (finished ones included)."""
+    def update(self, plan: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[tuple[Request, list[int]]]:
+        """Apply a step's results: each request's new tokens (several where a draft was verified: the accepted
+        proposal and the token after it), taken one at a time up to a stop. Returns the requests that received
+        tokens (finished ones included), with the tokens they took."""
         advanced = []
         for item in plan.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
+            tokens = sampled.get(request.request_id)
+            status = None
+            taken: list[int] = []
+            for token in tokens or ():
+                request.token_ids.append(token)
+                taken.append(token)
+                if (status := self._stop_status(request, token)) is not None:
+                    break
+            # the KV written holds the known token and the accepted proposal: every token but the newest
+            request.num_computed_tokens += item.num_new_tokens + max(len(taken) - 1, 0)
             self.kv.commit(request)
             self.kv.release_behind_window(request)
-            token = sampled.get(request.request_id)
-            if token is None:  # a prompt chunk that did not reach the end
-                continue
-            request.token_ids.append(token)
-            status = self._stop_status(request, token)
+            if item.draft:
+                self.kv.trim(request)  # the slots of a rejected proposal's tail go back
             if status is not None:
                 self.finish_request(request, status)
-            advanced.append(request)
+            if taken:  # else a prompt chunk that did not reach the end
+                advanced.append((request, taken))
         return advanced
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Drop a finished request's tokens past `num_tokens` (a stop string ended it inside a step's tokens)."""
+        del request.token_ids[num_tokens:]
+        request.num_computed_tokens = min(request.num_computed_tokens, max(num_tokens - 1, 0))
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params

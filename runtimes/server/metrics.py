@@ -83,6 +83,15 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=LABELS)
             counter.add_metric(labels, float(count))
             yield counter
+        if (speculation := engine.speculation) is not None:  # vLLM's spec_decode_num_* counters
+            method, stats = speculation.options.method, speculation.stats
+            for name, doc, count in (
+                    ("spec_decode_num_drafts", "Proposals verified (one per request per step).", stats.num_drafts),
+                    ("spec_decode_num_draft_tokens", "Tokens proposed.", stats.num_proposed),
+                    ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", stats.num_accepted)):
+                counter = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=[*LABELS, "method"])
+                counter.add_metric([*labels, method], float(count))
+                yield counter
 
 
 class ServerMetrics(ReplicaMetrics):
@@ -103,9 +112,12 @@ class ServerMetrics(ReplicaMetrics):
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
 
     def observe_tokens(self, num_tokens: int, itl_s: float | None) -> None:
+        """`num_tokens` came `itl_s` after the sequence's previous ones: each counts that time's share (several come
+        at once where a proposal was accepted)."""
         self.generation_tokens.labels(self.model_name).inc(num_tokens)
-        if itl_s is not None:
-            self.itl_s.labels(self.model_name).observe(itl_s)
+        if itl_s is not None and num_tokens:
+            for _ in range(num_tokens):
+                self.itl_s.labels(self.model_name).observe(itl_s / num_tokens)
 
     def observe_finish(self, finish_reason: str) -> None:
         self.requests.labels(self.model_name, finish_reason).inc()

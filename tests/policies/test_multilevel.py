@@ -395,7 +395,7 @@ def test_an_urgent_step_that_cannot_fit_admits_nothing_in_the_step_that_displace
     for r in (normal, background):
         scheduler.add_request(r)
     plan = scheduler.schedule()
-    scheduler.update(plan, {r.request.request_id: 9 for r in plan.scheduled})
+    scheduler.update(plan, {r.request.request_id: [9] for r in plan.scheduled})
     assert {r.request_id for r in scheduler.running} == {"normal", "bg"}
     chat = request("chat", 15, INTERACTIVE, 2.0)  # needs 4 blocks: 1 free + 2 from bg is not enough
     scheduler.add_request(chat)
@@ -423,7 +423,7 @@ def test_an_urgent_step_does_not_take_the_last_seat_from_normal_work_owed_its_sh
 
     scheduler.add_request(request("chat0", INTERACTIVE, 0.0))
     plan = scheduler.schedule()
-    scheduler.update(plan, {"chat0": 9})  # normal's share of scheduled tokens is 0 now
+    scheduler.update(plan, {"chat0": [9]})  # normal's share of scheduled tokens is 0 now
     scheduler.add_request(request("doc", NORMAL, 1.0))
     scheduler.add_request(request("chat1", INTERACTIVE, 2.0))
     plan = scheduler.schedule()
@@ -458,14 +458,14 @@ def test_the_scheduler_applies_the_chunk_cap_to_prompts_not_decodes():
     short = Request("short", [5, 6, 7], params, 4, 0.0, priority=BACKGROUND)
     scheduler.add_request(short)
     plan = scheduler.schedule()
-    scheduler.update(plan, {"short": 9})
+    scheduler.update(plan, {"short": [9]})
     doc = Request("doc", list(range(5, 105)), params, 4, 1.0, priority=BACKGROUND)
     chat = Request("chat", [5, 6], params, 4, 2.0, priority=INTERACTIVE)
     scheduler.add_request(doc)
     scheduler.add_request(chat)  # interactive traffic: from now on other lanes' prompt chunks are capped
     plan = scheduler.schedule()
     assert {i.request.request_id: i.num_new_tokens for i in plan.scheduled} == {"chat": 2}  # its own step
-    scheduler.update(plan, {"chat": 9})
+    scheduler.update(plan, {"chat": [9]})
     plan = scheduler.schedule()
     sizes = {i.request.request_id: i.num_new_tokens for i in plan.scheduled}
     assert sizes == {"short": 1, "chat": 1, "doc": 16}  # decodes whole, the document's chunk capped at 16

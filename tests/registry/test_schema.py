@@ -95,6 +95,13 @@ INVALID = {
                                "models[0].aliases[0]: an alias cannot repeat the model's own name"),
     "block size": (registry_text(chat("a"), chat("b", ", engine: {block_size: 12}")),
                    "models[1].engine.block_size: must be a power of two, got 12"),
+    "speculative lookup range": (registry_text(chat("a", ", engine: {speculative: {prompt_lookup_min: 5}}")),
+                                 "models[0].engine.speculative.prompt_lookup_min: must be at most prompt_lookup_max "
+                                 "(4), got 5"),
+    "speculative k": (registry_text(chat("a", ", engine: {speculative: {k: 40}}")),
+                      "models[0].engine.speculative.k: Input should be less than or equal to 16"),
+    "speculative method": (registry_text(chat("a", ", engine: {speculative: {method: eagle}}")),
+                           "models[0].engine.speculative.method: Input should be 'ngram'"),
     "negative replicas": (registry_text(chat("a", ", replicas: -1")),
                           "models[0].replicas: Input should be greater than or equal to 0"),
     "replica range upside down": (registry_text(chat("a", ", replicas: {min: 2, max: 1}")),

@@ -34,6 +34,21 @@ def smollm2_loaded():
 
 
 @pytest.fixture(scope="session")
+def smollm2_quantized():
+    """SmolLM2 as the engine holds it by default (`weights: auto`): the GGUF's own blocks on the int8 kernel, whose
+    rows have the same bits in any batch."""
+    from runtimes.llm.attention import select_attention
+    from runtimes.llm.loader import load_model
+    from runtimes.llm.quant.cpu import QuantLinear
+
+    device = torch.device("cpu")
+    loaded = load_model(smollm2_dir() / SMOLLM2_FILE, device, torch.float32, select_attention("auto", device),
+                        progress=False, weights="auto")
+    assert isinstance(loaded.model.layers[0].mlp.gate_up_proj, QuantLinear)
+    return loaded
+
+
+@pytest.fixture(scope="session")
 def smollm2_reference() -> Iterator[object]:
     """transformers' LlamaForCausalLM and tokenizer from the same GGUF file (it dequantizes to fp32)."""
     with pytest.MonkeyPatch.context() as mp:

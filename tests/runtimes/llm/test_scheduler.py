@@ -50,7 +50,7 @@ class FakeRunner:
         self.fed: dict[str, list[Fed]] = defaultdict(list)
         self.step = 0
 
-    def __call__(self, plan: SchedulerOutput) -> dict[str, int]:
+    def __call__(self, plan: SchedulerOutput) -> dict[str, list[int]]:
         sampled = {}
         for item in plan.scheduled:
             r = item.request
@@ -60,7 +60,7 @@ class FakeRunner:
             tokens = tuple(r.token_ids[item.start : item.start + item.num_new_tokens])
             self.fed[r.request_id].append(Fed(self.step, item.start, tokens, item.samples))
             if item.samples:
-                sampled[r.request_id] = self.token(r)
+                sampled[r.request_id] = [self.token(r)]
         self.step += 1
         return sampled
 

