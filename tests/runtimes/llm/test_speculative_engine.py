@@ -15,7 +15,7 @@ from registry.engine import SpeculativeOptions
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.llm.speculative import PRIOR_ROW_COST, Speculation, StepCost
+from runtimes.llm.speculative import PRIOR_ROW_COST, Acceptance, Lookup, SequenceState, Speculation, StepCost
 from tests.runtimes.llm.engine_utils import Collected, eager_and_graphed, random_prompt, run_to_completion
 from tests.runtimes.llm.test_engine import KV_PER_TOKEN
 from tests.runtimes.llm.test_speculative import chi2_p_value
@@ -30,13 +30,19 @@ class Oracle:
     each proposed token replaced by a random one with probability `noise`; random tokens where no sequence
     matches. So proposals are accepted whole, in part and not at all."""
 
+    def index(self) -> None:
+        return None
+
+    def lookup(self, token_ids: Sequence[int], index: object) -> Lookup:
+        return Lookup(self.propose(token_ids), 0)
+
     def __init__(self, expected: Sequence[Sequence[int]], noise: float, seed: int = 0) -> None:
         self.expected = [list(s) for s in expected]
         self.noise = noise
         self.rng = random.Random(seed)
         self.calls = 0
 
-    def propose(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
+    def propose(self, token_ids: Sequence[int], limit: int | None = None, index: object = None) -> list[int]:
         self.calls += 1
         count = 5 if limit is None else min(5, limit)
         tokens = list(token_ids)
@@ -239,33 +245,62 @@ class _Scheduler:
         self.requests: dict[str, object] = {}
 
 
-def test_step_cost_fit_and_break_even():
+def test_step_cost_by_row_count_with_a_fitted_line_between():
     cost = StepCost()
-    assert cost.coefficients() is None and cost.break_even(1) == PRIOR_ROW_COST
+    assert cost.seconds(1) is None
     for _ in range(3):
         cost.record(1, 0.005)
-    a, b = cost.coefficients()
-    assert b == pytest.approx(PRIOR_ROW_COST * 0.005, rel=0.3)  # one row count seen: near the prior
+    assert cost.seconds(1) == pytest.approx(0.005)
+    assert cost.seconds(3) - cost.seconds(1) == pytest.approx(2 * PRIOR_ROW_COST * 0.005, rel=0.3)  # the prior slope
     for rows in [1, 3, 6, 9, 2, 5] * 20:
-        cost.record(rows, 0.004 + 0.001 * rows)
+        cost.record(rows, 0.004 + 0.001 * rows + (0.0007 if rows == 2 else 0.0))  # a second row costs more
     a, b = cost.coefficients()
-    assert a == pytest.approx(0.004, rel=0.05) and b == pytest.approx(0.001, rel=0.05)
-    assert cost.break_even(1) == pytest.approx(0.001 / 0.005, rel=0.05)
-    assert cost.break_even(32) > 0.85  # a large batch: a row costs about what a token is worth
+    assert a == pytest.approx(0.004, rel=0.1) and b == pytest.approx(0.001, rel=0.1)
+    assert cost.seconds(2) == pytest.approx(0.0067, rel=0.01)  # measured, not the line
+    assert cost.seconds(4) == pytest.approx(a + 4 * b)  # never measured: the line
+
+
+def _speculation(**options: object) -> Speculation:
+    spec = Speculation(SpeculativeOptions(**options), _Scheduler())  # type: ignore[arg-type]
+    for rows in range(1, 40):
+        for _ in range(3):
+            spec.cost.record(rows, 0.004 + 0.001 * rows)
+    return spec
 
 
 def test_adaptive_depth_follows_acceptance_and_batch():
-    spec = Speculation(SpeculativeOptions(k=8), _Scheduler())  # type: ignore[arg-type]
-    assert spec.depth("new", 0.2) == 2  # the prior rate 1/2: 0.5**2 is above 0.2, 0.5**3 is not
-    spec._acceptance["good"] = (19.0, 20.0)
-    spec._acceptance["bad"] = (1.0, 20.0)
-    assert spec.depth("good", 0.2) == 8 and spec.depth("good", 0.95) == 0
-    assert spec.depth("bad", 0.2) == 0
-    assert spec.depth("good", 1.0) == 0  # a row never pays
-    for _ in range(60):
-        spec._relax("bad")
-    assert spec.depth("bad", 0.2) >= 1  # it tries again, now and then
-    assert Speculation(SpeculativeOptions(k=3, adaptive=False), _Scheduler()).depth("x", 1.0) == 3  # type: ignore
+    spec = _speculation(k=8)
+    base, big = spec.cost.seconds(1), spec.cost.seconds(32)
+    # an unknown kind of proposal (the prior rate) goes a little deep; one that keeps coming true, all it may
+    state = SequenceState(spec.proposer.index())
+    assert 1 <= spec.depth(spec.rate(state, 2), 8, 1, base, 1) <= 2
+    assert spec.depth(0.95, 8, 1, base, 1) == 8 and spec.depth(0.95, 3, 1, base, 1) == 3
+    assert spec.depth(0.05, 8, 1, base, 1) == 0
+    assert spec.depth(0.7, 8, 1, base, 1) >= 3
+    # a batch of 32: a row costs about what a token is worth, so only a request that is nearly always right proposes
+    assert spec.depth(0.7, 8, 32, big, 32) == spec.depth(spec.rate(state, 2), 8, 32, big, 32) == 0
+    assert spec.depth(0.95, 8, 1, None, 1) == 0  # nothing measured yet
+    # the replica learns per match length; a request's own record moves its rate, and fades when it stops proposing
+    for _ in range(20):
+        spec.shared.setdefault(4, Acceptance()).learn(8, 8, 0.98)
+        spec.shared.setdefault(1, Acceptance()).learn(0, 1, 0.98)
+    assert spec.rate(state, 4) > 0.9 and spec.rate(state, 1) < 0.15
+    assert spec.depth(spec.rate(state, 4), 8, 1, base, 1) == 8 and spec.depth(spec.rate(state, 1), 8, 1, base, 1) == 0
+    for _ in range(3):
+        state.acceptance.learn(0, 1, 0.8)
+    assert spec.rate(state, 4) < 0.6
+    for _ in range(200):
+        state.acceptance.learn(0, 0, 0.98)
+    assert spec.rate(state, 4) > 0.9
+
+
+def test_without_adaptation_every_decode_proposes_up_to_k(engines):
+    engine = engines(SpeculativeOptions(k=3, adaptive=False, prompt_lookup_min=1))
+    engine.speculation.proposer = Oracle([], 1.0)
+    run_to_completion(engine, {"a": (random_prompt(1, 6), GREEDY)})
+    stats = engine.speculation.stats
+    # (random proposals, all rejected here:) a draft at outputs 1..22, 3 tokens but the last two: within max_tokens
+    assert stats.num_accepted == 0 and stats.num_drafts == 22 and stats.num_proposed == 3 * 20 + 2 + 1
 
 
 def test_a_rejected_tail_gives_its_blocks_back(engines):
@@ -286,3 +321,41 @@ def test_a_rejected_tail_gives_its_blocks_back(engines):
     held_more = sum(trimmed) > 0
     assert engine.speculation.stats.num_proposed > 0 and engine.speculation.stats.acceptance_rate < 0.05 and held_more
     _assert_no_leak(engine)
+
+
+def test_a_step_with_a_draft_stopped_for_an_arrival_finishes_or_sheds_it_exactly(engines):
+    """A step holding a draft (a decode) and a background prompt's chunk is stopped between layers for an
+    interactive arrival, which (no seat left) displaces one of them out of the stopped step; the step then
+    finishes, draft rows and all, and every request's tokens are the plain engine's."""
+    from policies.classify import BACKGROUND, INTERACTIVE
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = {"bg1": random_prompt(40, 4), "bg2": random_prompt(41, 10), "chat": random_prompt(42, 3)}
+    plain = {name: run_to_completion(engines(None), {name: (prompt, greedy)})[name].token_ids
+             for name, prompt in prompts.items()}
+    for displaced in (False, True):
+        config = {"max_num_batched_tokens": 16, "scheduling": "multilevel", "max_num_seqs": 2 if displaced else 4}
+        engine = engines(**config)
+        engine.speculation.proposer = Oracle([[*prompts[n], *plain[n]] for n in prompts], 0.2)
+        tokens: dict[str, list[int]] = {}
+
+        def step() -> None:
+            for out in engine.step():  # noqa: B023 (each pass of the loop steps its own engine)
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)  # noqa: B023
+
+        engine.add_request("bg1", prompts["bg1"], greedy, priority=BACKGROUND)
+        step()  # bg1's prompt, then its decodes carry drafts
+        engine.add_request("bg2", prompts["bg2"], greedy, priority=BACKGROUND)
+        engine.request_yield(INTERACTIVE)
+        assert engine.step() == []  # bg1's draft and bg2's prompt (room is left for the draft), stopped
+        engine.clear_yield()
+        suspended = engine.loop.stopped.suspended
+        assert suspended is not None and any(item.draft for item in suspended.plan.scheduled)
+        engine.add_request("chat", prompts["chat"], greedy, priority=INTERACTIVE)
+        while engine.has_unfinished_requests():
+            step()
+        assert engine.num_interrupted_steps == 1 and engine.num_dropped_steps == 0
+        assert (engine.scheduler.num_preemptions > 0) == displaced
+        for name in prompts:
+            assert tokens[name] == plain[name], (displaced, name)
+        _assert_no_leak(engine)
