@@ -13,8 +13,8 @@ workload's prompts (the prompt's prefill included, the same for both); the table
 speedup (speculative / plain), that speedup over decoding alone (the tokens after the first, from the first token to
 the last), and per prompt (decoding alone).
 Every speculative output is checked token for token against the plain one (greedy: they must be equal). With
-`--streams N` (N > 1) each workload's prompts also run N at a time, repeated to fill the batch, to show where the
-adaptive rule turns speculation off.
+`--streams N` (N > 1) each workload's prompts, repeated to 3N requests, run N at a time (`max_num_seqs` N: a finished
+request's seat is taken by the next), to show what the adaptive rule does at a batch.
 
     python -m bench.measure.speculative                 # 5 rounds, 1 stream, ~3 min
     python -m bench.measure.speculative --streams 1 16  # and 16 streams
@@ -137,7 +137,8 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
     rows = []
     for workload, texts in WORKLOADS.items():
         prompts = [chat_prompt(loaded.tokenizer, text) for text in texts]
-        batches = [[p] for p in prompts] if streams == 1 else [[prompts[i % len(prompts)] for i in range(streams)]]
+        # N streams: 3N requests into an engine that runs N at a time, so a finished one's seat is taken again
+        batches = [[p] for p in prompts] if streams == 1 else [[prompts[i % len(prompts)] for i in range(3 * streams)]]
         per_round: dict[str, list[float]] = {name: [] for name in pair}
         speedups: list[float] = []
         decode_speedups: list[float] = []
@@ -185,6 +186,10 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
             "per_prompt_decode_speedup": [round(statistics.median(x), 2) for x in per_prompt],
             "proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else 0.0,
             "drafts": drafts, "tokens_per_draft": 1 + accepted / drafts if drafts else 0.0, "mismatches": mismatches,
+            # the speculative engine's own measure of a decode step's time by its rows (runtimes/llm/speculative.py)
+            "step_ms_by_rows": {rows: round(mean * 1e3, 2) for rows, (count, mean)
+                                in sorted(pair["speculative"].speculation.cost.by_rows.items())  # type: ignore[union-attr]
+                                if count >= 3},
         })
     return rows
 
@@ -216,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['decode_speedup']:.2f}x | "
               f"{' '.join(f'{x:.2f}' for x in r['per_prompt_decode_speedup'])} | {r['acceptance']:.0%} "
               f"({r['accepted']}/{r['proposed']}) | {r['tokens_per_draft']:.2f} ({r['drafts']}) | {r['mismatches']} |")
+    for r in rows:
+        steps = ", ".join(f"{rows}: {ms}" for rows, ms in r["step_ms_by_rows"].items())
+        print(f"{r['workload']}, {r['streams']} stream(s): decode step ms by rows (speculative engine) {steps}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:

@@ -16,10 +16,11 @@ it was captured with, so everything that changes between steps must be read from
 * **Metadata in pinned host buffers.** A step writes its ids, positions and slots into one int64 host buffer and its
   lengths and block-table rows into one int32 buffer, both page-locked on CUDA, then copies each to the device
   asynchronously: two copies a step, with no synchronisation. Block-table rows are kept from step to step: a row that
-  holds the same block-table list as last step is only extended by its new blocks (the KV manager's lists only
-  grow; a request that loses its blocks gets a new list). There are two sets of host buffers, used in turn: a step
-  launched ahead (runtimes/llm/steps/ahead.py) writes one while the copies of the step before it may still be reading
-  the other, and by the time a set comes round again the step that used it has been waited for.
+  holds the same block-table list as last step is only extended by its new blocks (the KV manager's lists only grow; a
+  request that loses its blocks, or hands back a rejected proposal's, gets a new list). There are two sets of host
+  buffers, used in turn: a step launched ahead (runtimes/llm/steps/ahead.py) writes one while the copies of the step
+  before it may still be reading the other, and by the time a set comes round again the step that used it has been
+  waited for.
 * **Token ids from the device.** A step launched before the previous one's tokens are back takes its input ids
   from that step's sampled tokens on the device (`run(..., device_ids)`), copied into the static buffer in stream
   order after the host copies.

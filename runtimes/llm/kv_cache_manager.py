@@ -216,7 +216,9 @@ class KVCacheManager:
         if len(table) <= keep:
             return 0
         surplus = table[keep:]
-        del table[keep:]
+        # a new list, not the old one cut short: a table that shrinks is a new table to whoever keeps a copy of one
+        # and tops it up as it grows (the decode graphs' staging, runtimes/llm/cuda_graphs.py)
+        self.block_tables[request.request_id] = table[:keep]
         self.pool.free(reversed(surplus))
         return len(surplus)
 

@@ -34,7 +34,12 @@ class OutputProcessor:
         ended = request.status.finished  # by the scheduler, at the last of `tokens` (a stop token, a length)
         for i, token in enumerate(tokens):
             text += self._take(seq, token)
-            if not ended and request.status.finished and i + 1 < len(tokens):  # nothing after a stop string was made
+            if i + 1 == len(tokens):
+                break
+            stopped = seq.detokenizer.stopped_by
+            if stopped is not None and ended:  # a stop string before the scheduler's stop: it ends the output first
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stopped
+            if request.status.finished and (stopped is not None or not ended):  # nothing after it was made
                 self.scheduler.truncate(request, request.num_tokens - (len(tokens) - i - 1))
                 tokens = tokens[:i + 1]
                 break

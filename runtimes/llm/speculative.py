@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import structlog
+
 from runtimes.llm.logits_processors import SamplingRow
 
 if TYPE_CHECKING:
@@ -47,27 +49,43 @@ if TYPE_CHECKING:
     from runtimes.llm.request import Request
     from runtimes.llm.scheduler import Scheduler, SchedulerOutput
 
+log = structlog.get_logger(__name__)
+
+
+INDEX_PER_STEP = 4096  # older positions indexed per proposal, newest first: a long prompt's index is built over steps
+
 
 class NgramIndex:
     """Where each n-gram of a growing sequence (n from `min_n` to `max_n`) last ended, among those that end before
-    its last token: built as the sequence grows, a few dict updates per new token, so a proposal costs no scan of
-    the sequence (a numpy scan of a 250-token chat measured ~0.2 ms a step, 4 % of a SmolLM2 decode step)."""
+    its last token: kept as the sequence grows, a few dict updates per new token, so a proposal costs no scan of the
+    sequence (a numpy scan of a 250-token chat measured ~0.2 ms a step, 4 % of a SmolLM2 decode step). What the
+    sequence held when it was first seen is indexed from its end backwards, INDEX_PER_STEP positions a call, so a long
+    prompt never stalls a step (its latest part, the likeliest source, comes first)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         # n -> {n-gram: where it last ended}, longest n first
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(max_n, min_n - 1, -1)}
-        self.indexed = 0  # n-grams ending (exclusive) at positions up to this one are in the tables
+        self.low = self.high = -1  # n-grams ending (exclusive) at positions low .. high are in the tables
 
     def follow(self, token_ids: Sequence[int]) -> tuple[int, int] | None:
         """Where the latest earlier occurrence of the sequence's longest indexed suffix ended (what followed it starts
-        there), and that suffix's length; None when no suffix of `min_n` or more tokens occurred before. `token_ids`
-        only ever grows."""
+        there), and that suffix's length; None when no suffix of `min_n` or more tokens occurred before (or was
+        indexed yet). `token_ids` only ever grows."""
         size = len(token_ids)
-        for end in range(self.indexed + 1, size):  # every n-gram ending before the last token
+        if self.high < 0:  # first seen: everything before the last token is older, indexed backwards
+            self.low = self.high = size - 1
+            self.low += 1
+        for end in range(self.high + 1, size):  # new n-grams, ending before the last token: the latest wins
             for n, table in self.tables.items():
                 if end >= n:
                     table[tuple(token_ids[end - n:end])] = end
-        self.indexed = max(self.indexed, size - 1)
+        self.high = max(self.high, size - 1)
+        stop = max(self.low - INDEX_PER_STEP, 1)
+        for end in range(self.low - 1, stop - 1, -1):  # older ones, newest first: a later end already there wins
+            for n, table in self.tables.items():
+                if end >= n:
+                    table.setdefault(tuple(token_ids[end - n:end]), end)
+        self.low = min(self.low, stop)
         for n, table in self.tables.items():
             if n < size and (found := table.get(tuple(token_ids[size - n:]))) is not None:
                 return found, n
@@ -272,11 +290,16 @@ class Speculation:
                 state = self.sequences[request] = SequenceState(self.proposer.index())
             limit = min(self.options.k, budget, request.max_tokens - request.num_output_tokens - 1,
                         scheduler.max_model_len - request.num_tokens - 1)
-            found = self.proposer.lookup(request.token_ids, state.index) if limit > 0 else None
+            try:
+                found = self.proposer.lookup(request.token_ids, state.index) if limit > 0 else None
+            except Exception as error:  # a proposal is an optimisation: the request decodes without one
+                log.warning("speculative_proposal_failed", request_id=request.request_id, error=repr(error))
+                found = None
             if found is not None and self.options.adaptive:
                 limit = self.depth(self.rate(state, found.key), limit, rows, base, len(plan.scheduled))
             if found is None or limit == 0:
                 state.acceptance.learn(0, 0, RELAX_DECAY)
+                scheduler.kv.trim(request)  # blocks a dropped step's proposal took (no step is launched ahead)
                 continue
             proposal = found.tokens[:limit]
             if proposal and scheduler.kv.allocate_slots(request, 1 + len(proposal)):
@@ -331,6 +354,6 @@ class Speculation:
             self.stats.num_accepted += kept
         if seconds is not None and plan.scheduled and all(i.num_new_tokens == 1 for i in plan.scheduled):
             self.cost.record(sum(i.num_query_tokens for i in plan.scheduled), seconds)
-        if len(self.sequences) > 2 * len(self.scheduler.requests) + 16:  # forget finished ones
+        if len(self.sequences) > len(self.scheduler.requests):  # some finished: forget them
             self.sequences = {r: s for r, s in self.sequences.items() if not r.status.finished}
             self._keys = {r: k for r, k in self._keys.items() if not r.status.finished}

@@ -101,6 +101,27 @@ def test_an_index_kept_as_the_sequence_grows_proposes_as_a_fresh_one(tokens, gro
             break
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 5))
+def test_an_index_built_a_few_positions_a_step_proposes_only_what_followed_and_catches_up(tokens, per_step):
+    """A long sequence's older positions are indexed over several steps: meanwhile a proposal still follows a real
+    earlier occurrence, and once caught up the index proposes what a fresh, whole one does."""
+    import runtimes.llm.speculative as speculative
+
+    proposer = NgramProposer(k=4, max_n=3, min_n=1)
+    whole = proposer.propose(tokens)
+    saved, speculative.INDEX_PER_STEP = speculative.INDEX_PER_STEP, per_step
+    try:
+        index = proposer.index()
+        for _ in range(len(tokens) // per_step + 1):
+            partial = proposer.propose(tokens, index=index)
+            assert not partial or any(tokens[s:s + n] == tokens[-n:] and tokens[s + n:s + n + len(partial)] == partial
+                                      for n in range(1, 4) for s in range(len(tokens) - n))
+        assert proposer.propose(tokens, index=index) == whole
+    finally:
+        speculative.INDEX_PER_STEP = saved
+
+
 def test_accepted_keeps_the_proposal_up_to_its_first_difference_then_the_sample_there():
     assert accepted([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all kept: the bonus token after
     assert accepted([4, 5, 6], [4, 9, 6, 7]) == [4, 9]

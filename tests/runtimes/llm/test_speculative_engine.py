@@ -359,3 +359,44 @@ def test_a_step_with_a_draft_stopped_for_an_arrival_finishes_or_sheds_it_exactly
         for name in prompts:
             assert tokens[name] == plain[name], (displaced, name)
         _assert_no_leak(engine)
+
+
+def test_graph_replay_after_a_trim_reads_the_blocks_the_request_holds(tiny_loaded):
+    """Decode graphs keep each row's block table between steps, topping it up as the request's list grows; a
+    rejected tail's blocks handed back (`trim`) and new ones taken later must reach the graph's table too. Wrong
+    proposals every step, small blocks, and neighbours taking blocks, all by graph replay: the tokens stay plain."""
+    eager, graphed = eager_and_graphed(tiny_loaded(seed=0), kv_cache_bytes=256 * KV_PER_TOKEN, block_size=2,
+                                       max_num_seqs=16, speculative=SpeculativeOptions(k=5, adaptive=False))
+    requests = {f"r{i}": (random_prompt(60 + i, 3 + 4 * i), GREEDY) for i in range(2)}
+    plain = run_to_completion(eager, requests)
+    graphed.speculation.proposer = Oracle([], 1.0)  # random tokens: nearly every proposal rejected
+    trimmed: list[int] = []
+    trim = graphed.kv.trim
+    graphed.kv.trim = lambda request: trimmed.append(trim(request)) or trimmed[-1]  # type: ignore[method-assign]
+    _assert_same(plain, run_to_completion(graphed, requests))
+    assert graphed.num_graph_steps > 10 and sum(trimmed) > 10
+
+
+def test_a_stop_string_before_the_last_accepted_token_wins_over_max_tokens(engines):
+    """One step brings tokens 8 to 10 of max_tokens 10 (all proposed right): a stop string that token 9 completes
+    ends the output there, with finish_reason stop, as plain decoding does; not at 10 with length."""
+    checked = 0
+    for seed in range(30):
+        prompt = random_prompt(300 + seed, 6)
+        plain_engine = engines(None)
+        free = run_to_completion(plain_engine, {"g": (prompt, GREEDY)})["g"]
+        text_at = [plain_engine.tokenizer.decode(free.token_ids[:n]) for n in range(1, 11)]
+        stop = text_at[8][-2:]  # completed by token 9 (index 8), not found before it
+        if len(stop) < 2 or stop in text_at[7] or "\ufffd" in stop:
+            continue
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop=[stop])
+        plain = run_to_completion(engines(None), {"s": (prompt, params)})
+        assert plain["s"].finish_reason == "stop" and len(plain["s"].token_ids) == 9
+        engine = engines()
+        engine.speculation.proposer = Oracle([[*prompt, *free.token_ids]], 0.0)
+        got = run_to_completion(engine, {"s": (prompt, params)})
+        _assert_same(plain, got)
+        assert got["s"].stop_reason == stop and engine.num_steps == 3  # prefill, tokens 2-7, tokens 8-10 cut at 9
+        _assert_no_leak(engine)
+        checked += 1
+    assert checked >= 3
