@@ -159,7 +159,7 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
                     seconds[name] += ran.seconds
                     decoded[name] += ran.num_decoded
                     decode_seconds[name] += ran.decode_seconds
-                if r:
+                if r and streams == 1:
                     per_prompt[b].append((got["speculative"].num_decoded / got["speculative"].decode_seconds)
                                          / (got["plain"].num_decoded / got["plain"].decode_seconds))
                 mismatches += sum(a != b for a, b in zip(got["plain"].outputs, got["speculative"].outputs,
@@ -172,8 +172,9 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
             for name in pair:
                 per_round[name].append(rates[name])
             speedups.append(rates["speculative"] / rates["plain"])
-            decode_rates = {name: decoded[name] / decode_seconds[name] for name in pair}
-            decode_speedups.append(decode_rates["speculative"] / decode_rates["plain"])
+            if streams == 1:  # (with seats taken again, every request has its first token only near the end)
+                decode_rates = {name: decoded[name] / decode_seconds[name] for name in pair}
+                decode_speedups.append(decode_rates["speculative"] / decode_rates["plain"])
         stats = pair["speculative"].speculation.stats  # type: ignore[union-attr]
         proposed, accepted = stats.num_proposed - proposed0, stats.num_accepted - accepted0
         drafts = stats.num_drafts - drafts0
@@ -182,8 +183,8 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
             "plain_tok_s": statistics.median(per_round["plain"]),
             "speculative_tok_s": statistics.median(per_round["speculative"]),
             "speedup": statistics.median(speedups), "speedup_min": min(speedups), "speedup_max": max(speedups),
-            "decode_speedup": statistics.median(decode_speedups),
-            "per_prompt_decode_speedup": [round(statistics.median(x), 2) for x in per_prompt],
+            "decode_speedup": statistics.median(decode_speedups) if decode_speedups else None,
+            "per_prompt_decode_speedup": [round(statistics.median(x), 2) for x in per_prompt if x],
             "proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else 0.0,
             "drafts": drafts, "tokens_per_draft": 1 + accepted / drafts if drafts else 0.0, "mismatches": mismatches,
             # the speculative engine's own measure of a decode step's time by its rows (runtimes/llm/speculative.py)
@@ -218,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['streams']} | {r['plain_tok_s']:.1f} | {r['speculative_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['decode_speedup']:.2f}x | "
+              f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
+              f"{'-' if r['decode_speedup'] is None else format(r['decode_speedup'], '.2f') + 'x'} | "
               f"{' '.join(f'{x:.2f}' for x in r['per_prompt_decode_speedup'])} | {r['acceptance']:.0%} "
               f"({r['accepted']}/{r['proposed']}) | {r['tokens_per_draft']:.2f} ({r['drafts']}) | {r['mismatches']} |")
     for r in rows:

@@ -178,6 +178,7 @@ class SpeculationStats:
 PRIOR_ROW_COST = 0.25  # before the row counts vary: a row's cost b, as a fraction of a one-row step's a + b
 PRIOR_WEIGHT = 4.0  # how many squared rows of spread the prior slope counts for
 MIN_SEEN = 3  # steps measured at a row count before their mean stands for it
+OUTLIER = 3.0  # a step measured at more than this many times its predicted time counts as this many
 COST_DECAY = 0.98  # weight of the previous step in the cost fit (about the last 50 steps count)
 ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier proposals in its own acceptance rate
 SHARED_DECAY = 0.98  # weight of earlier proposals in the replica's rate for a match length
@@ -202,6 +203,10 @@ class StepCost:
     by_rows: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (decayed count, mean seconds)
 
     def record(self, rows: int, seconds: float) -> None:
+        """A decode step of `rows` rows took `seconds`; a step far slower than predicted (the machine was busy
+        elsewhere) counts as OUTLIER times the prediction, so one stall does not price a row count out for long."""
+        if (predicted := self.seconds(rows)) is not None:
+            seconds = min(seconds, OUTLIER * predicted)
         d = COST_DECAY
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
         self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds

@@ -258,6 +258,8 @@ def test_step_cost_by_row_count_with_a_fitted_line_between():
     assert a == pytest.approx(0.004, rel=0.1) and b == pytest.approx(0.001, rel=0.1)
     assert cost.seconds(2) == pytest.approx(0.0067, rel=0.01)  # measured, not the line
     assert cost.seconds(4) == pytest.approx(a + 4 * b)  # never measured: the line
+    cost.record(2, 1.0)  # a stall (the machine busy elsewhere) counts as three times the prediction at most
+    assert cost.seconds(2) < 0.0067 * 1.1
 
 
 def _speculation(**options: object) -> Speculation:
