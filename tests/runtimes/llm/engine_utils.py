@@ -57,6 +57,21 @@ def run_to_completion(
     return results
 
 
+def assert_same_outputs(expected: Mapping[str, Collected], got: Mapping[str, Collected]) -> None:
+    """Every request got the same tokens, text and finish reason."""
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert got[key].token_ids == expected[key].token_ids, key
+        assert got[key].text == expected[key].text, key
+        assert got[key].finish_reason == expected[key].finish_reason, key
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    """Nothing left running and every KV block back in the pool."""
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.kv.block_tables
+
+
 def random_prompt(seed: int, length: int) -> list[int]:
     """`length` token ids of the tiny models' byte vocabulary (3..258), drawn from `seed`."""
     rng = random.Random(seed)

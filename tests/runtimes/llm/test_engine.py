@@ -11,7 +11,7 @@ from runtimes.llm.config import EngineConfig, resolve_kv_dtype
 from runtimes.llm.detokenizer import IncrementalDetokenizer
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from tests.runtimes.llm.engine_utils import random_prompt, run_to_completion
+from tests.runtimes.llm.engine_utils import assert_no_leak, random_prompt, run_to_completion
 
 KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K+V x layers x kv heads x head_dim x fp32 bytes (TinySpec defaults)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -42,12 +42,6 @@ def engine_for(tiny_loaded):
     return make
 
 
-def _assert_no_leak(engine: LLMEngine) -> None:
-    assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert not engine.kv.block_tables
-
-
 def test_batch_invariance(engine_for):
     target = {"g": (_prompt(99, 17), GREEDY), "s": (_prompt(99, 17), SEEDED)}
     alone = run_to_completion(engine_for(), target)
@@ -56,7 +50,7 @@ def test_batch_invariance(engine_for):
     assert crowd["g"].token_ids == alone["g"].token_ids
     assert crowd["s"].token_ids == alone["s"].token_ids
     assert len(alone["g"].token_ids) == 20
-    _assert_no_leak(crowd_engine)
+    assert_no_leak(crowd_engine)
 
 
 def test_preemption_invariance(engine_for):
@@ -69,7 +63,7 @@ def test_preemption_invariance(engine_for):
     assert tight_engine.scheduler.num_preemptions > 0
     for key in requests:
         assert tight[key].token_ids == roomy[key].token_ids, key
-    _assert_no_leak(tight_engine)
+    assert_no_leak(tight_engine)
 
 
 @pytest.mark.parametrize("budget", [1, 5, 16, 512])
@@ -80,7 +74,7 @@ def test_chunked_prefill_invariance(engine_for, budget):
     chunked = run_to_completion(engine, requests)
     for key in requests:
         assert chunked[key].token_ids == reference[key].token_ids
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_prefix_cache_invariance_and_hits(engine_for):
@@ -95,7 +89,7 @@ def test_prefix_cache_invariance_and_hits(engine_for):
     assert first["x0"].token_ids == uncached["x0"].token_ids
     for key, got in rest.items():
         assert got.token_ids == uncached[key].token_ids
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_blocks(engine_for):
@@ -118,7 +112,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_blocks(engine_for):
     rest = run_to_completion(engine, {})
     assert len(engine.scheduler.requests) == 0
     assert rest["keep"].finish_reason == "length"
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -135,7 +129,7 @@ def test_n_samples_share_prompt_blocks(engine_for, prefix_caching):
     alone = run_to_completion(engine_for(), {"one": (prompt, SamplingParams(temperature=1.0, seed=12, max_tokens=12,
                                                                               ignore_eos=True))})
     assert alone["one"].token_ids == got["multi#1"].token_ids
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_stop_string_is_excluded_and_matched_across_tokens(engine_for):
@@ -186,8 +180,8 @@ def test_refusals_name_the_limit(engine_for):
         SamplingParams(n=1000)
     # the engine still serves after refusals
     assert run_to_completion(engine, {"ok": (_prompt(1, 5), GREEDY)})["ok"].finish_reason == "length"
-    _assert_no_leak(engine)
-    _assert_no_leak(small)
+    assert_no_leak(engine)
+    assert_no_leak(small)
 
 
 def test_max_tokens_defaults_to_context_left(engine_for):
@@ -207,7 +201,7 @@ def test_an_fp16_cache_holds_twice_the_tokens_and_decodes_alike(engine_for):
     expected, got = run_to_completion(wide, requests), run_to_completion(half, requests)
     same = sum(got[name].token_ids == expected[name].token_ids for name in requests)
     assert same >= len(requests) - 1, (same, len(requests))
-    _assert_no_leak(half)
+    assert_no_leak(half)
 
 
 def test_kv_dtype_is_checked_where_it_is_chosen():
@@ -256,7 +250,7 @@ def test_resumed_request_continues_exactly(engine_for, params):
         assert rest.token_ids == whole.token_ids[k:], k
         assert rest.finish_reason == whole.finish_reason
         assert _streamed(engine, params, whole.token_ids[:k]) + rest.text == whole.text
-        _assert_no_leak(engine)
+        assert_no_leak(engine)
 
 
 def test_resume_keeps_a_stop_string_that_spans_the_break(engine_for):
@@ -274,7 +268,7 @@ def test_resume_keeps_a_stop_string_that_spans_the_break(engine_for):
     assert rest.finish_reason == "stop" and rest.stop_reason == stop
     # the first run had held back the stop string's possible start; the resumed one releases exactly the rest
     assert _streamed(engine, params, free.token_ids[:cut]) + rest.text == whole.text
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -289,4 +283,4 @@ def test_resume_refusals_name_the_field(engine_for, change, message):
     assert info.value.param == "resume.token_ids"
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         engine.add_request("y", _prompt(1, 5), GREEDY, resume_token_ids=[10**6])
-    _assert_no_leak(engine)
+    assert_no_leak(engine)

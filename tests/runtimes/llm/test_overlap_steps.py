@@ -14,7 +14,14 @@ import pytest
 from runtimes.llm.async_engine import AsyncLLMEngine
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from tests.runtimes.llm.engine_utils import eager_and_graphed, random_prompt, record_launches, run_to_completion
+from tests.runtimes.llm.engine_utils import (
+    assert_no_leak,
+    assert_same_outputs,
+    eager_and_graphed,
+    random_prompt,
+    record_launches,
+    run_to_completion,
+)
 from tests.runtimes.llm.test_cuda_graphs import KV_PER_TOKEN
 
 
@@ -37,30 +44,16 @@ def _greedy(max_tokens: int, **extra: object) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)  # type: ignore[arg-type]
 
 
-def _assert_same(got: dict, expected: dict) -> None:
-    assert got.keys() == expected.keys()
-    for key in expected:
-        assert got[key].token_ids == expected[key].token_ids, key
-        assert got[key].finish_reason == expected[key].finish_reason, key
-        assert got[key].text == expected[key].text, key
-
-
-def _assert_no_leak(engine: LLMEngine) -> None:
-    assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    assert not engine.kv.block_tables
-
-
 def test_greedy_decoding_runs_ahead_and_gives_the_eager_tokens(engines):
     eager, overlapping = engines()
     requests = {f"g{i}": (random_prompt(i, 3 + 5 * i), _greedy(5 + 7 * i)) for i in range(6)}
     expected = run_to_completion(eager, requests)
     got = run_to_completion(overlapping, requests)
-    _assert_same(got, expected)
+    assert_same_outputs(expected, got)
     # all six start together and finish at 5, 12, ..., 40 tokens: most decode steps are launched ahead
     assert overlapping.num_launched_steps > 25
     assert overlapping.num_steps == eager.num_steps
-    _assert_no_leak(overlapping)
+    assert_no_leak(overlapping)
 
 
 def test_a_stop_token_ends_a_request_whose_next_token_was_already_launched(engines):
@@ -74,12 +67,12 @@ def test_a_stop_token_ends_a_request_whose_next_token_was_already_launched(engin
     expected = run_to_completion(eager, requests)
     rows = record_launches(overlapping)
     got = run_to_completion(overlapping, requests)
-    _assert_same(got, expected)
+    assert_same_outputs(expected, got)
     assert all(r.finish_reason == "stop" for r in got.values())
     # a row whose input is at position 6 - 1 + n makes token n + 1 of a request that stopped at n: thrown away
     wasted = [(rid, start) for rid, start in rows if start >= 6 - 1 + len(got[rid].token_ids)]
     assert wasted and len(wasted) <= len(requests)  # at most one per request
-    _assert_no_leak(overlapping)
+    assert_no_leak(overlapping)
 
 
 def test_only_rows_sampled_from_their_logits_alone_are_launched_and_seeded_ones_reproduce(engines):
@@ -109,7 +102,7 @@ def test_only_rows_sampled_from_their_logits_alone_are_launched_and_seeded_ones_
     assert {"greedy", "seeded", "min_p"} <= launched and not launched & {"penalised", "logprobs"}
     # outputs as of a launched row's input: start + 1 - prompt length, never short of min_tokens
     assert all(start + 1 - len(prompts[rid]) >= 20 for rid, start in rows if rid == "min_tokens")
-    _assert_no_leak(overlapping)
+    assert_no_leak(overlapping)
 
 
 def test_an_arrival_or_an_abort_between_steps_breaks_the_chain_and_loses_nothing(engines):
@@ -135,7 +128,7 @@ def test_an_arrival_or_an_abort_between_steps_breaks_the_chain_and_loses_nothing
         results[engine is overlapping] = tokens
     assert results[True] == results[False]
     assert len(results[True]["a0"]) == 20 and len(results[True]["late"]) == 12
-    _assert_no_leak(overlapping)
+    assert_no_leak(overlapping)
 
 
 def test_slots_that_cannot_be_allocated_ahead_leave_the_step_to_the_scheduler(engines):
@@ -145,9 +138,9 @@ def test_slots_that_cannot_be_allocated_ahead_leave_the_step_to_the_scheduler(en
     requests = {f"t{i}": (random_prompt(60 + i, 9), _greedy(26)) for i in range(4)}
     expected = run_to_completion(eager, requests)
     got = run_to_completion(overlapping, requests)
-    _assert_same(got, expected)
+    assert_same_outputs(expected, got)
     assert overlapping.scheduler.num_preemptions > 0 and overlapping.num_launched_steps > 0
-    _assert_no_leak(overlapping)
+    assert_no_leak(overlapping)
 
 
 def test_no_step_runs_ahead_under_a_time_slice_gate_or_when_turned_off(engines):
@@ -190,6 +183,6 @@ def test_a_launch_that_fails_hands_its_tokens_back_to_the_ordinary_steps(engines
 
     overlapping.runner.launch = failing  # type: ignore[method-assign]
     got = run_to_completion(overlapping, requests)
-    _assert_same(got, expected)
+    assert_same_outputs(expected, got)
     assert calls[0] == 4 and not overlapping.overlap_steps  # no more launches after the failure
-    _assert_no_leak(overlapping)
+    assert_no_leak(overlapping)

@@ -16,7 +16,14 @@ from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.llm.speculative import PRIOR_ROW_COST, Acceptance, Lookup, SequenceState, Speculation, StepCost
-from tests.runtimes.llm.engine_utils import Collected, eager_and_graphed, random_prompt, run_to_completion
+from tests.runtimes.llm.engine_utils import (
+    Collected,
+    assert_no_leak,
+    assert_same_outputs,
+    eager_and_graphed,
+    random_prompt,
+    run_to_completion,
+)
 from tests.runtimes.llm.test_engine import KV_PER_TOKEN
 from tests.runtimes.llm.test_speculative import chi2_p_value
 
@@ -80,26 +87,13 @@ def _sequences(requests, results: dict[str, Collected]) -> list[list[int]]:
     return [[*requests[key.split("#")[0]][0], *got.token_ids] for key, got in results.items()]
 
 
-def _assert_same(expected: dict[str, Collected], got: dict[str, Collected]) -> None:
-    assert got.keys() == expected.keys()
-    for key in expected:
-        assert got[key].token_ids == expected[key].token_ids, key
-        assert got[key].text == expected[key].text, key
-        assert got[key].finish_reason == expected[key].finish_reason, key
-
-
-def _assert_no_leak(engine: LLMEngine) -> None:
-    assert not engine.has_unfinished_requests()
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.kv.block_tables
-
-
 @pytest.mark.parametrize("noise", [0.0, 0.15, 0.6, 1.0])
 def test_any_proposal_leaves_greedy_and_seeded_tokens_unchanged(engines, noise):
     requests = _requests(12)
     plain = run_to_completion(engines(None), requests)
     engine = engines()
     engine.speculation.proposer = oracle = Oracle(_sequences(requests, plain), noise)
-    _assert_same(plain, run_to_completion(engine, requests))
+    assert_same_outputs(plain, run_to_completion(engine, requests))
     stats = engine.speculation.stats
     assert oracle.calls and stats.num_proposed > 0
     if noise == 0.0:
@@ -108,7 +102,7 @@ def test_any_proposal_leaves_greedy_and_seeded_tokens_unchanged(engines, noise):
         assert stats.acceptance_rate < 0.05
     if 0 < noise < 1:
         assert 0 < stats.num_accepted < stats.num_proposed
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_fewer_steps_when_proposals_are_right(engines):
@@ -117,7 +111,7 @@ def test_fewer_steps_when_proposals_are_right(engines):
     plain = run_to_completion(base, requests)
     engine = engines()
     engine.speculation.proposer = Oracle(_sequences(requests, plain), 0.0)
-    _assert_same(plain, run_to_completion(engine, requests))
+    assert_same_outputs(plain, run_to_completion(engine, requests))
     # one prefill step, then 23 tokens at up to 6 a step (5 proposed, all kept, and the one after)
     assert base.num_steps == 24 and engine.num_steps == 1 + 4
 
@@ -140,7 +134,7 @@ def test_stop_strings_stop_tokens_and_max_tokens_inside_an_accepted_run(engines)
     engine = engines()
     engine.speculation.proposer = Oracle([[*prompt, *tokens]], 0.0)
     got = run_to_completion(engine, requests)
-    _assert_same(plain, got)
+    assert_same_outputs(plain, got)
     assert got["stop_token"].stop_reason == tokens[9]
     # (the tiny model's dense fp32 matmuls round by batch shape: logprobs agree to float precision here; SmolLM2's
     # block kernels give the same bits, below)
@@ -149,7 +143,7 @@ def test_stop_strings_stop_tokens_and_max_tokens_inside_an_accepted_run(engines)
     assert [lp.logprob for lp in got_lp] == pytest.approx([lp.logprob for lp in plain_lp], abs=1e-5)
     assert [[t for t, _ in lp.top] for lp in got_lp] == [[t for t, _ in lp.top] for lp in plain_lp]
     assert engine.speculation.stats.num_accepted > 0
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_preemption_n_samples_and_prefix_caching(engines):
@@ -163,9 +157,9 @@ def test_preemption_n_samples_and_prefix_caching(engines):
     plain = run_to_completion(engines(None, **small), requests)
     engine = engines(**small)
     engine.speculation.proposer = Oracle(_sequences(requests, plain), 0.2)
-    _assert_same(plain, run_to_completion(engine, requests))
+    assert_same_outputs(plain, run_to_completion(engine, requests))
     assert engine.scheduler.num_preemptions > 0 and engine.speculation.stats.num_accepted > 0
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_a_resumed_request_continues_exactly(engines):
@@ -186,7 +180,7 @@ def test_graph_replay_verifies_drafts(tiny_loaded):
     requests = _requests(6)
     plain = run_to_completion(eager, requests)  # (speculating too: its tokens are the plain ones, tested above)
     graphed.speculation.proposer = Oracle(_sequences(requests, plain), 0.2)
-    _assert_same(plain, run_to_completion(graphed, requests))
+    assert_same_outputs(plain, run_to_completion(graphed, requests))
     assert graphed.num_graph_steps > 0 and graphed.speculation.stats.num_accepted > 0
     assert graphed.num_launched_steps == 0  # no step is launched ahead with speculation
 
@@ -232,12 +226,12 @@ def test_prompt_lookup_on_smollm2_is_exact_and_accepted(smollm2_quantized):
     plain = run_to_completion(LLMEngine(smollm2_quantized, EngineConfig(**config)), requests)
     engine = LLMEngine(smollm2_quantized, EngineConfig(**config, speculative=SpeculativeOptions()))
     got = run_to_completion(engine, requests)
-    _assert_same(plain, got)
+    assert_same_outputs(plain, got)
     assert got["chat"].logprobs == plain["chat"].logprobs  # the same bits: each row computed as in plain decoding
     alone = run_to_completion(engine, {"copy": requests["copy"]})
     assert alone["copy"].token_ids == plain["copy"].token_ids
     assert engine.speculation.stats.acceptance_rate > 0.5
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 class _Scheduler:
@@ -322,7 +316,7 @@ def test_a_rejected_tail_gives_its_blocks_back(engines):
             assert len(table) <= engine.kv.blocks_for(request.num_computed_tokens + 1)
     held_more = sum(trimmed) > 0
     assert engine.speculation.stats.num_proposed > 0 and engine.speculation.stats.acceptance_rate < 0.05 and held_more
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_a_step_with_a_draft_stopped_for_an_arrival_finishes_or_sheds_it_exactly(engines):
@@ -360,7 +354,7 @@ def test_a_step_with_a_draft_stopped_for_an_arrival_finishes_or_sheds_it_exactly
         assert (engine.scheduler.num_preemptions > 0) == displaced
         for name in prompts:
             assert tokens[name] == plain[name], (displaced, name)
-        _assert_no_leak(engine)
+        assert_no_leak(engine)
 
 
 def test_graph_replay_after_a_trim_reads_the_blocks_the_request_holds(tiny_loaded):
@@ -375,7 +369,7 @@ def test_graph_replay_after_a_trim_reads_the_blocks_the_request_holds(tiny_loade
     trimmed: list[int] = []
     trim = graphed.kv.trim
     graphed.kv.trim = lambda request: trimmed.append(trim(request)) or trimmed[-1]  # type: ignore[method-assign]
-    _assert_same(plain, run_to_completion(graphed, requests))
+    assert_same_outputs(plain, run_to_completion(graphed, requests))
     assert graphed.num_graph_steps > 10 and sum(trimmed) > 10
 
 
@@ -397,8 +391,8 @@ def test_a_stop_string_before_the_last_accepted_token_wins_over_max_tokens(engin
         engine = engines()
         engine.speculation.proposer = Oracle([[*prompt, *free.token_ids]], 0.0)
         got = run_to_completion(engine, {"s": (prompt, params)})
-        _assert_same(plain, got)
+        assert_same_outputs(plain, got)
         assert got["s"].stop_reason == stop and engine.num_steps == 3  # prefill, tokens 2-7, tokens 8-10 cut at 9
-        _assert_no_leak(engine)
+        assert_no_leak(engine)
         checked += 1
     assert checked >= 3
