@@ -453,7 +453,8 @@ class ModelPool:
             placement = self.placement_for(spec, replica.index)
         replica.handle = None
         try:
-            replica.handle = await self.launchers[spec.launcher].start(replica_launch(spec, replica.index, placement))
+            replica.handle = await self.launchers[spec.launcher].start(
+                replica_launch(spec, replica.index, placement, self._applied))
         except Exception as err:
             log.error("replica_launch_failed", replica=replica.replica_id, error=str(err))
             await self._on_crash(replica, None)

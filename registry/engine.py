@@ -41,8 +41,10 @@ class SpeculativeOptions(Frozen):
     per request; greedy and seeded requests get the same tokens as without, sampled ones the same distribution."""
 
     # ngram: prompt lookup, what followed the latest earlier occurrence of the output's last n tokens (n from
-    # prompt_lookup_max down to prompt_lookup_min)
-    method: Literal["ngram"] = "ngram"
+    # prompt_lookup_max down to prompt_lookup_min); draft: the greedy continuation of `draft_model`, another chat or
+    # completion model of this registry with the same tokenizer, loaded in each replica beside this one
+    method: Literal["ngram", "draft"] = "ngram"
+    draft_model: str | None = Field(default=None, min_length=1)
     k: int = Field(default=8, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True)
     prompt_lookup_max: int = Field(default=4, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True)
     prompt_lookup_min: int = Field(default=2, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True)
@@ -52,6 +54,12 @@ class SpeculativeOptions(Frozen):
 
     @model_validator(mode="after")
     def _lookup_range(self) -> SpeculativeOptions:
+        if self.method == "draft" and self.draft_model is None:
+            raise FieldProblems([Problem("draft_model", "needed with method 'draft': the name of the model that "
+                                                        "proposes")])
+        if self.method != "draft" and self.draft_model is not None:
+            raise FieldProblems([Problem("draft_model", f"only used with method 'draft' (method is "
+                                                        f"{self.method!r})")])
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise FieldProblems([Problem("prompt_lookup_min", f"must be at most prompt_lookup_max "
                                                               f"({self.prompt_lookup_max}), "

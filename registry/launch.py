@@ -18,7 +18,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type, kv_cache_budget
 from registry.fields import Alias, Device, Frozen, ModelName, ModelType
-from registry.schema import ChatOptions, ModelSpec, Placement, RayResources
+from registry.schema import ChatOptions, ModelSpec, Placement, RayResources, Registry
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class ReplicaLaunch(Frozen):
     index: int = Field(ge=0)
     type: ModelType
     source: str  # a path or `package:file`, as `registry.sources.resolve_model_path` takes it
+    draft_source: str = ""  # with `engine.speculative.method: draft`: the draft model's source, as `source`
     aliases: tuple[Alias, ...] = ()
     device: Device = "auto"
     engine: EngineSpec | EmbeddingEngineSpec = Field(default_factory=dict, validate_default=True)
@@ -91,16 +92,19 @@ class StandbyAssignment(Frozen):
     log_path: str | None = None  # the replica's log: the standby's output goes there from now on
 
 
-def launch_key(spec: ModelSpec) -> tuple[ReplicaLaunch, Placement]:
+def launch_key(spec: ModelSpec, registry: Registry | None = None) -> tuple[ReplicaLaunch, Placement]:
     """What decides whether a registry change restarts a model's replicas: their launch, less the replica index, the
     gateway-side aliases and the resolved placement, plus the model's `placement:` section (its isolation and
-    weights apply at launch). A change that moves only the plan of other models restarts nothing."""
-    launch = replica_launch(spec, 0).model_copy(update={"aliases": (), "url": None})
+    weights apply at launch). A change that moves only the plan of other models restarts nothing; one that moves its
+    draft model's weights (`registry` names it) restarts it."""
+    launch = replica_launch(spec, 0, registry=registry).model_copy(update={"aliases": (), "url": None})
     return launch, spec.placement
 
 
-def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | None = None) -> ReplicaLaunch:
-    """The launch of replica `index` of `spec`, placed as the partitioner planned (None: no plan)."""
+def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | None = None,
+                   registry: Registry | None = None) -> ReplicaLaunch:
+    """The launch of replica `index` of `spec`, placed as the partitioner planned (None: no plan); `registry` names
+    its draft model, if it speculates with one."""
     queue = QueueOptions() if spec.type == "embedding" else QueueOptions.model_validate(
         spec.policy.model_dump(include=set(QueueOptions.model_fields)))
     return ReplicaLaunch(
@@ -108,4 +112,14 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
         device=spec.device, engine=spec.engine, queue=queue, chat=spec.chat, placement=placement or ReplicaPlacement(),
         url=spec.urls[index] if index < len(spec.urls) else None,
         ray=(spec.ray or RayResources()) if spec.launcher == "ray" else None,
-        command=spec.command, served_name=spec.served_name if spec.launcher == "command" else None)
+        command=spec.command, served_name=spec.served_name if spec.launcher == "command" else None,
+        draft_source=draft_source(spec, registry))
+
+
+def draft_source(spec: ModelSpec, registry: Registry | None) -> str:
+    """The source of the model's draft model ("" when it has none, or no registry names it)."""
+    speculative = getattr(spec.engine, "speculative", None)
+    if speculative is None or speculative.draft_model is None or registry is None:
+        return ""
+    draft = registry.resolve(speculative.draft_model)
+    return "" if draft is None else draft.source_ref()

@@ -473,7 +473,7 @@ class Registry(Frozen):
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> Registry:
-        problems = self._name_problems() + self._fallback_problems()
+        problems = self._name_problems() + self._fallback_problems() + self._draft_problems()
         registry_dir = (info.context or {}).get(_REGISTRY_DIR)
         if registry_dir is not None:
             problems += self._path_problems(Path(registry_dir))
@@ -525,6 +525,27 @@ class Registry(Frozen):
                                                    f"the same type as its model ({model.type!r})"))
         if not problems:
             problems = self._cycle_problems()
+        return problems
+
+    def _draft_problems(self) -> list[Problem]:
+        """A draft model (`engine.speculative.draft_model`) is a chat or completion model of this registry whose
+        weights a replica can load (a package or path source)."""
+        by_name = {m.name: m for m in self.models}
+        problems = []
+        for i, model in enumerate(self.models):
+            speculative = getattr(model.engine, "speculative", None)
+            if speculative is None or speculative.draft_model is None:
+                continue
+            where, name = f"models[{i}].engine.speculative.draft_model", speculative.draft_model
+            draft = by_name.get(name)
+            if draft is None:
+                problems.append(Problem(where, f"unknown model {name!r}"))
+            elif draft.type == "embedding":
+                problems.append(Problem(where, f"{name!r} is an embedding model; a draft is a chat or completion "
+                                               f"model with the same tokenizer"))
+            elif draft.source is None or draft.source.kind == "url":
+                problems.append(Problem(where, f"{name!r} has no weights a replica can load (a package or path "
+                                               f"source)"))
         return problems
 
     def _cycle_problems(self) -> list[Problem]:

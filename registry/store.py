@@ -94,13 +94,15 @@ def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
     """The model-level difference between two registries, in registry order."""
     old_by_name, new_by_name = {m.name: m for m in old.models}, {m.name: m for m in new.models}
     common = [m.name for m in new.models if m.name in old_by_name]
-    changed = tuple(name for name in common if old_by_name[name].model_dump(exclude={"replicas"})
-                    != new_by_name[name].model_dump(exclude={"replicas"}))
+    relaunched = tuple(name for name in common
+                       if launch_key(old_by_name[name], old) != launch_key(new_by_name[name], new))
+    changed = tuple(name for name in common if name in relaunched or old_by_name[name].model_dump(
+        exclude={"replicas"}) != new_by_name[name].model_dump(exclude={"replicas"}))  # (a draft model's move too)
     return RegistryDiff(
         added=tuple(name for name in new_by_name if name not in old_by_name),
         removed=tuple(name for name in old_by_name if name not in new_by_name),
         changed=changed,
-        relaunched=tuple(name for name in changed if launch_key(old_by_name[name]) != launch_key(new_by_name[name])),
+        relaunched=relaunched,
         resized=tuple((name, _count(old_by_name[name]), _count(new_by_name[name])) for name in common
                       if old_by_name[name].replicas != new_by_name[name].replicas),
         gateway_changed=old.gateway != new.gateway,

@@ -19,6 +19,7 @@ request's seat is taken by the next), to show what the adaptive rule does at a b
     python -m bench.measure.speculative                 # 5 rounds, 1 stream, ~3 min
     python -m bench.measure.speculative --streams 1 16  # and 16 streams
     python -m bench.measure.speculative --rounds 1      # smoke test
+    python -m bench.measure.speculative --options '{"method": "draft", "draft_model": "self"}'  # SmolLM2 drafts itself
 
 Results: a markdown table on stdout, a JSON line appended to `--out`.
 """
@@ -126,8 +127,11 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 
 def engines(loaded: LoadedModel, max_num_seqs: int, options: SpeculativeOptions) -> dict[str, LLMEngine]:
     common: dict[str, Any] = {"device": "cpu", "kv_cache_bytes": 256 << 20, "max_num_seqs": max_num_seqs}
+    # a draft model: SmolLM2 itself (no smaller model with its tokenizer is installed), so its proposals are the
+    # target's own greedy tokens, all accepted, and it costs what the target does: a check of the path, not a pairing
+    draft = loaded if options.method == "draft" else None
     return {"plain": LLMEngine(loaded, EngineConfig(**common)),
-            "speculative": LLMEngine(loaded, EngineConfig(**common, speculative=options))}
+            "speculative": LLMEngine(loaded, EngineConfig(**common, speculative=options), draft=draft)}
 
 
 def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,

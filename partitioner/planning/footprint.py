@@ -19,8 +19,8 @@ from partitioner.devices.inventory import Inventory
 from partitioner.planning.plan import Plan
 from registry.engine import EngineSpec, kv_cache_budget
 from registry.fields import GIB, MIB
-from registry.launch import Footprint
-from registry.schema import ModelSpec
+from registry.launch import Footprint, draft_source
+from registry.schema import ModelSpec, Registry
 from registry.sources import resolve_model_path
 
 # A CPU worker's resident memory beyond its weights and KV cache: the interpreter with torch and the engine loaded,
@@ -28,8 +28,9 @@ from registry.sources import resolve_model_path
 CPU_PROCESS_OVERHEAD_BYTES = 512 * MIB
 
 
-def replica_footprint(spec: ModelSpec, index: int, plan: Plan | None) -> Footprint:
-    """Replica `index` of `spec`: on its planned GPU, the plan's memory; else on the CPU, counted from its files."""
+def replica_footprint(spec: ModelSpec, index: int, plan: Plan | None, registry: Registry | None = None) -> Footprint:
+    """Replica `index` of `spec`: on its planned GPU, the plan's memory; else on the CPU, counted from its files (and
+    its draft model's, which `registry` names)."""
     explicit = None if spec.placement.memory_gib is None else int(spec.placement.memory_gib * GIB)
     planned = None
     if plan is not None:
@@ -41,12 +42,13 @@ def replica_footprint(spec: ModelSpec, index: int, plan: Plan | None) -> Footpri
         return Footprint(str(planned.gpu_index), explicit or planned.memory_bytes)
     if spec.device == "cuda":  # meant for a GPU the plan did not place it on: nothing known to count
         return Footprint("cpu", None)
-    return Footprint("cpu", explicit or cpu_bytes(spec))
+    return Footprint("cpu", explicit or cpu_bytes(spec, registry))
 
 
-def cpu_bytes(spec: ModelSpec) -> int | None:
-    """What a CPU replica of `spec` holds: its weight files, its KV budget and a worker's overhead (None: its files
-    are not on this machine, or another program serves it)."""
+def cpu_bytes(spec: ModelSpec, registry: Registry | None = None) -> int | None:
+    """What a CPU replica of `spec` holds: its weight files, its KV budget and a worker's overhead, and with a draft
+    model (speculative decoding) the draft's files and its KV cache, as large as the model's (None: its files are not
+    on this machine, or another program serves it)."""
     if spec.launcher not in ("local", "ray") or spec.source is None or spec.source.kind == "url":
         return None
     try:
@@ -54,6 +56,13 @@ def cpu_bytes(spec: ModelSpec) -> int | None:
     except (OSError, ValueError):
         return None
     kv = kv_cache_budget(spec.engine.kv_cache_bytes, device="cpu") if isinstance(spec.engine, EngineSpec) else 0
+    draft = draft_source(spec, registry)
+    if draft:
+        try:
+            weights += _files_bytes(resolve_model_path(draft))
+        except (OSError, ValueError):
+            return None
+        kv *= 2
     return weights + kv + CPU_PROCESS_OVERHEAD_BYTES
 
 

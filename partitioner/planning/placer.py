@@ -106,7 +106,8 @@ class ReplicaPlacer:
 
     def footprint(self, spec: ModelSpec, index: int) -> Footprint:
         """What replica `index` of `spec` holds of which device's memory budget (planning/footprint.py)."""
-        return replica_footprint(spec, index, self.plan_for(self._registry()))
+        registry = self._registry()
+        return replica_footprint(spec, index, self.plan_for(registry), registry)
 
     def budget(self, device: str) -> int | None:
         """A device's memory budget when the registry sets none: the inventory's (a GPU's total, the host's RAM)."""
@@ -195,7 +196,7 @@ def budget_problems(registry: Registry, current: Plan | None) -> list[Problem]:
         if not planned_locally(model):
             continue
         for index in range(model.max_replicas):
-            footprint = replica_footprint(model, index, current)
+            footprint = replica_footprint(model, index, current, registry)
             budget = budgets.get(footprint.device)
             if budget is None or footprint.bytes is None:
                 continue

@@ -17,6 +17,7 @@ from runtimes.fault_isolation import PROBE_TEXT
 from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.cuda_graphs import Graph
+from runtimes.llm.draft import DraftModelProposer, check_same_tokenizer
 from runtimes.llm.engine_setup import build_parts, queue_policy
 from runtimes.llm.grammar import CompiledGrammar
 from runtimes.llm.input_processor import InputProcessor
@@ -38,9 +39,11 @@ from runtimes.llm.steps import Ran
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, policy: QueuePolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, new_graph: Callable[[], Graph] | None = None,
-                 logits_processors: Sequence[LogitsProcessor] = ()) -> None:
+                 logits_processors: Sequence[LogitsProcessor] = (), draft: LoadedModel | None = None) -> None:
         """`new_graph` makes the decode graphs (default: CUDA graphs on a CUDA device when `config.cuda_graphs`;
-        tests pass a CPU stand-in). `logits_processors` edit the logits after the built-in ones."""
+        tests pass a CPU stand-in). `logits_processors` edit the logits after the built-in ones. `draft`: with
+        `config.speculative`, a smaller model of the same tokenizer that proposes instead of prompt lookup
+        (runtimes/llm/draft.py), run by an engine of its own beside this one."""
         self.config = config = config or EngineConfig()
         self.model_config, self.tokenizer, self.model_name = loaded.config, loaded.tokenizer, loaded.name
         self.clock = clock
@@ -53,7 +56,13 @@ class LLMEngine:
                                      self.model_name if config.enable_prefix_caching else None, self.model_name)
         self.outputs = OutputProcessor(self.scheduler, clock)
         self.faults = RequestFaults(self.sequences, self.outputs, self.abort_request, self._start_self_check)
-        self.speculation = None if config.speculative is None else Speculation(config.speculative, self.scheduler)
+        speculative = config.speculative
+        if (speculative is not None and speculative.method == "draft") != (draft is not None):
+            raise ValueError("speculative.draft_model: a draft model is loaded exactly when speculative.method is "
+                             f"'draft' (method {None if speculative is None else speculative.method!r}, draft "
+                             f"{'given' if draft is not None else 'none'})")
+        self.speculation = None if speculative is None else Speculation(
+            speculative, self.scheduler, source=None if draft is None else self._draft_proposer(draft))
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, self.max_model_len, config.overlap_steps,
                              quiet=lambda: not self.sequences.has_staged and self.faults.self_check_id is None,
                              speculation=self.speculation)
@@ -62,13 +71,32 @@ class LLMEngine:
         self.num_steps = 0
 
     @classmethod
-    def from_source(cls, source: str, config: EngineConfig | None = None, **kwargs: object) -> LLMEngine:
-        """Load a model (GGUF file, HF directory or `package:file`) and build an engine for it."""
+    def from_source(cls, source: str, config: EngineConfig | None = None, draft_source: str = "",
+                    **kwargs: object) -> LLMEngine:
+        """Load a model (GGUF file, HF directory or `package:file`) and build an engine for it; `draft_source`: its
+        draft model's, loaded the same way (with `speculative.method: draft`)."""
         config = config or EngineConfig()
         device = config.resolve_device()
         attention_fn = select_attention(config.attention_backend, device)
         loaded = load_model(source, device, config.resolve_dtype(device), attention_fn, weights=config.weights)
-        return cls(loaded, config, **kwargs)  # type: ignore[arg-type]
+        draft = None if not draft_source else load_model(draft_source, device, config.resolve_dtype(device),
+                                                         attention_fn, weights=config.weights)
+        return cls(loaded, config, draft=draft, **kwargs)  # type: ignore[arg-type]
+
+    def _draft_proposer(self, draft: LoadedModel) -> DraftModelProposer:
+        """The draft model's proposer: an engine of its own over `draft`, on this engine's device, with a KV cache as
+        large as this one's (its prefix cache keeps each sequence's computed tokens between proposals)."""
+        check_same_tokenizer(self.tokenizer, draft.tokenizer, self.model_config.vocab_size, draft.config.vocab_size)
+        config = self.config
+        device = next(draft.model.parameters()).device
+        draft_config = EngineConfig(
+            device=str(device), kv_cache_bytes=self.kv.num_blocks * self.kv.block_size
+            * self.model_config.kv_bytes_per_token(self.runner.kv_caches[0][0].dtype),
+            block_size=config.block_size, max_model_len=self.max_model_len, max_num_seqs=1,
+            max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
+            overlap_steps=False, deterministic=config.deterministic)
+        assert config.speculative is not None
+        return DraftModelProposer(LLMEngine(draft, draft_config), config.speculative.k)
 
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None, resume_token_ids: Sequence[int] = (),

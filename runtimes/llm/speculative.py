@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -252,11 +252,21 @@ class Acceptance:
         return (self.accepted + weight * prior) / (self.trials + weight)
 
 
+class Proposer(Protocol):
+    """Where proposals come from: prompt lookup (`NgramProposer`) or a draft model (runtimes/llm/draft.py)."""
+
+    def index(self) -> Any:
+        """What the proposer keeps of one sequence from step to step (handed back to `lookup`)."""
+
+    def lookup(self, token_ids: Sequence[int], index: Any) -> Lookup | None:
+        """Up to k tokens to verify after `token_ids`, with their key for learned acceptance; None: no proposal."""
+
+
 @dataclass
 class SequenceState:
-    """What speculation keeps of one sequence while it runs: its n-gram index and its own recent acceptance."""
+    """What speculation keeps of one sequence while it runs: its proposer's index and its own recent acceptance."""
 
-    index: NgramIndex
+    index: Any
     acceptance: Acceptance = field(default_factory=Acceptance)
 
 
@@ -273,9 +283,12 @@ class Speculation:
     shared: dict[int, Acceptance] = field(default_factory=dict)  # Lookup.key -> the replica's acceptance
     _keys: dict[Request, int] = field(default_factory=dict)  # the key of each proposal in the step running
 
+    source: Proposer | None = None  # where proposals come from; None: prompt lookup, as the options say
+    proposer: Proposer = field(init=False)
+
     def __post_init__(self) -> None:
         opts = self.options
-        self.proposer = NgramProposer(opts.k, opts.prompt_lookup_max, opts.prompt_lookup_min)
+        self.proposer = self.source or NgramProposer(opts.k, opts.prompt_lookup_max, opts.prompt_lookup_min)
 
     def draft(self, plan: SchedulerOutput) -> None:
         """Give each decode of `plan` a proposal, within the step's token budget, the request's max_tokens and the

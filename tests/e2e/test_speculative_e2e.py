@@ -1,8 +1,9 @@
-"""Speculative decoding through the whole stack: `multiserve serve` with two SmolLM2 chat models from one GGUF, one
-plain and one with `engine.speculative` (prompt lookup), real workers on loopback, the official `openai` client. A
-request asking to repeat a text gets the same reply from both (greedy, and seeded sampling), and streamed from the
-speculating one it comes in fewer than half as many chunks as tokens (a step brings several: its proposals were
-accepted). The metrics of speculation are tested on a replica: tests/runtimes/server/test_speculative_api.py."""
+"""Speculative decoding through the whole stack: `multiserve serve` with three SmolLM2 chat models from one GGUF, one
+plain, one speculating by prompt lookup and one with a draft model (the plain one, loaded in its replica: the only
+pairing of one tokenizer at hand), real workers on loopback, the official `openai` client. A request asking to repeat
+a text gets the same reply from all three (greedy, and seeded sampling), and streamed from a speculating one it comes
+in fewer than half as many chunks as tokens (a step brings several: its proposals were accepted). The metrics of
+speculation are tested on a replica: tests/runtimes/server/test_speculative_api.py."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_a_speculating_model_answers_as_the_plain_one_in_fewer_steps(tmp_path):
         "gateway": {"host": "127.0.0.1", "port": port, "model_roots": [str(model.parent)]},
         "models": [{"name": name, "type": "chat", "source": {"package": GGUF[0], "file": GGUF[1]}, "device": "cpu",
                     "engine": {**engine, **extra}}
-                   for name, extra in (("plain", {}), ("lookup", {"speculative": {"method": "ngram"}}))]},
+                   for name, extra in (("plain", {}), ("lookup", {"speculative": {"method": "ngram"}}),
+                                       ("drafted", {"speculative": {"method": "draft", "draft_model": "plain"}}))]},
         sort_keys=False)
     with running_gateway(tmp_path, text, port, Path(model)) as gateway, \
             openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
@@ -43,13 +45,18 @@ def test_a_speculating_model_answers_as_the_plain_one_in_fewer_steps(tmp_path):
             assert lookup.choices[0].message.content == plain.choices[0].message.content
             assert lookup.usage is not None and plain.usage is not None
             assert lookup.usage.completion_tokens == plain.usage.completion_tokens
-        content, chunks, usage = "", 0, None
-        for chunk in client.chat.completions.create(model="lookup", messages=MESSAGES, max_tokens=64, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}):
-            if chunk.choices and chunk.choices[0].delta.content:
-                content += chunk.choices[0].delta.content
-                chunks += 1
-            usage = chunk.usage or usage
         greedy = client.chat.completions.create(model="plain", messages=MESSAGES, max_tokens=64, temperature=0)
-        assert content == greedy.choices[0].message.content
-        assert usage is not None and chunks < usage.completion_tokens / 2, (chunks, usage)  # several tokens a step
+        for model in ("lookup", "drafted"):  # the draft model is the plain one: its greedy proposals all hold
+            content, chunks, usage = "", 0, None
+            for chunk in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=64, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    content += chunk.choices[0].delta.content
+                    chunks += 1
+                usage = chunk.usage or usage
+            assert content == greedy.choices[0].message.content, model
+            assert usage is not None and chunks < usage.completion_tokens / 2, (model, chunks, usage)  # a step: several
+        seeded = {"temperature": 0.8, "seed": 3}
+        drafted = client.chat.completions.create(model="drafted", messages=MESSAGES, max_tokens=64, **seeded)
+        plain = client.chat.completions.create(model="plain", messages=MESSAGES, max_tokens=64, **seeded)
+        assert drafted.choices[0].message.content == plain.choices[0].message.content

@@ -49,6 +49,16 @@ def test_a_cpu_replica_holds_its_weight_files_its_kv_budget_and_a_worker_process
     assert cmd == Footprint("cpu", None) and gone == Footprint("cpu", None)  # nothing known: not counted
 
 
+def test_a_replica_with_a_draft_model_holds_its_files_and_a_second_kv_cache(weights, tmp_path):
+    draft = tmp_path / "d.gguf"
+    draft.write_bytes(b"\0" * MIB)
+    registry = Registry.model_validate({"models": [
+        chat("t", weights, engine={"kv_cache_gib": 0.25, "speculative": {"method": "draft", "draft_model": "d"}}),
+        chat("d", str(draft))]})
+    footprint = placer_for(registry, CPU, tmp_path).footprint(registry.models[0], 0)
+    assert footprint == Footprint("cpu", 3 * MIB + MIB + 2 * (GIB // 4) + CPU_PROCESS_OVERHEAD_BYTES)
+
+
 def test_a_gpu_replica_holds_its_planned_memory_on_its_gpu(weights, tmp_path):
     registry = Registry.model_validate({"models": [
         chat("g", weights, device="cuda", placement={"memory_gib": 10}, replicas={"min": 0, "max": 2})]})

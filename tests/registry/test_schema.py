@@ -12,7 +12,7 @@ from registry.errors import RegistryError
 from registry.fields import GIB
 from registry.launch import replica_launch
 from registry.schema import ModelSpec, Registry
-from registry.store import load_registry, parse_registry
+from registry.store import diff_registries, load_registry, parse_registry
 
 DEFAULT_CONFIG = config_path("default.yaml")
 
@@ -64,6 +64,15 @@ def test_speculative_options_travel_to_the_worker_s_engine_config():
     assert options is not None and (options.method, options.k, options.prompt_lookup_min) == ("ngram", 5, 1)
     assert engine_config(replica_launch(parse_registry(registry_text(chat("b")), "x.yaml").models[0], 0)
                          ).speculative is None
+    # a draft model: its source goes in the launch, and moving its weights relaunches the model it drafts for
+    text = registry_text(chat("t", ", engine: {speculative: {method: draft, draft_model: d}}"), chat("d"))
+    registry = parse_registry(text, "x.yaml")
+    launch = replica_launch(registry.models[0], 0, registry=registry)
+    assert launch.draft_source == "m.gguf" and engine_config(launch).speculative.draft_model == "d"
+    moved = parse_registry(text.replace("{name: d, type: chat, source: {path: m.gguf}", "{name: d, type: chat, "
+                                        "source: {path: other.gguf}"), "x.yaml")
+    diff = diff_registries(registry, moved)
+    assert diff.changed == ("t", "d") and diff.relaunched == ("t", "d")
 
 
 def test_the_variants_example_serves_one_file_at_two_precisions():
@@ -111,6 +120,14 @@ INVALID = {
     "speculative lookup range": (registry_text(chat("a", ", engine: {speculative: {prompt_lookup_min: 5}}")),
                                  "models[0].engine.speculative.prompt_lookup_min: must be at most prompt_lookup_max "
                                  "(4), got 5"),
+    "draft method without its model": (registry_text(chat("a", ", engine: {speculative: {method: draft}}")),
+                                       "models[0].engine.speculative.draft_model: needed with method 'draft': the "
+                                       "name of the model that proposes"),
+    "draft model with prompt lookup": (registry_text(chat("a", ", engine: {speculative: {draft_model: a}}")),
+                                       "models[0].engine.speculative.draft_model: only used with method 'draft' "
+                                       "(method is 'ngram')"),
+    "unknown draft model": (registry_text(chat("a", ", engine: {speculative: {method: draft, draft_model: b}}")),
+                            "models[0].engine.speculative.draft_model: unknown model 'b'"),
     "speculative k": (registry_text(chat("a", ", engine: {speculative: {k: 40}}")),
                       "models[0].engine.speculative.k: Input should be less than or equal to 16"),
     "speculative method": (registry_text(chat("a", ", engine: {speculative: {method: eagle}}")),

@@ -396,3 +396,42 @@ def test_a_stop_string_before_the_last_accepted_token_wins_over_max_tokens(engin
         assert_no_leak(engine)
         checked += 1
     assert checked >= 3
+
+
+def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(tiny_loaded, engines):
+    """A draft model of the same tokenizer (runtimes/llm/draft.py): a different random model (its proposals mostly
+    wrong) and the target itself (its greedy proposals all right, so greedy requests take fewer steps): greedy and
+    seeded tokens are the plain engine's either way, and neither engine leaks a block."""
+    target = tiny_loaded(seed=0)
+    requests = _requests(6)
+    plain = run_to_completion(engines(None), requests)
+    for draft, right in ((tiny_loaded(seed=3), False), (target, True)):
+        config = EngineConfig(kv_cache_bytes=2048 * KV_PER_TOKEN, block_size=4, max_num_batched_tokens=64,
+                              max_num_seqs=32, speculative=SpeculativeOptions(method="draft", draft_model="d", k=4,
+                                                                              adaptive=False))
+        engine = LLMEngine(target, config, draft=draft)
+        assert_same_outputs(plain, run_to_completion(engine, requests))
+        stats = engine.speculation.stats
+        assert stats.num_proposed > 0
+        if right:  # greedy proposals of the target itself: the greedy requests keep them all
+            assert stats.acceptance_rate > 0.5
+            lone = LLMEngine(target, config, draft=draft)
+            run_to_completion(lone, {"g": (random_prompt(7, 9), GREEDY)})
+            assert lone.num_steps == 1 + -(-23 // 5)  # the prefill, then 5 tokens a step
+        else:
+            assert stats.acceptance_rate < 0.5
+        assert_no_leak(engine)
+        draft_engine = engine.speculation.proposer.engine
+        assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_loaded, smollm2_quantized):
+    config = EngineConfig(kv_cache_bytes=2048 * KV_PER_TOKEN, block_size=4,
+                          speculative=SpeculativeOptions(method="draft", draft_model="d"))
+    with pytest.raises(ValueError, match=r"speculative\.draft_model: the draft model's tokenizer differs"):
+        LLMEngine(tiny_loaded(seed=0), config, draft=smollm2_quantized)
+    with pytest.raises(ValueError, match=r"speculative\.draft_model: a draft model is loaded exactly when"):
+        LLMEngine(tiny_loaded(seed=0), config)  # method draft, no draft
+    with pytest.raises(ValueError, match=r"speculative\.draft_model: a draft model is loaded exactly when"):
+        LLMEngine(tiny_loaded(seed=0), config.model_copy(update={"speculative": SpeculativeOptions()}),
+                  draft=tiny_loaded(seed=1))  # prompt lookup, and a draft

@@ -1,0 +1,65 @@
+"""Speculative decoding's draft model: a smaller model that shares the target's tokenizer proposes its greedy
+continuation, and the target verifies it as it verifies prompt lookup's (runtimes/llm/speculative.py).
+
+The draft runs in an engine of its own, in the same process, with its own KV cache (`DraftModelProposer`). Each
+proposal is one request to that engine: the sequence so far as its prompt, up to k greedy tokens. Its prefix cache
+keeps what earlier proposals computed (whole blocks shared, a last partial block copied), so a proposal prefills only
+the tokens since the last one (the accepted ones and the target's own token); a rejected proposal's KV is never
+matched again, which is all the rollback a draft needs. Proposals run one sequence at a time, between the target's
+planning and its step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from runtimes.llm.sampling_params import SamplingParams
+from runtimes.llm.speculative import Lookup
+
+if TYPE_CHECKING:
+    from runtimes.llm.engine import LLMEngine
+    from runtimes.llm.tokenizer import Tokenizer
+
+DRAFT_KEY = 0  # `Lookup.key` of a draft model's proposals (prompt lookup's keys are match lengths, from 1)
+SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 {\"a\": [1, 2]} héllo, 世界!"
+
+
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_vocab: int, draft_vocab: int) -> None:
+    """Refuse a draft whose token ids mean other text than the target's (its proposals would be noise)."""
+    if target_vocab != draft_vocab or target.encode(SAMPLE_TEXT) != draft.encode(SAMPLE_TEXT):
+        raise ValueError(f"speculative.draft_model: the draft model's tokenizer differs from the target's "
+                         f"(vocabulary {draft_vocab} against {target_vocab} tokens, or other ids for the same text); "
+                         f"a draft must share the target's tokenizer")
+
+
+class DraftModelProposer:
+    """Proposes up to `k` tokens: the draft engine's greedy continuation of the sequence so far."""
+
+    def __init__(self, engine: LLMEngine, k: int) -> None:
+        self.engine = engine
+        self.k = k
+        self._ids = itertools.count()
+
+    def index(self) -> None:
+        """A draft keeps no per-sequence index: its engine's prefix cache is its memory."""
+        return None
+
+    def lookup(self, token_ids: Sequence[int], index: object) -> Lookup | None:
+        engine = self.engine
+        limit = min(self.k, engine.max_model_len - len(token_ids))
+        if limit <= 0:
+            return None
+        request_id = f"draft-{next(self._ids)}"
+        engine.add_request(request_id, list(token_ids), SamplingParams(temperature=0.0, max_tokens=limit,
+                                                                       ignore_eos=True))
+        tokens: list[int] = []
+        try:
+            while not engine.is_finished(request_id):
+                for out in engine.step():
+                    tokens += out.new_token_ids
+        finally:
+            if not engine.is_finished(request_id):  # a failure part-way: nothing of it stays
+                engine.abort_request(request_id)
+        return Lookup(tokens, DRAFT_KEY) if tokens else None
