@@ -42,13 +42,15 @@ class DraftModelProposer:
         self.k = k
         self._ids = itertools.count()
 
+    key = DRAFT_KEY  # known before a proposal is made: speculation decides its depth first
+
     def index(self) -> None:
         """A draft keeps no per-sequence index: its engine's prefix cache is its memory."""
         return None
 
-    def lookup(self, token_ids: Sequence[int], index: object) -> Lookup | None:
+    def lookup(self, token_ids: Sequence[int], index: object, limit: int | None = None) -> Lookup | None:
         engine = self.engine
-        limit = min(self.k, engine.max_model_len - len(token_ids))
+        limit = min(self.k if limit is None else limit, self.k, engine.max_model_len - len(token_ids))
         if limit <= 0:
             return None
         request_id = f"draft-{next(self._ids)}"

@@ -36,6 +36,7 @@ a time.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -118,16 +119,18 @@ class NgramProposer:
         suffix of at least `min_n` tokens occurred before. `index`: the sequence's, brought up to date here (else
         one is built for this call)."""
         count = self.k if limit is None else min(self.k, limit)
-        found = self.lookup(token_ids, index or self.index()) if count > 0 else None
-        return [] if found is None else found.tokens[:count]
+        found = self.lookup(token_ids, index or self.index(), count) if count > 0 else None
+        return [] if found is None else found.tokens
 
-    def lookup(self, token_ids: Sequence[int], index: NgramIndex) -> Lookup | None:
-        """The proposal (up to k tokens) and the length of the match it comes from; None: no match."""
+    key = None  # a proposal's key is the length of its match
+
+    def lookup(self, token_ids: Sequence[int], index: NgramIndex, limit: int | None = None) -> Lookup | None:
+        """The proposal (up to k tokens, and `limit`) and the length of the match it comes from; None: no match."""
         found = index.follow(token_ids)
         if found is None:
             return None
         end, n = found
-        return Lookup(list(token_ids[end:end + self.k]), n)
+        return Lookup(list(token_ids[end:end + min(self.k, self.k if limit is None else limit)]), n)
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,7 @@ PRIOR_ROW_COST = 0.25  # before the row counts vary: a row's cost b, as a fracti
 PRIOR_WEIGHT = 4.0  # how many squared rows of spread the prior slope counts for
 MIN_SEEN = 3  # steps measured at a row count before their mean stands for it
 OUTLIER = 3.0  # a step measured at more than this many times its predicted time counts as this many
+COST_WEIGHT = 0.1  # weight of the newest proposal in `proposal_cost`
 COST_DECAY = 0.98  # weight of the previous step in the cost fit (about the last 50 steps count)
 ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier proposals in its own acceptance rate
 SHARED_DECAY = 0.98  # weight of earlier proposals in the replica's rate for a match length
@@ -258,8 +262,13 @@ class Proposer(Protocol):
     def index(self) -> Any:
         """What the proposer keeps of one sequence from step to step (handed back to `lookup`)."""
 
-    def lookup(self, token_ids: Sequence[int], index: Any) -> Lookup | None:
-        """Up to k tokens to verify after `token_ids`, with their key for learned acceptance; None: no proposal."""
+    def lookup(self, token_ids: Sequence[int], index: Any, limit: int) -> Lookup | None:
+        """Up to `limit` tokens to verify after `token_ids`, with their key for learned acceptance; None: none."""
+
+    @property
+    def key(self) -> int | None:
+        """The key of every proposal, where it is known before one is made (a draft model's): its depth is then
+        decided first, and the proposer makes only that many. None: known from the proposal (a match's length)."""
 
 
 @dataclass
@@ -282,6 +291,7 @@ class Speculation:
     sequences: dict[Request, SequenceState] = field(default_factory=dict)
     shared: dict[int, Acceptance] = field(default_factory=dict)  # Lookup.key -> the replica's acceptance
     _keys: dict[Request, int] = field(default_factory=dict)  # the key of each proposal in the step running
+    proposal_cost: float = 0.0  # seconds a proposed token takes to make (decayed mean of the proposals made)
 
     source: Proposer | None = None  # where proposals come from; None: prompt lookup, as the options say
     proposer: Proposer = field(init=False)
@@ -308,12 +318,11 @@ class Speculation:
                 state = self.sequences[request] = SequenceState(self.proposer.index())
             limit = min(self.options.k, budget, request.max_tokens - request.num_output_tokens - 1,
                         scheduler.max_model_len - request.num_tokens - 1)
-            try:
-                found = self.proposer.lookup(request.token_ids, state.index) if limit > 0 else None
-            except Exception as error:  # a proposal is an optimisation: the request decodes without one
-                log.warning("speculative_proposal_failed", request_id=request.request_id, error=repr(error))
-                found = None
-            if found is not None and self.options.adaptive:
+            adapt = self.options.adaptive and limit > 0
+            if adapt and (key := self.proposer.key) is not None:  # decided before the proposal is made
+                limit, adapt = self.depth(self.rate(state, key), limit, rows, base, len(plan.scheduled)), False
+            found = self._lookup(request, state, limit) if limit > 0 else None
+            if found is not None and adapt:
                 limit = self.depth(self.rate(state, found.key), limit, rows, base, len(plan.scheduled))
             if found is None or limit == 0:
                 state.acceptance.learn(0, 0, RELAX_DECAY)
@@ -326,6 +335,20 @@ class Speculation:
                 budget -= len(proposal)
                 rows += len(proposal)
 
+    def _lookup(self, request: Request, state: SequenceState, limit: int) -> Lookup | None:
+        """The proposer's proposal, its time per token kept (`proposal_cost`); a proposer that fails costs only the
+        proposal: the request decodes without one."""
+        started = time.perf_counter()
+        try:
+            found = self.proposer.lookup(request.token_ids, state.index, limit)
+        except Exception as error:
+            log.warning("speculative_proposal_failed", request_id=request.request_id, error=repr(error))
+            return None
+        if found is not None and found.tokens:
+            per_token = (time.perf_counter() - started) / len(found.tokens)
+            self.proposal_cost += COST_WEIGHT * (per_token - self.proposal_cost)
+        return found
+
     def rate(self, state: SequenceState, key: int) -> float:
         """The acceptance rate expected of a proposal: the request's own recent one, next to the replica's for
         proposals of its kind (`Lookup.key`)."""
@@ -337,7 +360,8 @@ class Speculation:
         """How many tokens (up to `limit`) a request of acceptance rate `rate` should propose in a step of `rows`
         rows so far and `num_requests` requests: the j that most exceeds its rows' cost (`StepCost`: seconds(rows +
         j) - seconds(rows)) by its expected gain (rate + rate**2 + ... + rate**j tokens, each worth what a plain step
-        spends per token: seconds(rows) / num_requests)."""
+        spends per token: seconds(rows) / num_requests) less what making them costs (`proposal_cost` a token: a
+        draft model's own steps; prompt lookup's is ~nothing)."""
         if base is None:  # nothing measured yet: a plain step first
             return 0
         value = base / max(num_requests, 1)
@@ -347,7 +371,7 @@ class Speculation:
             gain += chance * value
             cost = self.cost.seconds(rows + j)
             assert cost is not None  # measured once: every count has an estimate
-            net = gain - (cost - base)
+            net = gain - (cost - base) - j * self.proposal_cost
             if net > best_net:
                 best, best_net = j, net
         return best

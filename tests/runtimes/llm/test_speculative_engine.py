@@ -40,8 +40,10 @@ class Oracle:
     def index(self) -> None:
         return None
 
-    def lookup(self, token_ids: Sequence[int], index: object) -> Lookup:
-        return Lookup(self.propose(token_ids), 0)
+    key = None
+
+    def lookup(self, token_ids: Sequence[int], index: object, limit: int | None = None) -> Lookup:
+        return Lookup(self.propose(token_ids, limit), 0)
 
     def __init__(self, expected: Sequence[Sequence[int]], noise: float, seed: int = 0) -> None:
         self.expected = [list(s) for s in expected]
@@ -276,6 +278,11 @@ def test_adaptive_depth_follows_acceptance_and_batch():
     # a batch of 32: a row costs about what a token is worth, so only a request that is nearly always right proposes
     assert spec.depth(0.7, 8, 32, big, 32) == spec.depth(spec.rate(state, 2), 8, 32, big, 32) == 0
     assert spec.depth(0.95, 8, 1, None, 1) == 0  # nothing measured yet
+    spec.proposal_cost = base  # a draft model as costly per token as the target: it never pays
+    assert spec.depth(0.999, 8, 1, base, 1) == 0
+    spec.proposal_cost = base / 50  # a small draft: nearly as deep as without its cost
+    assert spec.depth(0.95, 8, 1, base, 1) >= 6
+    spec.proposal_cost = 0.0
     # the replica learns per match length; a request's own record moves its rate, and fades when it stops proposing
     for _ in range(20):
         spec.shared.setdefault(4, Acceptance()).learn(8, 8, 0.98)
