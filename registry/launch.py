@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from registry.command import CommandSpec
 from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type, kv_cache_budget
@@ -67,6 +67,14 @@ class ReplicaLaunch(Frozen):
     def _engine_of_its_type(cls, value: Any, info: ValidationInfo) -> EngineSpec | EmbeddingEngineSpec:
         return engine_for_type(info.data.get("type", "chat"), value)  # JSON alone cannot tell the two kinds apart
 
+    @model_validator(mode="after")
+    def _draft_has_a_source(self) -> ReplicaLaunch:
+        speculative = getattr(self.engine, "speculative", None)
+        if speculative is not None and speculative.draft_model is not None and not self.draft_source:
+            raise ValueError(f"draft_source: the launch of a model that speculates with draft model "
+                             f"{speculative.draft_model!r} needs that model's source (replica_launch(..., registry))")
+        return self
+
     @property
     def replica_id(self) -> str:
         return f"{self.model}/{self.index}"
@@ -117,9 +125,9 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
 
 
 def draft_source(spec: ModelSpec, registry: Registry | None) -> str:
-    """The source of the model's draft model ("" when it has none, or no registry names it)."""
+    """The source of the model's draft model, found by its name ("" when it has none, or no registry names it)."""
     speculative = getattr(spec.engine, "speculative", None)
     if speculative is None or speculative.draft_model is None or registry is None:
         return ""
-    draft = registry.resolve(speculative.draft_model)
+    draft = next((m for m in registry.models if m.name == speculative.draft_model), None)
     return "" if draft is None else draft.source_ref()

@@ -531,6 +531,7 @@ class Registry(Frozen):
         """A draft model (`engine.speculative.draft_model`) is a chat or completion model of this registry whose
         weights a replica can load (a package or path source)."""
         by_name = {m.name: m for m in self.models}
+        aliases = {a: m.name for m in self.models for a in m.aliases}
         problems = []
         for i, model in enumerate(self.models):
             speculative = getattr(model.engine, "speculative", None)
@@ -539,7 +540,9 @@ class Registry(Frozen):
             where, name = f"models[{i}].engine.speculative.draft_model", speculative.draft_model
             draft = by_name.get(name)
             if draft is None:
-                problems.append(Problem(where, f"unknown model {name!r}"))
+                hint = f" ({name!r} is an alias; a draft is named by its model's name: use {aliases[name]!r})" \
+                    if name in aliases else ""
+                problems.append(Problem(where, f"unknown model {name!r}{hint}"))
             elif draft.type == "embedding":
                 problems.append(Problem(where, f"{name!r} is an embedding model; a draft is a chat or completion "
                                                f"model with the same tokenizer"))

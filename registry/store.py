@@ -24,7 +24,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from registry import yaml_edit
 from registry.errors import ModelNotFound, Problem, RegistryError
-from registry.launch import launch_key
+from registry.launch import draft_source, launch_key
 from registry.registry_file import (
     FileChanged,
     check_size,
@@ -94,10 +94,12 @@ def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
     """The model-level difference between two registries, in registry order."""
     old_by_name, new_by_name = {m.name: m for m in old.models}, {m.name: m for m in new.models}
     common = [m.name for m in new.models if m.name in old_by_name]
-    relaunched = tuple(name for name in common
+    # a model whose own entry is unchanged changes when its draft model's weights move
+    changed = tuple(name for name in common if old_by_name[name].model_dump(exclude={"replicas"})
+                    != new_by_name[name].model_dump(exclude={"replicas"})
+                    or draft_source(old_by_name[name], old) != draft_source(new_by_name[name], new))
+    relaunched = tuple(name for name in changed
                        if launch_key(old_by_name[name], old) != launch_key(new_by_name[name], new))
-    changed = tuple(name for name in common if name in relaunched or old_by_name[name].model_dump(
-        exclude={"replicas"}) != new_by_name[name].model_dump(exclude={"replicas"}))  # (a draft model's move too)
     return RegistryDiff(
         added=tuple(name for name in new_by_name if name not in old_by_name),
         removed=tuple(name for name in old_by_name if name not in new_by_name),

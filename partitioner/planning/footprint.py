@@ -12,6 +12,7 @@ has no known footprint and is not counted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -58,11 +59,9 @@ def cpu_bytes(spec: ModelSpec, registry: Registry | None = None) -> int | None:
     kv = kv_cache_budget(spec.engine.kv_cache_bytes, device="cpu") if isinstance(spec.engine, EngineSpec) else 0
     draft = draft_source(spec, registry)
     if draft:
-        try:
-            weights += _files_bytes(resolve_model_path(draft))
-        except (OSError, ValueError):
-            return None
         kv *= 2
+        with contextlib.suppress(OSError, ValueError):  # not on this machine (the replica will fail): its own bytes
+            weights += _files_bytes(resolve_model_path(draft))
     return weights + kv + CPU_PROCESS_OVERHEAD_BYTES
 
 

@@ -13,31 +13,48 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.llm.speculative import Lookup
 
 if TYPE_CHECKING:
-    from runtimes.llm.engine import LLMEngine
+    from runtimes.llm.outputs import RequestOutput
     from runtimes.llm.tokenizer import Tokenizer
+
+
+class DraftEngine(Protocol):
+    """What the proposer asks of the draft's engine (an `LLMEngine`: runtimes/llm/engine.py builds it)."""
+
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def is_finished(self, request_id: str) -> bool: ...
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]: ...
 
 DRAFT_KEY = 0  # `Lookup.key` of a draft model's proposals (prompt lookup's keys are match lengths, from 1)
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 {\"a\": [1, 2]} héllo, 世界!"
 
 
-def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_vocab: int, draft_vocab: int) -> None:
-    """Refuse a draft whose token ids mean other text than the target's (its proposals would be noise)."""
-    if target_vocab != draft_vocab or target.encode(SAMPLE_TEXT) != draft.encode(SAMPLE_TEXT):
+def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_rows: int) -> None:
+    """Refuse a draft whose token ids mean other text than the target's (its proposals would be noise): the two
+    tokenizers must have one vocabulary and give the same ids for a sample text, and the draft's embedding must cover
+    that vocabulary (models of one tokenizer often pad their embeddings differently: that is fine)."""
+    if (target.vocab_size != draft.vocab_size or target.encode(SAMPLE_TEXT) != draft.encode(SAMPLE_TEXT)
+            or draft_rows < target.vocab_size):
         raise ValueError(f"speculative.draft_model: the draft model's tokenizer differs from the target's "
-                         f"(vocabulary {draft_vocab} against {target_vocab} tokens, or other ids for the same text); "
-                         f"a draft must share the target's tokenizer")
+                         f"(vocabulary {draft.vocab_size} against {target.vocab_size} tokens, embedding rows "
+                         f"{draft_rows}, or other ids for the same text); a draft must share the target's tokenizer")
 
 
 class DraftModelProposer:
     """Proposes up to `k` tokens: the draft engine's greedy continuation of the sequence so far."""
 
-    def __init__(self, engine: LLMEngine, k: int) -> None:
+    def __init__(self, engine: DraftEngine, k: int) -> None:
         self.engine = engine
         self.k = k
         self._ids = itertools.count()

@@ -15,7 +15,7 @@ from foundation.request_errors import InvalidRequestError, OverloadedError
 from policies.admission import RateMeter, retry_after_s
 from runtimes.fault_isolation import PROBE_TEXT
 from runtimes.llm.attention import select_attention
-from runtimes.llm.config import EngineConfig
+from runtimes.llm.config import EngineConfig, resolve_kv_dtype
 from runtimes.llm.cuda_graphs import Graph
 from runtimes.llm.draft import DraftModelProposer, check_same_tokenizer
 from runtimes.llm.engine_setup import build_parts, queue_policy
@@ -84,17 +84,17 @@ class LLMEngine:
         return cls(loaded, config, draft=draft, **kwargs)  # type: ignore[arg-type]
 
     def _draft_proposer(self, draft: LoadedModel) -> DraftModelProposer:
-        """The draft model's proposer: an engine of its own over `draft`, on this engine's device, with a KV cache as
-        large as this one's (its prefix cache keeps each sequence's computed tokens between proposals)."""
-        check_same_tokenizer(self.tokenizer, draft.tokenizer, self.model_config.vocab_size, draft.config.vocab_size)
+        """The draft model's proposer: an engine of its own over `draft`, on this engine's device, with a KV cache of
+        as many tokens as this one's (its prefix cache keeps each sequence's computed tokens between proposals)."""
+        check_same_tokenizer(self.tokenizer, draft.tokenizer, draft.config.vocab_size)
         config = self.config
         device = next(draft.model.parameters()).device
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, next(draft.model.parameters()).dtype, device)
         draft_config = EngineConfig(
-            device=str(device), kv_cache_bytes=self.kv.num_blocks * self.kv.block_size
-            * self.model_config.kv_bytes_per_token(self.runner.kv_caches[0][0].dtype),
-            block_size=config.block_size, max_model_len=self.max_model_len, max_num_seqs=1,
-            max_num_batched_tokens=config.max_num_batched_tokens, cuda_graphs=config.cuda_graphs,
-            overlap_steps=False, deterministic=config.deterministic)
+            device=str(device), kv_dtype=config.kv_dtype, block_size=config.block_size,
+            kv_cache_bytes=self.kv.num_blocks * self.kv.block_size * draft.config.kv_bytes_per_token(kv_dtype),
+            max_model_len=self.max_model_len, max_num_seqs=1, max_num_batched_tokens=config.max_num_batched_tokens,
+            cuda_graphs=config.cuda_graphs, overlap_steps=False, deterministic=config.deterministic)
         assert config.speculative is not None
         return DraftModelProposer(LLMEngine(draft, draft_config), config.speculative.k)
 

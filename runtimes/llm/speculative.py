@@ -183,6 +183,7 @@ PRIOR_WEIGHT = 4.0  # how many squared rows of spread the prior slope counts for
 MIN_SEEN = 3  # steps measured at a row count before their mean stands for it
 OUTLIER = 3.0  # a step measured at more than this many times its predicted time counts as this many
 COST_WEIGHT = 0.1  # weight of the newest proposal in `proposal_cost`
+PROBE_EVERY = 64  # a draft that stopped paying proposes one token after this many decisions not to
 COST_DECAY = 0.98  # weight of the previous step in the cost fit (about the last 50 steps count)
 ACCEPTANCE_DECAY = 0.8  # weight of a request's earlier proposals in its own acceptance rate
 SHARED_DECAY = 0.98  # weight of earlier proposals in the replica's rate for a match length
@@ -277,6 +278,7 @@ class SequenceState:
 
     index: Any
     acceptance: Acceptance = field(default_factory=Acceptance)
+    proposed: bool = False  # it has had a proposal (a draft's first prefills the whole sequence: not a token's cost)
 
 
 @dataclass
@@ -292,6 +294,8 @@ class Speculation:
     shared: dict[int, Acceptance] = field(default_factory=dict)  # Lookup.key -> the replica's acceptance
     _keys: dict[Request, int] = field(default_factory=dict)  # the key of each proposal in the step running
     proposal_cost: float = 0.0  # seconds a proposed token takes to make (decayed mean of the proposals made)
+    _cost_samples: int = 0
+    _skipped: int = 0  # decisions of no proposal since the last probe
 
     source: Proposer | None = None  # where proposals come from; None: prompt lookup, as the options say
     proposer: Proposer = field(init=False)
@@ -321,6 +325,8 @@ class Speculation:
             adapt = self.options.adaptive and limit > 0
             if adapt and (key := self.proposer.key) is not None:  # decided before the proposal is made
                 limit, adapt = self.depth(self.rate(state, key), limit, rows, base, len(plan.scheduled)), False
+                if limit == 0 and self._probe_due():  # now and then one token, so what was measured is refreshed
+                    limit = 1
             found = self._lookup(request, state, limit) if limit > 0 else None
             if found is not None and adapt:
                 limit = self.depth(self.rate(state, found.key), limit, rows, base, len(plan.scheduled))
@@ -344,10 +350,21 @@ class Speculation:
         except Exception as error:
             log.warning("speculative_proposal_failed", request_id=request.request_id, error=repr(error))
             return None
-        if found is not None and found.tokens:
+        if found is not None and found.tokens and state.proposed:
             per_token = (time.perf_counter() - started) / len(found.tokens)
-            self.proposal_cost += COST_WEIGHT * (per_token - self.proposal_cost)
+            weight = COST_WEIGHT if self._cost_samples else 1.0  # the first sample stands alone
+            self.proposal_cost += weight * (per_token - self.proposal_cost)
+            self._cost_samples += 1
+        state.proposed = True
         return found
+
+    def _probe_due(self) -> bool:
+        """Whether a proposer whose proposals stopped paying should make one more (every PROBE_EVERY decisions)."""
+        self._skipped += 1
+        if self._skipped < PROBE_EVERY:
+            return False
+        self._skipped = 0
+        return True
 
     def rate(self, state: SequenceState, key: int) -> float:
         """The acceptance rate expected of a proposal: the request's own recent one, next to the replica's for

@@ -35,7 +35,9 @@ def test_a_speculating_model_answers_as_the_plain_one_in_fewer_steps(tmp_path):
         "models": [{"name": name, "type": "chat", "source": {"package": GGUF[0], "file": GGUF[1]}, "device": "cpu",
                     "engine": {**engine, **extra}}
                    for name, extra in (("plain", {}), ("lookup", {"speculative": {"method": "ngram"}}),
-                                       ("drafted", {"speculative": {"method": "draft", "draft_model": "plain"}}))]},
+                                       # always proposing: adaptive, a draft as costly as its target turns off
+                                       ("drafted", {"speculative": {"method": "draft", "draft_model": "plain",
+                                                                    "adaptive": False, "k": 4}}))]},
         sort_keys=False)
     with running_gateway(tmp_path, text, port, Path(model)) as gateway, \
             openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:

@@ -57,6 +57,9 @@ def test_a_replica_with_a_draft_model_holds_its_files_and_a_second_kv_cache(weig
         chat("d", str(draft))]})
     footprint = placer_for(registry, CPU, tmp_path).footprint(registry.models[0], 0)
     assert footprint == Footprint("cpu", 3 * MIB + MIB + 2 * (GIB // 4) + CPU_PROCESS_OVERHEAD_BYTES)
+    draft.unlink()  # the draft's files gone: the model's own bytes and both KV caches still count
+    footprint = placer_for(registry, CPU, tmp_path).footprint(registry.models[0], 0)
+    assert footprint == Footprint("cpu", 3 * MIB + 2 * (GIB // 4) + CPU_PROCESS_OVERHEAD_BYTES)
 
 
 def test_a_gpu_replica_holds_its_planned_memory_on_its_gpu(weights, tmp_path):

@@ -73,6 +73,9 @@ def test_speculative_options_travel_to_the_worker_s_engine_config():
                                         "source: {path: other.gguf}"), "x.yaml")
     diff = diff_registries(registry, moved)
     assert diff.changed == ("t", "d") and diff.relaunched == ("t", "d")
+    assert diff_registries(registry, registry).changed == ()
+    with pytest.raises(ValidationError, match="draft_source: the launch of a model that speculates with draft"):
+        replica_launch(registry.models[0], 0)  # no registry to find its draft in: refused, not started without
 
 
 def test_the_variants_example_serves_one_file_at_two_precisions():
@@ -128,6 +131,14 @@ INVALID = {
                                        "(method is 'ngram')"),
     "unknown draft model": (registry_text(chat("a", ", engine: {speculative: {method: draft, draft_model: b}}")),
                             "models[0].engine.speculative.draft_model: unknown model 'b'"),
+    "draft by alias": (registry_text(chat("a", ", engine: {speculative: {method: draft, draft_model: bee}}"),
+                                     chat("b", ", aliases: [bee]")),
+                       "models[0].engine.speculative.draft_model: unknown model 'bee' ('bee' is an alias; a draft is "
+                       "named by its model's name: use 'b')"),
+    "embedding draft": (registry_text(chat("a", ", engine: {speculative: {method: draft, draft_model: e}}"),
+                                      "{name: e, type: embedding, source: {path: e}}"),
+                        "models[0].engine.speculative.draft_model: 'e' is an embedding model; a draft is a chat or "
+                        "completion model with the same tokenizer"),
     "speculative k": (registry_text(chat("a", ", engine: {speculative: {k: 40}}")),
                       "models[0].engine.speculative.k: Input should be less than or equal to 16"),
     "speculative method": (registry_text(chat("a", ", engine: {speculative: {method: eagle}}")),

@@ -13,9 +13,18 @@ import torch
 
 from registry.engine import SpeculativeOptions
 from runtimes.llm.config import EngineConfig
+from runtimes.llm.draft import check_same_tokenizer
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.sampling_params import SamplingParams
-from runtimes.llm.speculative import PRIOR_ROW_COST, Acceptance, Lookup, SequenceState, Speculation, StepCost
+from runtimes.llm.speculative import (
+    PRIOR_ROW_COST,
+    PROBE_EVERY,
+    Acceptance,
+    Lookup,
+    SequenceState,
+    Speculation,
+    StepCost,
+)
 from tests.runtimes.llm.engine_utils import (
     Collected,
     assert_no_leak,
@@ -430,6 +439,19 @@ def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(tiny_loaded, eng
         assert_no_leak(engine)
         draft_engine = engine.speculation.proposer.engine
         assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
+
+
+def test_a_draft_that_stopped_paying_probes_now_and_then():
+    spec = _speculation(k=8)
+    due = [spec._probe_due() for _ in range(3 * PROBE_EVERY)]
+    assert sum(due) == 3 and due[PROBE_EVERY - 1] and not any(due[:PROBE_EVERY - 1])
+
+
+def test_a_draft_may_pad_its_embedding_but_not_change_the_vocabulary(tiny_loaded):
+    tokenizer = tiny_loaded(seed=0).tokenizer
+    check_same_tokenizer(tokenizer, tokenizer, tokenizer.vocab_size + 64)  # padded rows: fine
+    with pytest.raises(ValueError, match="embedding rows"):
+        check_same_tokenizer(tokenizer, tokenizer, tokenizer.vocab_size - 1)
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny_loaded, smollm2_quantized):
