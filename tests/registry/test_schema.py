@@ -142,7 +142,7 @@ INVALID = {
     "speculative k": (registry_text(chat("a", ", engine: {speculative: {k: 40}}")),
                       "models[0].engine.speculative.k: Input should be less than or equal to 16"),
     "speculative method": (registry_text(chat("a", ", engine: {speculative: {method: eagle}}")),
-                           "models[0].engine.speculative.method: Input should be 'ngram'"),
+                           "models[0].engine.speculative.method: Input should be 'ngram' or 'draft'"),
     "negative replicas": (registry_text(chat("a", ", replicas: -1")),
                           "models[0].replicas: Input should be greater than or equal to 0"),
     "replica range upside down": (registry_text(chat("a", ", replicas: {min: 2, max: 1}")),
