@@ -225,6 +225,12 @@ def sequence_blocks(num_tokens: int, block_size: int, window: int = 0, max_chunk
 _KV_ONLY = frozenset(EngineSpec.model_fields) - frozenset(EmbeddingEngineSpec.model_fields)
 
 
+def draft_model_of(engine: EngineSpec | EmbeddingEngineSpec) -> str | None:
+    """The model an engine's speculative decoding drafts with (None: none, or an embedding engine)."""
+    speculative = engine.speculative if isinstance(engine, EngineSpec) else None
+    return None if speculative is None else speculative.draft_model
+
+
 def engine_for_type(model_type: str, value: Any) -> EngineSpec | EmbeddingEngineSpec:
     """The `engine:` section of a model of `model_type`, validated as its kind; raises FieldProblems naming each
     field at fault (`block_size: not used by embedding models ...`)."""

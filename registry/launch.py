@@ -16,7 +16,14 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from registry.command import CommandSpec
-from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type, kv_cache_budget
+from registry.engine import (
+    EmbeddingEngineSpec,
+    EngineSpec,
+    QueueOptions,
+    draft_model_of,
+    engine_for_type,
+    kv_cache_budget,
+)
 from registry.fields import Alias, Device, Frozen, ModelName, ModelType
 from registry.schema import ChatOptions, ModelSpec, Placement, RayResources, Registry
 
@@ -69,10 +76,9 @@ class ReplicaLaunch(Frozen):
 
     @model_validator(mode="after")
     def _draft_has_a_source(self) -> ReplicaLaunch:
-        speculative = getattr(self.engine, "speculative", None)
-        if speculative is not None and speculative.draft_model is not None and not self.draft_source:
-            raise ValueError(f"draft_source: the launch of a model that speculates with draft model "
-                             f"{speculative.draft_model!r} needs that model's source (replica_launch(..., registry))")
+        if (draft := draft_model_of(self.engine)) is not None and not self.draft_source:
+            raise ValueError(f"draft_source: the launch of a model that speculates with draft model {draft!r} needs "
+                             f"that model's source (replica_launch(..., registry))")
         return self
 
     @property
@@ -126,8 +132,8 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
 
 def draft_source(spec: ModelSpec, registry: Registry | None) -> str:
     """The source of the model's draft model, found by its name ("" when it has none, or no registry names it)."""
-    speculative = getattr(spec.engine, "speculative", None)
-    if speculative is None or speculative.draft_model is None or registry is None:
+    name = draft_model_of(spec.engine)
+    if name is None or registry is None:
         return ""
-    draft = next((m for m in registry.models if m.name == speculative.draft_model), None)
+    draft = next((m for m in registry.models if m.name == name), None)
     return "" if draft is None else draft.source_ref()

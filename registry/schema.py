@@ -31,7 +31,7 @@ from pydantic import (
 from foundation.http.limits import DEFAULT_LIMITS
 from registry import sources
 from registry.command import CommandSpec
-from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, engine_for_type
+from registry.engine import EmbeddingEngineSpec, EngineSpec, QueueOptions, draft_model_of, engine_for_type
 from registry.errors import FieldProblems, Problem, pydantic_problems
 from registry.fields import (
     GIB,
@@ -534,11 +534,10 @@ class Registry(Frozen):
         aliases = {a: m.name for m in self.models for a in m.aliases}
         problems = []
         for i, model in enumerate(self.models):
-            speculative = getattr(model.engine, "speculative", None)
-            if speculative is None or speculative.draft_model is None:
+            name = draft_model_of(model.engine)
+            if name is None:
                 continue
-            where, name = f"models[{i}].engine.speculative.draft_model", speculative.draft_model
-            draft = by_name.get(name)
+            where, draft = f"models[{i}].engine.speculative.draft_model", by_name.get(name)
             if draft is None:
                 hint = f" ({name!r} is an alias; a draft is named by its model's name: use {aliases[name]!r})" \
                     if name in aliases else ""

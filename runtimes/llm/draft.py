@@ -36,6 +36,7 @@ class DraftEngine(Protocol):
 
     def abort_request(self, request_id: str) -> list[RequestOutput]: ...
 
+
 DRAFT_KEY = 0  # `Lookup.key` of a draft model's proposals (prompt lookup's keys are match lengths, from 1)
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 {\"a\": [1, 2]} héllo, 世界!"
 
@@ -54,12 +55,12 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_rows: int) -
 class DraftModelProposer:
     """Proposes up to `k` tokens: the draft engine's greedy continuation of the sequence so far."""
 
+    key = DRAFT_KEY  # known before a proposal is made: speculation decides its depth first
+
     def __init__(self, engine: DraftEngine, k: int) -> None:
         self.engine = engine
         self.k = k
         self._ids = itertools.count()
-
-    key = DRAFT_KEY  # known before a proposal is made: speculation decides its depth first
 
     def index(self) -> None:
         """A draft keeps no per-sequence index: its engine's prefix cache is its memory."""
@@ -67,7 +68,7 @@ class DraftModelProposer:
 
     def lookup(self, token_ids: Sequence[int], index: object, limit: int | None = None) -> Lookup | None:
         engine = self.engine
-        limit = min(self.k if limit is None else limit, self.k, engine.max_model_len - len(token_ids))
+        limit = min(self.k, self.k if limit is None else limit, engine.max_model_len - len(token_ids))
         if limit <= 0:
             return None
         request_id = f"draft-{next(self._ids)}"
@@ -81,4 +82,4 @@ class DraftModelProposer:
         finally:
             if not engine.is_finished(request_id):  # a failure part-way: nothing of it stays
                 engine.abort_request(request_id)
-        return Lookup(tokens, DRAFT_KEY) if tokens else None
+        return Lookup(tokens, self.key) if tokens else None

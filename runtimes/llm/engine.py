@@ -8,6 +8,7 @@ strings, logprobs, usage). Beside the loop: request faults and the engine's self
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -78,18 +79,19 @@ class LLMEngine:
         config = config or EngineConfig()
         device = config.resolve_device()
         attention_fn = select_attention(config.attention_backend, device)
-        loaded = load_model(source, device, config.resolve_dtype(device), attention_fn, weights=config.weights)
-        draft = None if not draft_source else load_model(draft_source, device, config.resolve_dtype(device),
-                                                         attention_fn, weights=config.weights)
-        return cls(loaded, config, draft=draft, **kwargs)  # type: ignore[arg-type]
+        load = functools.partial(load_model, device=device, dtype=config.resolve_dtype(device),
+                                 attention_fn=attention_fn, weights=config.weights)
+        loaded = load(source)
+        return cls(loaded, config, draft=load(draft_source) if draft_source else None, **kwargs)  # type: ignore[arg-type]
 
     def _draft_proposer(self, draft: LoadedModel) -> DraftModelProposer:
         """The draft model's proposer: an engine of its own over `draft`, on this engine's device, with a KV cache of
         as many tokens as this one's (its prefix cache keeps each sequence's computed tokens between proposals)."""
         check_same_tokenizer(self.tokenizer, draft.tokenizer, draft.config.vocab_size)
         config = self.config
-        device = next(draft.model.parameters()).device
-        kv_dtype = resolve_kv_dtype(config.kv_dtype, next(draft.model.parameters()).dtype, device)
+        weight = next(draft.model.parameters())
+        device = weight.device
+        kv_dtype = resolve_kv_dtype(config.kv_dtype, weight.dtype, device)
         draft_config = EngineConfig(
             device=str(device), kv_dtype=config.kv_dtype, block_size=config.block_size,
             kv_cache_bytes=self.kv.num_blocks * self.kv.block_size * draft.config.kv_bytes_per_token(kv_dtype),

@@ -74,23 +74,27 @@ class NgramIndex:
         indexed yet). `token_ids` only ever grows."""
         size = len(token_ids)
         if self.high < 0:  # first seen: everything before the last token is older, indexed backwards
-            self.low = self.high = size - 1
-            self.low += 1
-        for end in range(self.high + 1, size):  # new n-grams, ending before the last token: the latest wins
-            for n, table in self.tables.items():
-                if end >= n:
-                    table[tuple(token_ids[end - n:end])] = end
+            self.high, self.low = size - 1, size
+        self._add(token_ids, range(self.high + 1, size), latest_wins=True)  # new n-grams, ending before the last token
         self.high = max(self.high, size - 1)
         stop = max(self.low - INDEX_PER_STEP, 1)
-        for end in range(self.low - 1, stop - 1, -1):  # older ones, newest first: a later end already there wins
-            for n, table in self.tables.items():
-                if end >= n:
-                    table.setdefault(tuple(token_ids[end - n:end]), end)
+        self._add(token_ids, range(self.low - 1, stop - 1, -1), latest_wins=False)  # older ones, newest first
         self.low = min(self.low, stop)
         for n, table in self.tables.items():
             if n < size and (found := table.get(tuple(token_ids[size - n:]))) is not None:
                 return found, n
         return None
+
+    def _add(self, token_ids: Sequence[int], ends: range, latest_wins: bool) -> None:
+        """Index the n-grams ending (exclusive) at `ends`; where one is there already, the later end stays."""
+        for end in ends:
+            for n, table in self.tables.items():
+                if end >= n:
+                    gram = tuple(token_ids[end - n:end])
+                    if latest_wins:
+                        table[gram] = end
+                    else:
+                        table.setdefault(gram, end)
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ class NgramProposer:
     k: int = 4
     max_n: int = 4
     min_n: int = 1
+    key = None  # (not a field) a proposal's key is the length of its match, known once it is made
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -122,15 +127,13 @@ class NgramProposer:
         found = self.lookup(token_ids, index or self.index(), count) if count > 0 else None
         return [] if found is None else found.tokens
 
-    key = None  # a proposal's key is the length of its match
-
     def lookup(self, token_ids: Sequence[int], index: NgramIndex, limit: int | None = None) -> Lookup | None:
         """The proposal (up to k tokens, and `limit`) and the length of the match it comes from; None: no match."""
         found = index.follow(token_ids)
         if found is None:
             return None
         end, n = found
-        return Lookup(list(token_ids[end:end + min(self.k, self.k if limit is None else limit)]), n)
+        return Lookup(list(token_ids[end:end + (self.k if limit is None else min(self.k, limit))]), n)
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ class StepCost:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
-    by_rows: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (decayed count, mean seconds)
+    by_rows: dict[int, tuple[float, float]] = field(default_factory=dict)  # rows -> (steps seen, mean seconds)
 
     def record(self, rows: int, seconds: float) -> None:
         """A decode step of `rows` rows took `seconds`; a step far slower than predicted (the machine was busy
@@ -279,6 +282,7 @@ class SequenceState:
     index: Any
     acceptance: Acceptance = field(default_factory=Acceptance)
     proposed: bool = False  # it has had a proposal (a draft's first prefills the whole sequence: not a token's cost)
+    key: int | None = None  # the key of its proposal in the step running (`Lookup.key`)
 
 
 @dataclass
@@ -292,9 +296,7 @@ class Speculation:
     # per running sequence, keyed by the request itself (an id may be used again once its request finished)
     sequences: dict[Request, SequenceState] = field(default_factory=dict)
     shared: dict[int, Acceptance] = field(default_factory=dict)  # Lookup.key -> the replica's acceptance
-    _keys: dict[Request, int] = field(default_factory=dict)  # the key of each proposal in the step running
     proposal_cost: float = 0.0  # seconds a proposed token takes to make (decayed mean of the proposals made)
-    _cost_samples: int = 0
     _skipped: int = 0  # decisions of no proposal since the last probe
 
     source: Proposer | None = None  # where proposals come from; None: prompt lookup, as the options say
@@ -337,7 +339,7 @@ class Speculation:
             proposal = found.tokens[:limit]
             if proposal and scheduler.kv.allocate_slots(request, 1 + len(proposal)):
                 item.draft = proposal
-                self._keys[request] = found.key
+                state.key = found.key
                 budget -= len(proposal)
                 rows += len(proposal)
 
@@ -352,9 +354,8 @@ class Speculation:
             return None
         if found is not None and found.tokens and state.proposed:
             per_token = (time.perf_counter() - started) / len(found.tokens)
-            weight = COST_WEIGHT if self._cost_samples else 1.0  # the first sample stands alone
+            weight = COST_WEIGHT if self.proposal_cost else 1.0  # the first sample stands alone
             self.proposal_cost += weight * (per_token - self.proposal_cost)
-            self._cost_samples += 1
         state.proposed = True
         return found
 
@@ -406,8 +407,9 @@ class Speculation:
             trials = kept + (1 if kept < len(item.draft) else 0)  # the accepted ones, and the one rejected
             if (state := self.sequences.get(item.request)) is not None:
                 state.acceptance.learn(kept, trials, ACCEPTANCE_DECAY)
-            if (key := self._keys.pop(item.request, None)) is not None:
-                self.shared.setdefault(key, Acceptance()).learn(kept, trials, SHARED_DECAY)
+                if state.key is not None:
+                    self.shared.setdefault(state.key, Acceptance()).learn(kept, trials, SHARED_DECAY)
+                    state.key = None
             self.stats.num_drafts += 1
             self.stats.num_proposed += len(item.draft)
             self.stats.num_accepted += kept
@@ -415,4 +417,3 @@ class Speculation:
             self.cost.record(sum(i.num_query_tokens for i in plan.scheduled), seconds)
         if len(self.sequences) > len(self.scheduler.requests):  # some finished: forget them
             self.sequences = {r: s for r, s in self.sequences.items() if not r.status.finished}
-            self._keys = {r: k for r, k in self._keys.items() if not r.status.finished}
