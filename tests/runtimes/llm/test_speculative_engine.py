@@ -464,3 +464,31 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_loaded, smollm2_quantize
     with pytest.raises(ValueError, match=r"speculative\.draft_model: a draft model is loaded exactly when"):
         LLMEngine(tiny_loaded(seed=0), config.model_copy(update={"speculative": SpeculativeOptions()}),
                   draft=tiny_loaded(seed=1))  # prompt lookup, and a draft
+
+
+def test_a_structured_request_decodes_without_proposals_beside_speculating_ones(engines):
+    """Rows under a grammar are not verified by proposal: a JSON-schema request beside speculating ones gets its
+    plain tokens and is never given a draft; the others still speculate."""
+    import json
+
+    from runtimes.llm.sampling_params import StructuredOutput
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    requests = {"json": (random_prompt(70, 6), SamplingParams(temperature=0.0, max_tokens=40,
+                                                              structured=StructuredOutput(json_schema=json.dumps(schema)))),
+                **{f"g{i}": (random_prompt(71 + i, 5), GREEDY) for i in range(2)}}
+    plain = run_to_completion(engines(None), requests)
+    engine = engines()
+    engine.speculation.proposer = Oracle(_sequences(requests, plain), 0.0)
+    drafted_under_grammar: list[str] = []
+    draft = engine.speculation.draft
+
+    def spy(plan):  # type: ignore[no-untyped-def]
+        draft(plan)
+        drafted_under_grammar.extend(i.request.request_id for i in plan.scheduled if i.draft and i.request.grammar)
+
+    engine.speculation.draft = spy  # type: ignore[method-assign]
+    assert_same_outputs(plain, run_to_completion(engine, requests))
+    assert drafted_under_grammar == [] and engine.speculation.stats.num_accepted > 0
+    assert_no_leak(engine)
