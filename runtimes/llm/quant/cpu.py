@@ -9,6 +9,7 @@ weights stay in rows and the layer dequantizes them for each call (correct, slow
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,11 +32,12 @@ def kernel_available() -> bool:
     return try_build("multiserve_cpu_quant_multiserve_quant_native", _SOURCE, [*_FLAGS, "-march=native"])
 
 
-def build_kernel(namespace: str, march: str) -> None:
-    """Compile the kernel for `-march=<march>` and register its ops under `torch.ops.<namespace>` (tests build the
-    AVX2 and the scalar code this way, whatever this machine's CPU prefers)."""
+def build_kernel(namespace: str, march: str, defines: Sequence[str] = ()) -> None:
+    """Compile the kernel for `-march=<march>` (and `-D` each of `defines`) and register its ops under
+    `torch.ops.<namespace>` (tests build the AVX2, the 256-bit VNNI and the scalar code this way, whatever this
+    machine's CPU prefers)."""
     build(f"multiserve_cpu_quant_{namespace}_{march.replace('-', '_')}", _SOURCE,
-          [*_FLAGS, f"-march={march}", f"-DMULTISERVE_QUANT_NS={namespace}"])
+          [*_FLAGS, f"-march={march}", f"-DMULTISERVE_QUANT_NS={namespace}", *(f"-D{d}" for d in defines)])
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, fmt: BlockFormat, in_features: int, out_features: int,

@@ -37,6 +37,13 @@
 // tile, a broadcast activation the tile's columns; float accumulators stay in registers over all blocks. Threads take ranges of
 // panels; within a range the panels go in groups small enough to stay in L2 while every tile of rows passes over
 // them, so each weight is read from memory once per call whatever M is, and a many-row call is compute-bound.
+//
+// With AVX-512 (F, BW and VNNI) a tile spans the whole panel: one 512-bit register holds a row's 16 columns, so a
+// weight chunk is unpacked once and each broadcast activation feeds 16 columns per instruction where the 256-bit code
+// needs two. Same integer sums, same float operations per column: the same bits as the other paths. A many-row call
+// (prefill, a speculative step's verification rows) runs 1.3-1.4x faster than with 256-bit registers (2-core AMD
+// EPYC, SmolLM2's projections); building with -DMULTISERVE_NO_AVX512 keeps the 256-bit code (the tests do, to check
+// it on such a machine).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -59,6 +66,9 @@
 #elif defined(__AVXVNNI__)
 #define MULTISERVE_VNNI 1
 #define MULTISERVE_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(MULTISERVE_NO_AVX512)
+#define MULTISERVE_AVX512 1
 #endif
 #endif
 
@@ -308,6 +318,71 @@ void tile(const uint8_t* panel, const Activations& a, int64_t m0, int h0, float*
   }
 }
 
+
+#if defined(MULTISERVE_AVX512)
+// With AVX-512: R rows x the panel's 16 columns in one 512-bit register each (`cols` of them written). The same
+// integer sums and the same float operations per column as `tile` (one lane per column), half the instructions.
+// 8-bit weights go in unsigned (q + 128) and the sum is corrected by 128 times the activations' sum (exact).
+template <int64_t KIND, int64_t R>
+void tile16(const uint8_t* panel, const Activations& a, int64_t m0, float* y, int64_t ldy, int64_t cols) {
+  constexpr bool small = R <= 2;
+  const int64_t rec = record_bytes(KIND), vb = value_bytes(KIND), nb = a.nb, K = a.K;
+  const int8_t* xq = a.q.get() + m0 * K;
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* w = panel + b * rec;
+    const int8_t* xb = xq + b * QK;
+    if constexpr (R <= 2) {
+      const char* ahead = reinterpret_cast<const char*>(panel) + (b + PREFETCH_RECORDS) * rec;
+      for (int64_t line = 0; line < rec; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    __m512i dot[R];
+    for (int64_t r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    if constexpr (KIND == Q8_0) {
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      steps<8, small>([&](int64_t j) {
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(w + j * 64), flip);
+        for (int64_t r = 0; r < R; ++r) {
+          int32_t v;
+          std::memcpy(&v, xb + r * K + 4 * j, 4);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(v));
+        }
+      });
+    } else {
+      const __m512i mask = _mm512_set1_epi8(0x0f);
+      steps<4, small>([&](int64_t j) {
+        const __m512i v = _mm512_loadu_si512(w + j * 64);
+        const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        for (int64_t r = 0; r < R; ++r) {
+          int32_t s0, s1;
+          std::memcpy(&s0, xb + r * K + 4 * j, 4);
+          std::memcpy(&s1, xb + r * K + 16 + 4 * j, 4);
+          dot[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(s0)), hi,
+                                       _mm512_set1_epi32(s1));
+        }
+      });
+    }
+    const uint16_t* dp = reinterpret_cast<const uint16_t*>(w + vb);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp)));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t at = (m0 + r) * nb + b;
+      __m512i idot = dot[r];
+      if constexpr (KIND == Q4_0) idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(a.sum8[at]));
+      if constexpr (KIND == Q8_0) idot = _mm512_sub_epi32(idot, _mm512_set1_epi32(16 * a.sum8[at]));
+      const __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(a.dx[at]));
+      acc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(idot), acc[r]);
+    }
+    if constexpr (KIND == Q4_1) {
+      const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + PANEL)));
+      for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(a.dsum[(m0 + r) * nb + b]), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+#endif
+
 #else  // scalar: the definition itself
 
 template <int64_t KIND, int64_t R, int64_t H>
@@ -372,6 +447,9 @@ void run(const Activations& a, const uint8_t* panels, int64_t num_panels, int64_
             constexpr int64_t R = decltype(rows)::value;
             const uint8_t* panel = panels + p * panel_bytes;
             const int64_t n = p * PANEL, left = N - n;
+#if defined(MULTISERVE_AVX512)
+            tile16<KIND, R>(panel, a, m, y + m * N + n, N, std::min<int64_t>(PANEL, left));
+#else
             if (R <= 2 && left > 8) {  // a few rows: both halves at once, twice the independent sums in flight
               tile<KIND, R, 2>(panel, a, m, 0, y + m * N + n, N, std::min<int64_t>(8, left - 8));
               continue;
@@ -379,6 +457,7 @@ void run(const Activations& a, const uint8_t* panels, int64_t num_panels, int64_
             for (int half = 0; half < 2 && half * 8 < left; ++half) {
               tile<KIND, R, 1>(panel, a, m, half, y + m * N + n + half * 8, N, std::min<int64_t>(8, left - half * 8));
             }
+#endif
           }
         });
       }

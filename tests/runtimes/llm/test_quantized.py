@@ -24,8 +24,22 @@ from tests.runtimes.llm.tiny import TinySpec, hf_model, save_hf_dir
 
 FORMATS = [Q8_0, Q4_0, Q4_1]
 CPU = torch.device("cpu")
-# Instruction sets the kernel has code for: this machine's best (VNNI where it has it), AVX2 without VNNI, scalar.
-VARIANTS = {"native": "multiserve_quant", "haswell": "multiserve_quant_avx2", "x86-64": "multiserve_quant_scalar"}
+# Instruction sets the kernel has code for: this machine's best (512-bit VNNI where it has AVX-512), its 256-bit
+# code (VNNI where it has it), AVX2 without VNNI, scalar: name -> (op namespace, -march, -D defines).
+VARIANTS = {"native": ("multiserve_quant", "native", ()),
+            "native-256": ("multiserve_quant_256", "native", ("MULTISERVE_NO_AVX512",)),
+            "haswell": ("multiserve_quant_avx2", "haswell", ()),
+            "x86-64": ("multiserve_quant_scalar", "x86-64", ())}
+
+
+def _build(name: str) -> str:
+    """The variant's ops built (the native one as the runtime builds it); its namespace."""
+    namespace, march, defines = VARIANTS[name]
+    if name == "native":
+        assert kernel_available()
+    else:
+        build_kernel(namespace, march, defines)
+    return namespace
 
 
 def _blocks(rows: int, width: int, fmt: BlockFormat, seed: int = 0) -> np.ndarray:
@@ -57,12 +71,7 @@ def _integer_reference(x: torch.Tensor, packed: torch.Tensor, fmt: BlockFormat, 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def kernel_namespace(request):
-    namespace = VARIANTS[request.param]
-    if request.param == "native":
-        assert kernel_available()
-    else:
-        build_kernel(namespace, request.param)
-    return namespace
+    return _build(request.param)
 
 
 def _panels(namespace: str, rows: int, width: int, fmt: BlockFormat, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -94,9 +103,8 @@ def test_every_instruction_set_gives_the_same_bits(fmt):
     does not matter, then a multiply-add per block): the AVX2 code, this machine's best and the scalar definition
     agree bit for bit."""
     results = []
-    for name, namespace in VARIANTS.items():
-        if name != "native":
-            build_kernel(namespace, name)
+    for name in VARIANTS:
+        namespace = _build(name)
         _, panels = _panels(namespace, 40, 576, fmt, seed=3)
         x = torch.randn(9, 576, generator=torch.Generator().manual_seed(9)) * 2
         results.append(getattr(torch.ops, namespace).quant_linear(x, panels, fmt.ggml_id, 576, 40))
