@@ -33,12 +33,12 @@
 // its 16-bit pair sums (|.| <= 2 * 15 * 127) add up without overflow within a block, so one vpmaddwd per block
 // widens them. 8-bit weights are signed: vpmaddubsw takes |q| and the activations with q's signs (vpsignb).
 //
-// A tile is up to TILE rows x 8 columns (one or two rows: 16): the unpacked weight vector serves every row of the
+// A tile is up to TILE (4) rows x 8 columns (one or two rows: 16): the unpacked weight vector serves every row of the
 // tile, a broadcast activation the tile's columns; float accumulators stay in registers over all blocks. Threads take ranges of
 // panels; within a range the panels go in groups small enough to stay in L2 while every tile of rows passes over
 // them, so each weight is read from memory once per call whatever M is, and a many-row call is compute-bound.
 //
-// With AVX-512 (F, BW and VNNI) a tile spans the whole panel: one 512-bit register holds a row's 16 columns, so a
+// With AVX-512 (F, BW and VNNI) a tile of up to 6 rows spans the whole panel: one 512-bit register holds a row's 16 columns, so a
 // weight chunk is unpacked once and each broadcast activation feeds 16 columns per instruction where the 256-bit code
 // needs two. Same integer sums, same float operations per column: the same bits as the other paths. A many-row call
 // (prefill, a speculative step's verification rows) runs 1.3-1.4x faster than with 256-bit registers (2-core AMD
@@ -76,7 +76,13 @@ namespace {
 
 constexpr int64_t QK = 32;     // values per block
 constexpr int64_t PANEL = 16;  // output columns per panel
-constexpr int64_t TILE = 4;    // activation rows per tile
+// activation rows per tile at most (a call's rows are split into tiles as even as they go: 5 rows, one tile of 5, not
+// 4 and 1); 512-bit code has 32 registers for a tile's accumulators, 256-bit code 16
+#if defined(MULTISERVE_AVX512)
+constexpr int64_t TILE = 6;
+#else
+constexpr int64_t TILE = 4;
+#endif
 constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q8_0 = 8;
 
 int64_t value_bytes(int64_t kind) { return kind == Q8_0 ? PANEL * QK : PANEL * QK / 2; }
@@ -441,8 +447,10 @@ void run(const Activations& a, const uint8_t* panels, int64_t num_panels, int64_
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p0 = begin; p0 < end; p0 += group) {
       const int64_t p1 = std::min(end, p0 + group);
-      for (int64_t m = 0; m < M; m += TILE) {
-        with_rows(std::min(TILE, M - m), [&](auto rows) {
+      const int64_t tiles = (M + TILE - 1) / TILE;
+      for (int64_t t = 0, m = 0, take = 0; t < tiles; ++t, m += take) {
+        take = (M - m + (tiles - t) - 1) / (tiles - t);
+        with_rows(take, [&](auto rows) {
           for (int64_t p = p0; p < p1; ++p) {
             constexpr int64_t R = decltype(rows)::value;
             const uint8_t* panel = panels + p * panel_bytes;

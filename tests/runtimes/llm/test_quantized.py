@@ -80,10 +80,12 @@ def _panels(namespace: str, rows: int, width: int, fmt: BlockFormat, seed: int =
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-# every count of rows left after whole tiles of 4; output columns that fill whole panels of 16, half of one, and
-# leave a ragged last one; 4096 wide: the panels of a thread span several of the kernel's ~128 KB groups
+# every tile of both codes (up to 4 rows, or 6 with 512-bit registers) and calls split into several; output columns
+# that fill whole panels of 16, half of one, and leave a ragged last one; 4096 wide: the panels of a thread span
+# several of the kernel's ~128 KB groups
 @pytest.mark.parametrize("width, rows, cols", [(96, 1, 70), (64, 2, 16), (64, 3, 8), (64, 4, 3), (576, 5, 70),
-                                               (64, 6, 33), (128, 15, 70), (256, 33, 70), (4096, 11, 70)])
+                                               (64, 6, 33), (64, 7, 20), (128, 15, 70), (256, 33, 70),
+                                               (4096, 11, 70)])
 def test_the_kernel_computes_its_integer_formula(kernel_namespace, fmt, width, rows, cols):
     packed, panels = _panels(kernel_namespace, cols, width, fmt, seed=width)
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 3
@@ -114,8 +116,8 @@ def test_every_instruction_set_gives_the_same_bits(fmt):
 @settings(max_examples=40, deadline=None)
 @given(fmt=st.sampled_from(FORMATS), batch=st.integers(1, 37), data=st.data())
 def test_a_row_gets_the_same_bits_in_any_batch(fmt, batch, data):
-    """Batch invariance: a row's output is identical alone and at any position of any batch (tiles of 4 rows,
-    remainders of 1-3, threads over panels), so a greedy request's tokens do not depend on what runs beside it."""
+    """Batch invariance: a row's output is identical alone and at any position of any batch (tiles of up to 4 or 6
+    rows, split evenly, threads over panels), so a greedy request's tokens do not depend on what runs beside it."""
     assert kernel_available()
     _, panels = _panels("multiserve_quant", 50, 192, fmt, seed=1)
     seed = data.draw(st.integers(0, 2**16))
