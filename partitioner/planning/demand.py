@@ -14,7 +14,7 @@ from pathlib import Path
 
 from foundation.config_files import config_path
 from partitioner.planning.plan import InfeasiblePlan
-from registry.engine import EngineSpec, kv_cache_budget, sequence_blocks
+from registry.engine import EngineSpec, draft_model_of, kv_cache_budget, sequence_blocks
 from registry.fields import GIB, MIB, Device, Isolation, gib
 from registry.schema import ModelSpec, Registry
 
@@ -80,8 +80,12 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
     for i, model in enumerate(registry.models):
         if not planned(model):
             continue
+        draft = draft_model_of(model.engine)
+        shape, draft_shape = shapes.get(model.name), shapes.get(draft) if draft else None
         try:
-            memory, kv = replica_memory(model, shapes.get(model.name), overhead_bytes)
+            # a draft of unknown size leaves the replica's own unknown (a GPU plan then asks for memory_gib)
+            memory, kv = replica_memory(model, shape if draft is None or draft_shape else None, overhead_bytes,
+                                        draft_shape)
         except ValueError as exc:
             problems.append(f"models[{i}] {model.name}: {exc}")
             continue
@@ -95,28 +99,37 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
     return demands
 
 
-def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: int) -> tuple[int | None, int | None]:
+def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: int,
+                   draft: ModelShape | None = None) -> tuple[int | None, int | None]:
     """(device memory, KV-cache bytes) of one replica; either may be None (unknown). Raises ValueError.
 
     KV budget (`registry.engine.kv_cache_budget`): `engine.kv_cache_gib` when set; else the plan's share, what
     `placement.memory_gib` leaves after weights and overhead, else one `max_model_len` sequence (the least that serves
     a full-length request). Embedding models have none.
+
+    With a draft model (`engine.speculative.draft_model`, of shape `draft`) the replica also holds the draft's weights
+    and its KV cache, which holds as many tokens as the model's (runtimes/llm/engine.py sizes it so, in the model's
+    KV dtype); what `placement.memory_gib` leaves is shared between the two caches by their bytes per token.
     """
     engine = model.engine if isinstance(model.engine, EngineSpec) else None  # an encoder keeps no KV cache
     is_llm = engine is not None
     explicit_kv = None if engine is None else engine.kv_cache_bytes
     one_seq = None if engine is None else _one_sequence_kv(engine, shape)
     weights = shape.weights_bytes if shape is not None else None
+    beside = _DraftBytes(shape, draft, engine.block_size) if engine is not None and shape and draft else None
     total = _bytes(model.placement.memory_gib)
     if total is not None:
         if weights is None:
             return total, explicit_kv
-        budget = kv_cache_budget(explicit_kv, total - weights - overhead_bytes) if is_llm else 0
-        need = weights + max(budget, 0) + overhead_bytes
+        rest = total - weights - overhead_bytes - (beside.weights if beside else 0)
+        budget = kv_cache_budget(explicit_kv, beside.model_share(rest) if beside else rest) if is_llm else 0
+        drafted = beside.weights + beside.kv(max(budget, 0)) if beside else 0
+        need = weights + max(budget, 0) + overhead_bytes + drafted
         if need > total:
             with_kv = f" + KV cache {gib(budget)}" if budget > 0 else (", before any KV cache" if is_llm else "")
-            raise ValueError(f"placement.memory_gib {gib(total)} cannot hold weights {gib(weights)} + overhead "
-                             f"{gib(overhead_bytes)}{with_kv}: short by {gib(need - total)}")
+            with_draft = f" + draft model {gib(drafted)}" if beside else ""
+            raise ValueError(f"placement.memory_gib {gib(total)} cannot hold weights {gib(weights)}{with_draft} + "
+                             f"overhead {gib(overhead_bytes)}{with_kv}: short by {gib(need - total)}")
         try:
             _check_kv(budget if is_llm else None, one_seq, engine)
         except ValueError as exc:
@@ -129,7 +142,35 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
     _check_kv(kv, one_seq, engine)
     if weights is None:
         return None, kv
-    return weights + (kv or 0) + overhead_bytes, kv
+    drafted = beside.weights + beside.kv(kv or 0) if beside else 0
+    return weights + (kv or 0) + overhead_bytes + drafted, kv
+
+
+@dataclass(frozen=True)
+class _DraftBytes:
+    """What a draft model adds to a replica of `model`: its weights, and a KV cache of as many whole blocks as the
+    model's holds, at the draft's bytes per token in the model's KV dtype."""
+
+    model: ModelShape
+    draft: ModelShape
+    block_size: int
+
+    @property
+    def weights(self) -> int:
+        return self.draft.weights_bytes
+
+    @property
+    def per_token(self) -> int:
+        return 2 * self.draft.num_layers * self.draft.num_kv_heads * self.draft.head_dim * self.model.kv_dtype_bytes
+
+    def kv(self, model_kv: int) -> int:
+        """The draft's KV bytes beside a model KV cache of `model_kv` bytes."""
+        return model_kv // (self.block_size * self.model.kv_bytes_per_token) * self.block_size * self.per_token
+
+    def model_share(self, both: int) -> int:
+        """The model's part of `both` bytes shared by the two caches (by bytes per token; the draft's part, whole
+        blocks of the model's, then fits in the rest)."""
+        return max(both, 0) * self.model.kv_bytes_per_token // (self.model.kv_bytes_per_token + self.per_token)
 
 
 def _one_sequence_kv(engine: EngineSpec, shape: ModelShape | None) -> int | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from partitioner.devices.inventory import Inventory
 from partitioner.planning.demand import ModelShape
-from registry.engine import EngineSpec
+from registry.engine import EngineSpec, draft_model_of
 from registry.errors import Problem
 from registry.schema import ModelSpec, Registry
 from registry.sources import resolve_model_path
@@ -49,9 +49,12 @@ def needs_estimate(model: ModelSpec, shapes: Mapping[str, ModelShape]) -> bool:
     """Whether the planner wants `model`'s shape from its files when it goes to a GPU: an LLM of ours, launched here
     and not pinned to the CPU, without a given shape (which wins). Embedding models are left out: the encoder runtime
     keeps its weights in another dtype and reads other keys."""
-    if not model.enabled or model.max_replicas == 0 or model.launcher in ("url", "command") or model.device == "cpu":
-        return False
-    return isinstance(model.engine, EngineSpec) and model.name not in shapes
+    return _may_go_to_gpu(model) and isinstance(model.engine, EngineSpec) and model.name not in shapes
+
+
+def _may_go_to_gpu(model: ModelSpec) -> bool:
+    return model.enabled and model.max_replicas > 0 and model.launcher not in ("url", "command") \
+        and model.device != "cpu"
 
 
 def with_estimates(registry: Registry, shapes: Mapping[str, ModelShape],
@@ -61,8 +64,10 @@ def with_estimates(registry: Registry, shapes: Mapping[str, ModelShape],
     the runtime loads). Such a model stays without a shape: the planner then refuses it on a GPU, asking for
     `placement.memory_gib`. A model with one is planned by it either way: only the check of that size is lost."""
     found, unknown = dict(shapes), {}
+    # a draft model (engine.speculative) runs inside the replicas of the models that name it: its size is theirs too
+    drafts = {name for m in registry.models if _may_go_to_gpu(m) and (name := draft_model_of(m.engine))}
     for model in registry.models:
-        if not needs_estimate(model, shapes):
+        if not (needs_estimate(model, shapes) or (model.name in drafts and model.name not in shapes)):
             continue
         try:
             found[model.name] = estimate_shape(model.source_ref())

@@ -98,3 +98,35 @@ def test_the_models_own_kv_cache_size_wins_and_is_what_the_engine_allocates(tmp_
     block = engine.kv.block_size * engine.model_config.kv_bytes_per_token(BF16)
     assert int(0.01 * GIB) - block < kv_bytes(engine) <= int(0.01 * GIB)
     assert replica.memory_bytes == weight_bytes(engine) + int(0.01 * GIB) + DEFAULT_OVERHEAD_BYTES
+
+
+def test_a_replica_with_a_draft_model_holds_what_the_plan_reserved_for_both(tmp_path, tiny_gguf):
+    """Speculative decoding with a draft model: the plan adds the draft's weights and a KV cache of as many blocks as
+    the model's, and the replica's two engines hold exactly that."""
+    draft_file = write_gguf(hf_model(TinySpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                              max_position_embeddings=512), seed=6), tmp_path / "draft.gguf")
+    registry = Registry.model_validate({"models": [
+        {"name": "m", "type": "chat", "device": "cuda", "source": {"path": str(tiny_gguf)},
+         "placement": {"isolation": "mps"},
+         "engine": {"max_model_len": 200, "block_size": 16,
+                    "speculative": {"method": "draft", "draft_model": "d"}}},
+        {"name": "d", "type": "chat", "replicas": 0, "source": {"path": str(draft_file)}}]})
+    placer = ReplicaPlacer(lambda: registry, lambda: gpus("h100-80gb"), tmp_path)
+    plan = placer.plan_for(registry)
+    assert plan is not None and placer.problems(registry) == []
+    replica = plan.replica("m/0")
+    launch = replica_launch(registry.models[0], 0, placer.place(registry.models[0], 0).placement, registry)
+    config = engine_config(launch).model_copy(update={"device": "cpu"})
+    cpu = torch.device("cpu")
+    loaded, draft = (load_model(source, cpu, BF16, select_attention("auto", cpu), progress=False)
+                     for source in (launch.source, launch.draft_source))
+    engine = LLMEngine(loaded, config, draft=draft)
+    assert engine.speculation is not None
+    draft_engine = engine.speculation.proposer.engine  # type: ignore[attr-defined]
+    shape, draft_shape = estimate_shape(str(tiny_gguf)), estimate_shape(str(draft_file))
+    assert weight_bytes(draft_engine) == draft_shape.weights_bytes
+    assert draft_engine.kv.num_blocks == engine.kv.num_blocks  # as many tokens as the model's cache
+    assert kv_bytes(draft_engine) == engine.kv.num_blocks * 16 * draft_shape.kv_bytes_per_token
+    assert launch.kv_cache_bytes == replica.kv_cache_bytes == kv_bytes(engine) == 208 * shape.kv_bytes_per_token
+    assert replica.memory_bytes == (weight_bytes(engine) + kv_bytes(engine) + weight_bytes(draft_engine)
+                                    + kv_bytes(draft_engine) + DEFAULT_OVERHEAD_BYTES)

@@ -139,6 +139,22 @@ def test_a_cuda_model_without_a_memory_size_is_planned_from_its_gguf(tmp_path):
     assert replica.device_key == "gpu0" and replica.isolation == "mps"
 
 
+def test_a_draft_model_is_estimated_and_planned_inside_the_replicas_that_name_it(tmp_path):
+    """A draft (speculative decoding) has no replicas of its own here, yet runs inside the model's: its shape is
+    read from its files too, and the model's replica reserves its weights and a KV cache of as many tokens."""
+    reg = registry(smol={"source": SMOLLM2, "device": "cuda", "engine": {
+                       "max_model_len": 1000, "speculative": {"method": "draft", "draft_model": "helper"}}},
+                   helper={"source": SMOLLM2, "replicas": 0})
+    shapes, unknown = with_estimates(reg, {})
+    assert sorted(shapes) == ["helper", "smol"] and unknown == {}
+    current, problems = planned(reg, tmp_path)
+    assert current is not None and problems == []
+    replica = current.replica("smol/0")
+    kv = 1008 * SMOLLM2_SHAPE.kv_bytes_per_token
+    assert replica.kv_cache_bytes == kv  # the model's own cache, as its engine is given it
+    assert replica.memory_bytes == 2 * (SMOLLM2_SHAPE.weights_bytes + kv) + DEFAULT_OVERHEAD_BYTES
+
+
 def test_a_hugging_face_model_is_planned_with_its_own_context(tiny_models, tmp_path):
     path, model = tiny_models[False]
     reg = registry(tiny={"source": {"path": str(path)}, "device": "cuda"})
