@@ -201,7 +201,7 @@ class StepCost:
     """Seconds per decode step by its number of rows: the decayed mean of the steps measured at that count where
     there are MIN_SEEN of them, else a + b * rows fitted by decayed least squares over all (the slope held near a
     prior until the row counts vary). The measured means catch what a line misses: the CPU's int8 kernel passes over
-    the weights once per four rows, so a fifth or ninth row costs more than a fourth or eighth."""
+    the weights once per tile of rows (up to 4, or 6 with AVX-512), so some row counts cost more than the next."""
 
     n: float = 0.0
     sx: float = 0.0
