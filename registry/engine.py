@@ -67,6 +67,10 @@ class SpeculativeOptions(Frozen):
         return self
 
 
+# how a model's weights are held (`EngineSpec.weights`)
+WeightsChoice = Literal["auto", "fp32", "bf16", "fp16", "q8", "q4"]
+
+
 class EngineOptions(Frozen):
     """The LLM engine's options: what the registry's `engine:` section and the runtime's `EngineConfig` share."""
 
@@ -78,7 +82,7 @@ class EngineOptions(Frozen):
     enable_prefix_caching: bool = True
     # how the weights are held: auto keeps a GGUF's own quantization on the CPU (bf16 on CUDA); q8 and q4 quantize
     # to 8 or 4 bits (CPU or CUDA); fp32, bf16, fp16 dequantize (runtimes/llm/quant/weights.py)
-    weights: Literal["auto", "fp32", "bf16", "fp16", "q8", "q4"] = "auto"
+    weights: WeightsChoice = "auto"
     # the KV cache's dtype: auto is the model's; fp16 on the CPU halves the cache's memory and the bytes its
     # attention reads; on CUDA the cache is the model's dtype or fp8 (e4m3: half of bf16's bytes, CUDA only)
     kv_dtype: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"

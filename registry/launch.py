@@ -20,6 +20,7 @@ from registry.engine import (
     EmbeddingEngineSpec,
     EngineSpec,
     QueueOptions,
+    WeightsChoice,
     draft_model_of,
     engine_for_type,
     kv_cache_budget,
@@ -58,6 +59,7 @@ class ReplicaLaunch(Frozen):
     type: ModelType
     source: str  # a path or `package:file`, as `registry.sources.resolve_model_path` takes it
     draft_source: str = ""  # with `engine.speculative.method: draft`: the draft model's source, as `source`
+    draft_weights: WeightsChoice = "auto"  # and how its weights are held (its own `engine.weights`)
     aliases: tuple[Alias, ...] = ()
     device: Device = "auto"
     engine: EngineSpec | EmbeddingEngineSpec = Field(default_factory=dict, validate_default=True)
@@ -127,13 +129,24 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
         url=spec.urls[index] if index < len(spec.urls) else None,
         ray=(spec.ray or RayResources()) if spec.launcher == "ray" else None,
         command=spec.command, served_name=spec.served_name if spec.launcher == "command" else None,
-        draft_source=draft_source(spec, registry))
+        draft_source=draft_source(spec, registry), draft_weights=draft_weights(spec, registry))
+
+
+def draft_model(spec: ModelSpec, registry: Registry | None) -> ModelSpec | None:
+    """The registry entry of the model's draft model, found by its name (None: it has none, or no registry)."""
+    name = draft_model_of(spec.engine)
+    if name is None or registry is None:
+        return None
+    return next((m for m in registry.models if m.name == name), None)
 
 
 def draft_source(spec: ModelSpec, registry: Registry | None) -> str:
-    """The source of the model's draft model, found by its name ("" when it has none, or no registry names it)."""
-    name = draft_model_of(spec.engine)
-    if name is None or registry is None:
-        return ""
-    draft = next((m for m in registry.models if m.name == name), None)
+    """The source of the model's draft model ("" when it has none, or no registry names it)."""
+    draft = draft_model(spec, registry)
     return "" if draft is None else draft.source_ref()
+
+
+def draft_weights(spec: ModelSpec, registry: Registry | None) -> WeightsChoice:
+    """How the model's draft model holds its weights: the draft's own `engine.weights`."""
+    draft = draft_model(spec, registry)
+    return draft.engine.weights if draft is not None and isinstance(draft.engine, EngineSpec) else "auto"

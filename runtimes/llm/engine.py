@@ -73,16 +73,19 @@ class LLMEngine:
 
     @classmethod
     def from_source(cls, source: str, config: EngineConfig | None = None, draft_source: str = "",
-                    **kwargs: object) -> LLMEngine:
+                    draft_weights: str = "auto", **kwargs: object) -> LLMEngine:
         """Load a model (GGUF file, HF directory or `package:file`) and build an engine for it; `draft_source`: its
-        draft model's, loaded the same way (with `speculative.method: draft`)."""
+        draft model's, loaded the same way with its own `draft_weights` (with `speculative.method: draft`)."""
         config = config or EngineConfig()
         device = config.resolve_device()
         attention_fn = select_attention(config.attention_backend, device)
-        load = functools.partial(load_model, device=device, dtype=config.resolve_dtype(device),
-                                 attention_fn=attention_fn, weights=config.weights)
-        loaded = load(source)
-        return cls(loaded, config, draft=load(draft_source) if draft_source else None, **kwargs)  # type: ignore[arg-type]
+        load = functools.partial(load_model, device=device, attention_fn=attention_fn)
+        loaded = load(source, dtype=config.resolve_dtype(device), weights=config.weights)
+        draft = None
+        if draft_source:  # in its own dtype where its weights name one (an engine of its own runs it)
+            held = config.model_copy(update={"weights": draft_weights})
+            draft = load(draft_source, dtype=held.resolve_dtype(device), weights=draft_weights)
+        return cls(loaded, config, draft=draft, **kwargs)  # type: ignore[arg-type]
 
     def _draft_proposer(self, draft: LoadedModel) -> DraftModelProposer:
         """The draft model's proposer: an engine of its own over `draft`, on this engine's device, with a KV cache of

@@ -61,7 +61,8 @@ def _load_llm(launch: ReplicaLaunch, config: EngineConfig, step_gate: StepGate |
     from runtimes.llm.engine import LLMEngine
     from runtimes.server.app import build_app
 
-    engine = AsyncLLMEngine(LLMEngine.from_source(launch.source, config, draft_source=launch.draft_source),
+    engine = AsyncLLMEngine(LLMEngine.from_source(launch.source, config, draft_source=launch.draft_source,
+                                                  draft_weights=launch.draft_weights),
                             start_thread=False,
                             step_gate=step_gate)
     kv = engine.engine.kv

@@ -74,6 +74,13 @@ def test_speculative_options_travel_to_the_worker_s_engine_config():
     diff = diff_registries(registry, moved)
     assert diff.changed == ("t", "d") and diff.relaunched == ("t", "d")
     assert diff_registries(registry, registry).changed == ()
+    # the draft is held as its own entry says, and holding it otherwise relaunches the model it drafts for too
+    assert launch.draft_weights == "auto"
+    requantized = parse_registry(registry_text(chat("t", ", engine: {speculative: {method: draft, draft_model: d}}"),
+                                               chat("d", ", engine: {weights: q8}")), "x.yaml")
+    assert replica_launch(requantized.models[0], 0, registry=requantized).draft_weights == "q8"
+    diff = diff_registries(registry, requantized)
+    assert diff.changed == ("t", "d") and diff.relaunched == ("t", "d")
     with pytest.raises(ValidationError, match="draft_source: the launch of a model that speculates with draft"):
         replica_launch(registry.models[0], 0)  # no registry to find its draft in: refused, not started without
 

@@ -441,6 +441,26 @@ def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(tiny_loaded, eng
         assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
 
 
+def test_a_draft_model_is_loaded_with_its_own_weights_choice(tmp_path):
+    """`from_source` loads the draft as its registry entry holds it (`draft_weights`, the launch's copy of its
+    `engine.weights`): here a float target and its draft quantized to q8; the target's tokens stay its own."""
+    from runtimes.llm.quant.cpu import BlockWeight
+    from tests.runtimes.llm.tiny import TinySpec, hf_model, write_gguf
+
+    path = str(write_gguf(hf_model(TinySpec(), seed=4), tmp_path / "tiny.gguf"))  # float tensors
+    config = EngineConfig(device="cpu", kv_cache_bytes=512 * KV_PER_TOKEN, block_size=4, weights="fp32",
+                          speculative=SpeculativeOptions(method="draft", draft_model="d", k=4, adaptive=False))
+    engine = LLMEngine.from_source(path, config, draft_source=path, draft_weights="q8")
+    draft_engine = engine.speculation.proposer.engine
+    blocks = [m for m in draft_engine.runner.model.modules() if isinstance(m, BlockWeight)]
+    assert blocks and {m.fmt.name for m in blocks} == {"Q8_0"}
+    assert not any(isinstance(m, BlockWeight) for m in engine.runner.model.modules())
+    plain = LLMEngine.from_source(path, config.model_copy(update={"speculative": None}))
+    requests = {"g": (list(range(3, 40)), GREEDY)}
+    assert_same_outputs(run_to_completion(plain, requests), run_to_completion(engine, requests))
+    assert engine.speculation.stats.num_proposed > 0
+
+
 def test_a_draft_that_stopped_paying_probes_now_and_then():
     spec = _speculation(k=8)
     due = [spec._probe_due() for _ in range(3 * PROBE_EVERY)]
