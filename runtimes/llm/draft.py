@@ -5,8 +5,9 @@ The draft runs in an engine of its own, in the same process, with its own KV cac
 proposal is one request to that engine: the sequence so far as its prompt, up to k greedy tokens. Its prefix cache
 keeps what earlier proposals computed (whole blocks shared, a last partial block copied), so a proposal prefills only
 the tokens since the last one (the accepted ones and the target's own token); a rejected proposal's KV is never
-matched again, which is all the rollback a draft needs. Proposals run one sequence at a time, between the target's
-planning and its step.
+matched again, which is all the rollback a draft needs. A step's proposals run together, as one batch of that
+engine's (`lookup_many`: k draft steps for the whole batch, not k per sequence), between the target's planning and
+its step.
 """
 
 from __future__ import annotations
@@ -67,19 +68,29 @@ class DraftModelProposer:
         return None
 
     def lookup(self, token_ids: Sequence[int], index: object, limit: int | None = None) -> Lookup | None:
+        return self.lookup_many([(token_ids, index, self.k if limit is None else limit)])[0]
+
+    def lookup_many(self, wanted: Sequence[tuple[Sequence[int], object, int]]) -> list[Lookup | None]:
+        """Each (sequence so far, index, limit)'s proposal, up to min(k, limit) tokens, all made in one batch of the
+        draft engine: its requests are stepped together until every one has its tokens. A failure part-way leaves
+        nothing of any of them in the engine (and raises)."""
         engine = self.engine
-        limit = min(self.k, self.k if limit is None else limit, engine.max_model_len - len(token_ids))
-        if limit <= 0:
-            return None
-        request_id = f"draft-{next(self._ids)}"
-        engine.add_request(request_id, list(token_ids), SamplingParams(temperature=0.0, max_tokens=limit,
-                                                                       ignore_eos=True))
-        tokens: list[int] = []
+        ids: list[str | None] = []
+        for token_ids, _, limit in wanted:
+            count = min(self.k, limit, engine.max_model_len - len(token_ids))
+            if count <= 0:
+                ids.append(None)
+                continue
+            ids.append(request_id := f"draft-{next(self._ids)}")
+            engine.add_request(request_id, list(token_ids), SamplingParams(temperature=0.0, max_tokens=count,
+                                                                           ignore_eos=True))
+        tokens: dict[str, list[int]] = {i: [] for i in ids if i is not None}
         try:
-            while not engine.is_finished(request_id):
+            while any(not engine.is_finished(i) for i in tokens):
                 for out in engine.step():
-                    tokens += out.new_token_ids
+                    tokens[out.request_id] += out.new_token_ids
         finally:
-            if not engine.is_finished(request_id):  # a failure part-way: nothing of it stays
-                engine.abort_request(request_id)
-        return Lookup(tokens, self.key) if tokens else None
+            for i in tokens:
+                if not engine.is_finished(i):  # a failure part-way: nothing of it stays
+                    engine.abort_request(i)
+        return [Lookup(tokens[i], self.key) if i is not None and tokens[i] else None for i in ids]

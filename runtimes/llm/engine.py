@@ -98,7 +98,8 @@ class LLMEngine:
         draft_config = EngineConfig(
             device=str(device), kv_dtype=config.kv_dtype, block_size=config.block_size,
             kv_cache_bytes=self.kv.num_blocks * self.kv.block_size * draft.config.kv_bytes_per_token(kv_dtype),
-            max_model_len=self.max_model_len, max_num_seqs=1, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             cuda_graphs=config.cuda_graphs, overlap_steps=False, deterministic=config.deterministic)
         assert config.speculative is not None
         return DraftModelProposer(LLMEngine(draft, draft_config), config.speculative.k)

@@ -48,7 +48,7 @@ from runtimes.llm.logits_processors import SamplingRow
 if TYPE_CHECKING:
     from registry.engine import SpeculativeOptions
     from runtimes.llm.request import Request
-    from runtimes.llm.scheduler import Scheduler, SchedulerOutput
+    from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 
@@ -134,6 +134,9 @@ class NgramProposer:
             return None
         end, n = found
         return Lookup(list(token_ids[end:end + (self.k if limit is None else min(self.k, limit))]), n)
+
+    def lookup_many(self, wanted: Sequence[tuple[Sequence[int], NgramIndex, int]]) -> list[Lookup | None]:
+        return [self.lookup(token_ids, index, limit) for token_ids, index, limit in wanted]
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,9 @@ class Proposer(Protocol):
     def lookup(self, token_ids: Sequence[int], index: Any, limit: int) -> Lookup | None:
         """Up to `limit` tokens to verify after `token_ids`, with their key for learned acceptance; None: none."""
 
+    def lookup_many(self, wanted: Sequence[tuple[Sequence[int], Any, int]]) -> list[Lookup | None]:
+        """`lookup` for each (token_ids, index, limit), made together where the proposer can (a draft's batch)."""
+
     @property
     def key(self) -> int | None:
         """The key of every proposal, where it is known before one is made (a draft model's): its depth is then
@@ -308,11 +314,15 @@ class Speculation:
 
     def draft(self, plan: SchedulerOutput) -> None:
         """Give each decode of `plan` a proposal, within the step's token budget, the request's max_tokens and the
-        model's length; one whose slots the pool cannot supply goes without (nobody is preempted for a proposal)."""
+        model's length; one whose slots the pool cannot supply goes without (nobody is preempted for a proposal).
+        A proposer whose proposals' key is known beforehand (a draft model) is told every depth first and makes the
+        step's proposals in one call (`lookup_many`: one batch of the draft's engine)."""
         scheduler = self.scheduler
         budget = scheduler.max_num_batched_tokens - plan.num_batched_tokens
         rows = plan.num_batched_tokens
         base = self.cost.seconds(rows)
+        key = self.proposer.key
+        wanted: list[tuple[ScheduledRequest, SequenceState, int]] = []  # (decode, its state, its depth): key known
         for item in plan.scheduled:
             request = item.request
             if budget <= 0:
@@ -324,39 +334,66 @@ class Speculation:
                 state = self.sequences[request] = SequenceState(self.proposer.index())
             limit = min(self.options.k, budget, request.max_tokens - request.num_output_tokens - 1,
                         scheduler.max_model_len - request.num_tokens - 1)
-            adapt = self.options.adaptive and limit > 0
-            if adapt and (key := self.proposer.key) is not None:  # decided before the proposal is made
-                limit, adapt = self.depth(self.rate(state, key), limit, rows, base, len(plan.scheduled)), False
-                if limit == 0 and self._probe_due():  # now and then one token, so what was measured is refreshed
-                    limit = 1
-            found = self._lookup(request, state, limit) if limit > 0 else None
-            if found is not None and adapt:
-                limit = self.depth(self.rate(state, found.key), limit, rows, base, len(plan.scheduled))
-            if found is None or limit == 0:
-                state.acceptance.learn(0, 0, RELAX_DECAY)
-                scheduler.kv.trim(request)  # blocks a dropped step's proposal took (no step is launched ahead)
+            if key is not None:  # decided before the proposal is made
+                if self.options.adaptive and limit > 0:
+                    limit = self.depth(self.rate(state, key), limit, rows, base, len(plan.scheduled))
+                    if limit == 0 and self._probe_due():  # now and then one token, so what was measured is refreshed
+                        limit = 1
+                if limit > 0:
+                    wanted.append((item, state, limit))
+                    budget -= limit
+                    rows += limit
+                else:
+                    self._none(item, state)
                 continue
-            proposal = found.tokens[:limit]
-            if proposal and scheduler.kv.allocate_slots(request, 1 + len(proposal)):
-                item.draft = proposal
-                state.key = found.key
-                budget -= len(proposal)
-                rows += len(proposal)
+            found = self._lookup([(request, state, limit)])[0] if limit > 0 else None
+            if found is not None and self.options.adaptive:
+                limit = self.depth(self.rate(state, found.key), limit, rows, base, len(plan.scheduled))
+            if self._take(item, state, found, limit):
+                budget -= len(item.draft)
+                rows += len(item.draft)
+        if wanted:
+            found_all = self._lookup([(item.request, state, limit) for item, state, limit in wanted])
+            for (item, state, limit), found in zip(wanted, found_all, strict=True):
+                self._take(item, state, found, limit)
 
-    def _lookup(self, request: Request, state: SequenceState, limit: int) -> Lookup | None:
-        """The proposer's proposal, its time per token kept (`proposal_cost`); a proposer that fails costs only the
-        proposal: the request decodes without one."""
+    def _take(self, item: ScheduledRequest, state: SequenceState, found: Lookup | None, limit: int) -> bool:
+        """Give `item` the first `limit` tokens of `found` and the KV slots they need; False: it goes without."""
+        proposal = [] if found is None else found.tokens[:limit]
+        if proposal and self.scheduler.kv.allocate_slots(item.request, 1 + len(proposal)):
+            item.draft = proposal
+            state.key = found.key  # type: ignore[union-attr]
+            return True
+        self._none(item, state)
+        return False
+
+    def _none(self, item: ScheduledRequest, state: SequenceState) -> None:
+        """`item` decodes without a proposal this step."""
+        state.acceptance.learn(0, 0, RELAX_DECAY)
+        self.scheduler.kv.trim(item.request)  # blocks a dropped step's proposal took (no step is launched ahead)
+
+    def _lookup(self, wanted: Sequence[tuple[Request, SequenceState, int]]) -> list[Lookup | None]:
+        """The proposer's proposals for (request, its state, limit), their time per token kept (`proposal_cost`;
+        not when a sequence has its first, which for a draft prefills it whole); a proposer that fails costs only
+        the proposals: the requests decode without them."""
         started = time.perf_counter()
         try:
-            found = self.proposer.lookup(request.token_ids, state.index, limit)
+            if len(wanted) == 1:
+                request, state, limit = wanted[0]
+                found = [self.proposer.lookup(request.token_ids, state.index, limit)]
+            else:
+                found = self.proposer.lookup_many([(r.token_ids, s.index, limit) for r, s, limit in wanted])
         except Exception as error:
-            log.warning("speculative_proposal_failed", request_id=request.request_id, error=repr(error))
-            return None
-        if found is not None and found.tokens and state.proposed:
-            per_token = (time.perf_counter() - started) / len(found.tokens)
+            log.warning("speculative_proposal_failed", request_ids=[r.request_id for r, _, _ in wanted],
+                        error=repr(error))
+            return [None] * len(wanted)
+        made = sum(len(f.tokens) for f in found if f is not None)
+        if made and all(state.proposed for _, state, _ in wanted):
+            per_token = (time.perf_counter() - started) / made
             weight = COST_WEIGHT if self.proposal_cost else 1.0  # the first sample stands alone
             self.proposal_cost += weight * (per_token - self.proposal_cost)
-        state.proposed = True
+        for _, state, _ in wanted:
+            state.proposed = True
         return found
 
     def _probe_due(self) -> bool:

@@ -439,6 +439,36 @@ def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(tiny_loaded, eng
         assert_no_leak(engine)
         draft_engine = engine.speculation.proposer.engine
         assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
+        # the step's proposals are made in one batch of the draft's engine: k steps or fewer for all six requests
+        # (one at a time, each would take its own k)
+        assert draft_engine.num_steps <= 4 * engine.num_steps
+
+
+def test_a_draft_that_fails_part_way_costs_only_its_proposals(tiny_loaded, engines):
+    """The draft's engine raising in the middle of a batch of proposals: that step's requests decode without them,
+    nothing of the batch stays in the draft's engine, and the tokens are the plain engine's."""
+    target = tiny_loaded(seed=0)
+    requests = _requests(6)
+    plain = run_to_completion(engines(None), requests)
+    config = EngineConfig(kv_cache_bytes=2048 * KV_PER_TOKEN, block_size=4, max_num_batched_tokens=64,
+                          max_num_seqs=32, speculative=SpeculativeOptions(method="draft", draft_model="d", k=4,
+                                                                          adaptive=False))
+    engine = LLMEngine(target, config, draft=target)
+    draft_engine = engine.speculation.proposer.engine
+    real_step, calls = draft_engine.step, [0]
+
+    def flaky_step():
+        calls[0] += 1
+        if calls[0] % 7 == 3:  # now and then, part-way through a batch
+            assert draft_engine.has_unfinished_requests()
+            raise RuntimeError("draft step failed")
+        return real_step()
+
+    draft_engine.step = flaky_step
+    assert_same_outputs(plain, run_to_completion(engine, requests))
+    assert calls[0] > 7 and engine.speculation.stats.num_proposed > 0
+    assert_no_leak(engine)
+    assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
 
 
 def test_a_draft_model_is_loaded_with_its_own_weights_choice(tmp_path):
