@@ -24,6 +24,11 @@ from registry.schema import ModelSpec, Registry
 # the caching allocator's slack. 512 MiB did not cover the context and workspaces alone. `serve.memory_model` in
 # tests/gpu/check_serve.py measures what a worker holds against it.
 DEFAULT_OVERHEAD_BYTES = 1024 * MIB
+# A draft model's engine (speculative decoding) in the same process adds its own share of that: its graphs' warm-up
+# stream's cuBLAS workspace (32 MiB on Hopper), its graph pool (its largest bucket's activations), a step's
+# activations and the allocator's slack; the CUDA context is the process's, counted once. An estimate by those parts
+# for drafts of up to a few billion parameters; not yet measured on a GPU.
+DRAFT_ENGINE_OVERHEAD_BYTES = 256 * MIB
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,10 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
     `placement.memory_gib` leaves after weights and overhead, else one `max_model_len` sequence (the least that serves
     a full-length request). Embedding models have none.
 
-    With a draft model (`engine.speculative.draft_model`, of shape `draft`) the replica also holds the draft's weights
-    and its KV cache, which holds as many tokens as the model's (runtimes/llm/engine.py sizes it so, in the model's
-    KV dtype); what `placement.memory_gib` leaves is shared between the two caches by their bytes per token.
+    With a draft model (`engine.speculative.draft_model`, of shape `draft`) the replica also holds the draft's weights,
+    its engine's overhead (`DRAFT_ENGINE_OVERHEAD_BYTES`) and its KV cache, which holds as many tokens as the model's
+    (runtimes/llm/engine.py sizes it so, in the model's KV dtype); what `placement.memory_gib` leaves is shared
+    between the two caches by their bytes per token.
     """
     engine = model.engine if isinstance(model.engine, EngineSpec) else None  # an encoder keeps no KV cache
     is_llm = engine is not None
@@ -121,9 +127,9 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
     if total is not None:
         if weights is None:
             return total, explicit_kv
-        rest = total - weights - overhead_bytes - (beside.weights if beside else 0)
+        rest = total - weights - overhead_bytes - (beside.fixed if beside else 0)
         budget = kv_cache_budget(explicit_kv, beside.model_share(rest) if beside else rest) if is_llm else 0
-        drafted = beside.weights + beside.kv(max(budget, 0)) if beside else 0
+        drafted = beside.fixed + beside.kv(max(budget, 0)) if beside else 0
         need = weights + max(budget, 0) + overhead_bytes + drafted
         if need > total:
             with_kv = f" + KV cache {gib(budget)}" if budget > 0 else (", before any KV cache" if is_llm else "")
@@ -135,29 +141,31 @@ def replica_memory(model: ModelSpec, shape: ModelShape | None, overhead_bytes: i
         except ValueError as exc:
             if explicit_kv is not None:
                 raise
-            raise ValueError(f"placement.memory_gib {gib(total)} less weights {gib(weights)} and overhead "
-                             f"{gib(overhead_bytes)}: {exc}") from None
+            less_draft = f", the draft model's {gib(drafted)}" if beside else ""
+            raise ValueError(f"placement.memory_gib {gib(total)} less weights {gib(weights)}{less_draft} and "
+                             f"overhead {gib(overhead_bytes)}: {exc}") from None
         return total, budget if is_llm else None
     kv = kv_cache_budget(explicit_kv, one_seq)
     _check_kv(kv, one_seq, engine)
     if weights is None:
         return None, kv
-    drafted = beside.weights + beside.kv(kv or 0) if beside else 0
+    drafted = beside.fixed + beside.kv(kv or 0) if beside else 0
     return weights + (kv or 0) + overhead_bytes + drafted, kv
 
 
 @dataclass(frozen=True)
 class _DraftBytes:
-    """What a draft model adds to a replica of `model`: its weights, and a KV cache of as many whole blocks as the
-    model's holds, at the draft's bytes per token in the model's KV dtype."""
+    """What a draft model adds to a replica of `model`: its weights and its engine's overhead, and a KV cache of as
+    many whole blocks as the model's holds, at the draft's bytes per token in the model's KV dtype."""
 
     model: ModelShape
     draft: ModelShape
     block_size: int
 
     @property
-    def weights(self) -> int:
-        return self.draft.weights_bytes
+    def fixed(self) -> int:
+        """The draft's weights and its engine's overhead."""
+        return self.draft.weights_bytes + DRAFT_ENGINE_OVERHEAD_BYTES
 
     @property
     def per_token(self) -> int:

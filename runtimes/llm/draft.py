@@ -16,6 +16,9 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import structlog
+
+from foundation.request_errors import OverloadedError
 from runtimes.llm.sampling_params import SamplingParams
 from runtimes.llm.speculative import Lookup
 
@@ -37,6 +40,8 @@ class DraftEngine(Protocol):
 
     def abort_request(self, request_id: str) -> list[RequestOutput]: ...
 
+
+log = structlog.get_logger(__name__)
 
 DRAFT_KEY = 0  # `Lookup.key` of a draft model's proposals (prompt lookup's keys are match lengths, from 1)
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789 {\"a\": [1, 2]} héllo, 世界!"
@@ -72,20 +77,26 @@ class DraftModelProposer:
 
     def lookup_many(self, wanted: Sequence[tuple[Sequence[int], object, int]]) -> list[Lookup | None]:
         """Each (sequence so far, index, limit)'s proposal, up to min(k, limit) tokens, all made in one batch of the
-        draft engine: its requests are stepped together until every one has its tokens. A failure part-way leaves
-        nothing of any of them in the engine (and raises)."""
+        draft engine: its requests are stepped together until every one has its tokens. A sequence the draft's
+        engine refuses (its pool cannot hold it) gets none; a failure of a step leaves nothing of the batch in the
+        engine (and raises)."""
         engine = self.engine
         ids: list[str | None] = []
-        for token_ids, _, limit in wanted:
-            count = min(self.k, limit, engine.max_model_len - len(token_ids))
-            if count <= 0:
-                ids.append(None)
-                continue
-            ids.append(request_id := f"draft-{next(self._ids)}")
-            engine.add_request(request_id, list(token_ids), SamplingParams(temperature=0.0, max_tokens=count,
-                                                                           ignore_eos=True))
-        tokens: dict[str, list[int]] = {i: [] for i in ids if i is not None}
+        tokens: dict[str, list[int]] = {}
         try:
+            for token_ids, _, limit in wanted:
+                count = min(self.k, limit, engine.max_model_len - len(token_ids))
+                request_id = f"draft-{next(self._ids)}"
+                if count > 0:
+                    try:
+                        engine.add_request(request_id, list(token_ids),
+                                           SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True))
+                    except (ValueError, OverloadedError) as refused:  # e.g. longer than the draft's pool holds
+                        log.warning("draft_proposal_refused", tokens=len(token_ids), error=str(refused))
+                        count = 0
+                ids.append(request_id if count > 0 else None)
+                if count > 0:
+                    tokens[request_id] = []
             while any(not engine.is_finished(i) for i in tokens):
                 for out in engine.step():
                     tokens[out.request_id] += out.new_token_ids

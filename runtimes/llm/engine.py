@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from foundation.request_errors import InvalidRequestError, OverloadedError
 from policies.admission import RateMeter, retry_after_s
+from registry.engine import WeightsChoice
 from runtimes.fault_isolation import PROBE_TEXT
 from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig, resolve_kv_dtype
@@ -73,18 +74,17 @@ class LLMEngine:
 
     @classmethod
     def from_source(cls, source: str, config: EngineConfig | None = None, draft_source: str = "",
-                    draft_weights: str = "auto", **kwargs: object) -> LLMEngine:
+                    draft_weights: WeightsChoice = "auto", **kwargs: object) -> LLMEngine:
         """Load a model (GGUF file, HF directory or `package:file`) and build an engine for it; `draft_source`: its
-        draft model's, loaded the same way with its own `draft_weights` (with `speculative.method: draft`)."""
+        draft model's (with `speculative.method: draft`), in this model's dtype, its projections kept in block
+        formats or not as its own `draft_weights` says (a float choice: all in this model's dtype)."""
         config = config or EngineConfig()
         device = config.resolve_device()
         attention_fn = select_attention(config.attention_backend, device)
-        load = functools.partial(load_model, device=device, attention_fn=attention_fn)
-        loaded = load(source, dtype=config.resolve_dtype(device), weights=config.weights)
-        draft = None
-        if draft_source:  # in its own dtype where its weights name one (an engine of its own runs it)
-            held = config.model_copy(update={"weights": draft_weights})
-            draft = load(draft_source, dtype=held.resolve_dtype(device), weights=draft_weights)
+        load = functools.partial(load_model, device=device, dtype=config.resolve_dtype(device),
+                                 attention_fn=attention_fn)
+        loaded = load(source, weights=config.weights)
+        draft = load(draft_source, weights=draft_weights) if draft_source else None
         return cls(loaded, config, draft=draft, **kwargs)  # type: ignore[arg-type]
 
     def _draft_proposer(self, draft: LoadedModel) -> DraftModelProposer:

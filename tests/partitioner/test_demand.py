@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from partitioner.planning.demand import ModelShape, load_shapes, replica_demands
+from partitioner.planning.demand import DRAFT_ENGINE_OVERHEAD_BYTES, ModelShape, load_shapes, replica_demands
 from partitioner.planning.plan import InfeasiblePlan
 from registry.fields import GIB, MIB
 from registry.schema import Registry
@@ -122,18 +122,19 @@ def drafting(**target: object) -> Registry:
 
 
 def test_a_draft_model_adds_its_weights_and_a_kv_cache_of_as_many_tokens():
-    """The draft runs inside the model's replicas: its weights and a KV cache holding the same tokens as the
-    model's (at the draft's bytes per token: 16 layers x 8 KV heads x 64 x 2 x 2 bytes, a quarter of the 8B's)."""
+    """The draft runs inside the model's replicas: its weights, its engine's overhead and a KV cache holding the same
+    tokens as the model's (at the draft's bytes per token: 16 layers x 8 KV heads x 64 x 2 x 2 bytes, a quarter of
+    the 8B's)."""
     (d,) = replica_demands(drafting(engine={"kv_cache_gib": 4}), {"llama": LLAMA3_8B, "draft": LLAMA32_1B},
                            overhead_bytes=OVERHEAD)
     tokens = 4 * GIB // LLAMA3_8B.kv_bytes_per_token
     assert LLAMA32_1B.kv_bytes_per_token * 4 == LLAMA3_8B.kv_bytes_per_token
     assert d.kv_cache_bytes == 4 * GIB  # the model's own budget, as the engine is given it
-    assert d.memory_bytes == (LLAMA3_8B.weights_bytes + 4 * GIB + OVERHEAD
-                              + LLAMA32_1B.weights_bytes + tokens * LLAMA32_1B.kv_bytes_per_token)
+    assert d.memory_bytes == (LLAMA3_8B.weights_bytes + 4 * GIB + OVERHEAD + LLAMA32_1B.weights_bytes
+                              + DRAFT_ENGINE_OVERHEAD_BYTES + tokens * LLAMA32_1B.kv_bytes_per_token)
     (plain,) = replica_demands(registry({"name": "llama", "engine": {"kv_cache_gib": 4}}), {"llama": LLAMA3_8B},
                                overhead_bytes=OVERHEAD)
-    assert d.memory_bytes - plain.memory_bytes == LLAMA32_1B.weights_bytes + GIB
+    assert d.memory_bytes - plain.memory_bytes == LLAMA32_1B.weights_bytes + DRAFT_ENGINE_OVERHEAD_BYTES + GIB
 
 
 def test_the_draft_kv_is_in_the_model_kv_dtype_and_whole_blocks_of_it():
@@ -141,13 +142,14 @@ def test_the_draft_kv_is_in_the_model_kv_dtype_and_whole_blocks_of_it():
     (d,) = replica_demands(drafting(engine={"max_model_len": 1000}), {"llama": fp8, "draft": LLAMA32_1B},
                            overhead_bytes=0)
     assert d.kv_cache_bytes == 1008 * fp8.kv_bytes_per_token  # one sequence, 63 blocks of 16
-    assert d.memory_bytes == fp8.weights_bytes + d.kv_cache_bytes + LLAMA32_1B.weights_bytes + 1008 * 16 * 8 * 64 * 2
+    assert d.memory_bytes == (fp8.weights_bytes + d.kv_cache_bytes + LLAMA32_1B.weights_bytes
+                              + DRAFT_ENGINE_OVERHEAD_BYTES + 1008 * 16 * 8 * 64 * 2)
 
 
 def test_memory_gib_is_shared_by_the_model_and_draft_caches_by_bytes_per_token():
     (d,) = replica_demands(drafting(placement={"memory_gib": 24}), {"llama": LLAMA3_8B, "draft": LLAMA32_1B},
                            overhead_bytes=OVERHEAD)
-    rest = 24 * GIB - LLAMA3_8B.weights_bytes - LLAMA32_1B.weights_bytes - OVERHEAD
+    rest = 24 * GIB - LLAMA3_8B.weights_bytes - LLAMA32_1B.weights_bytes - DRAFT_ENGINE_OVERHEAD_BYTES - OVERHEAD
     assert d.memory_bytes == 24 * GIB
     assert d.kv_cache_bytes == rest * 4 // 5  # the draft's tokens cost a quarter of the model's
     draft_kv = d.kv_cache_bytes // (16 * LLAMA3_8B.kv_bytes_per_token) * 16 * LLAMA32_1B.kv_bytes_per_token
@@ -164,4 +166,4 @@ def test_a_draft_of_unknown_size_leaves_the_replica_unknown_and_a_memory_size_th
                         overhead_bytes=OVERHEAD)
     (problem,) = exc.value.problems
     assert problem == ("models[0] llama: placement.memory_gib 16.00 GiB cannot hold weights 14.96 GiB + draft model "
-                       "2.30 GiB + overhead 0.50 GiB, before any KV cache: short by 1.76 GiB")
+                       "2.55 GiB + overhead 0.50 GiB, before any KV cache: short by 2.01 GiB")

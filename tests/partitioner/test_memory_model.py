@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES
+from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, DRAFT_ENGINE_OVERHEAD_BYTES
 from partitioner.planning.placer import ReplicaPlacer
 from partitioner.planning.shapes import estimate_shape
 from registry.fields import GIB
@@ -129,4 +129,4 @@ def test_a_replica_with_a_draft_model_holds_what_the_plan_reserved_for_both(tmp_
     assert kv_bytes(draft_engine) == engine.kv.num_blocks * 16 * draft_shape.kv_bytes_per_token
     assert launch.kv_cache_bytes == replica.kv_cache_bytes == kv_bytes(engine) == 208 * shape.kv_bytes_per_token
     assert replica.memory_bytes == (weight_bytes(engine) + kv_bytes(engine) + weight_bytes(draft_engine)
-                                    + kv_bytes(draft_engine) + DEFAULT_OVERHEAD_BYTES)
+                                    + kv_bytes(draft_engine) + DEFAULT_OVERHEAD_BYTES + DRAFT_ENGINE_OVERHEAD_BYTES)

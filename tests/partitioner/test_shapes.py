@@ -13,7 +13,7 @@ import structlog
 
 from partitioner.devices.inventory import Inventory
 from partitioner.planning import shapes as shapes_module
-from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, ModelShape
+from partitioner.planning.demand import DEFAULT_OVERHEAD_BYTES, DRAFT_ENGINE_OVERHEAD_BYTES, ModelShape
 from partitioner.planning.placer import ReplicaPlacer
 from partitioner.planning.shapes import estimate_shape, plan_shapes, with_estimates
 from registry.fields import GIB
@@ -152,7 +152,8 @@ def test_a_draft_model_is_estimated_and_planned_inside_the_replicas_that_name_it
     replica = current.replica("smol/0")
     kv = 1008 * SMOLLM2_SHAPE.kv_bytes_per_token
     assert replica.kv_cache_bytes == kv  # the model's own cache, as its engine is given it
-    assert replica.memory_bytes == 2 * (SMOLLM2_SHAPE.weights_bytes + kv) + DEFAULT_OVERHEAD_BYTES
+    assert replica.memory_bytes == (2 * (SMOLLM2_SHAPE.weights_bytes + kv) + DEFAULT_OVERHEAD_BYTES
+                                    + DRAFT_ENGINE_OVERHEAD_BYTES)
 
 
 def test_a_hugging_face_model_is_planned_with_its_own_context(tiny_models, tmp_path):

@@ -33,7 +33,7 @@
 // its 16-bit pair sums (|.| <= 2 * 15 * 127) add up without overflow within a block, so one vpmaddwd per block
 // widens them. 8-bit weights are signed: vpmaddubsw takes |q| and the activations with q's signs (vpsignb).
 //
-// A tile is up to TILE (4) rows x 8 columns (one or two rows: 16): the unpacked weight vector serves every row of the
+// In the 256-bit code a tile is up to 4 rows x 8 columns (one or two rows: 16): the unpacked weight vector serves every row of the
 // tile, a broadcast activation the tile's columns; float accumulators stay in registers over all blocks. Threads take ranges of
 // panels; within a range the panels go in groups small enough to stay in L2 while every tile of rows passes over
 // them, so each weight is read from memory once per call whatever M is, and a many-row call is compute-bound.

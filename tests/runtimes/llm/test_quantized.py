@@ -82,7 +82,7 @@ def _panels(namespace: str, rows: int, width: int, fmt: BlockFormat, seed: int =
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 # every tile of both codes (up to 4 rows, or 6 with 512-bit registers) and calls split into several; output columns
 # that fill whole panels of 16, half of one, and leave a ragged last one; 4096 wide: the panels of a thread span
-# several of the kernel's ~128 KB groups
+# several of the kernel's ~64 KB groups
 @pytest.mark.parametrize("width, rows, cols", [(96, 1, 70), (64, 2, 16), (64, 3, 8), (64, 4, 3), (576, 5, 70),
                                                (64, 6, 33), (64, 7, 20), (128, 15, 70), (256, 33, 70),
                                                (4096, 11, 70)])

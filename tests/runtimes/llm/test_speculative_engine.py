@@ -471,6 +471,36 @@ def test_a_draft_that_fails_part_way_costs_only_its_proposals(tiny_loaded, engin
     assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
 
 
+def test_a_sequence_the_draft_refuses_goes_without_and_the_rest_of_the_batch_keeps_theirs(tiny_loaded, engines):
+    """The draft's engine refusing one sequence of a batch (say, longer than its pool holds): that one decodes
+    without a proposal, the others of the batch get theirs, and nothing is left queued in the draft's engine."""
+    from foundation.request_errors import InvalidRequestError
+
+    target = tiny_loaded(seed=0)
+    requests = _requests(6)
+    plain = run_to_completion(engines(None), requests)
+    config = EngineConfig(kv_cache_bytes=2048 * KV_PER_TOKEN, block_size=4, max_num_batched_tokens=64,
+                          max_num_seqs=32, speculative=SpeculativeOptions(method="draft", draft_model="d", k=4,
+                                                                          adaptive=False))
+    engine = LLMEngine(target, config, draft=target)
+    draft_engine = engine.speculation.proposer.engine
+    real_add, refused = draft_engine.add_request, [0]
+    longest = max((prompt for prompt, _ in requests.values()), key=len)
+
+    def picky_add(request_id, prompt, params):
+        if prompt[:len(longest)] == longest:  # the longest request's sequence, at every proposal
+            refused[0] += 1
+            raise InvalidRequestError("the prompt needs more KV blocks than the pool has", param="prompt")
+        return real_add(request_id, prompt, params)
+
+    draft_engine.add_request = picky_add
+    assert_same_outputs(plain, run_to_completion(engine, requests))
+    stats = engine.speculation.stats
+    assert refused[0] > 1 and stats.num_drafts > 10 and stats.num_accepted > 10  # the others' kept coming
+    assert_no_leak(engine)
+    assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
+
+
 def test_a_draft_model_is_loaded_with_its_own_weights_choice(tmp_path):
     """`from_source` loads the draft as its registry entry holds it (`draft_weights`, the launch's copy of its
     `engine.weights`): here a float target and its draft quantized to q8; the target's tokens stay its own."""
