@@ -2,9 +2,10 @@
 
 SmolLM2-135M-Instruct (the GGUF's own Q4_1 blocks, the engine's default) in two engines sharing the loaded weights:
 one plain, one with `speculative: {method: ngram}` (the registry's defaults: k 8, n-grams of 4 down to 2, adaptive).
-Two workloads of chat prompts:
+Three workloads of chat prompts:
 - grounded: outputs that copy from their input (repeat or correct a paragraph, edit a given function, answer from a
   given text): where prompt lookup's guesses come true;
+- json: structured outputs, a JSON schema's answer quoting a given text (max_tokens 320, so the answer is whole);
 - open-ended chat: questions with nothing to copy from, where speculation must not cost (the adaptive off-switch).
 
 Each prompt runs greedy (max_tokens `--max-tokens`) on one engine then the other, order alternating by round; per
@@ -16,7 +17,7 @@ Every speculative output is checked token for token against the plain one (greed
 `--streams N` (N > 1) each workload's prompts, repeated to 3N requests, run N at a time (`max_num_seqs` N: a finished
 request's seat is taken by the next), to show what the adaptive rule does at a batch.
 
-    python -m bench.measure.speculative                 # 5 rounds, 1 stream, ~3 min
+    python -m bench.measure.speculative                 # 5 rounds, 1 stream, ~4 min
     python -m bench.measure.speculative --streams 1 16  # and 16 streams
     python -m bench.measure.speculative --rounds 1      # smoke test
     python -m bench.measure.speculative --options '{"method": "draft", "draft_model": "self"}'  # SmolLM2 drafts itself
@@ -45,7 +46,7 @@ from runtimes.llm.attention import select_attention
 from runtimes.llm.config import EngineConfig
 from runtimes.llm.engine import LLMEngine
 from runtimes.llm.loader import LoadedModel, load_model
-from runtimes.llm.sampling_params import SamplingParams
+from runtimes.llm.sampling_params import SamplingParams, StructuredOutput
 from runtimes.llm.speculative import MIN_SEEN, SpeculationStats
 from runtimes.llm.tokenizer import Tokenizer
 
@@ -79,6 +80,16 @@ WORKLOADS = {
         f"Here is a text:\n\n{PARAGRAPH}\n\nQuote the sentence about the railway, then the sentence about the mill.",
         f"Rewrite this text, replacing Millbrook with Oakfield everywhere:\n\n{PARAGRAPH}",
     ],
+    # structured outputs: a JSON schema's answer that quotes the given text (its proposals are cut to what the
+    # grammar allows, and each verified position is sampled under its mask)
+    "json": [
+        f"Read this text and answer in JSON with the town, the year it was founded, a one-sentence summary and the "
+        f"text's sentences, each quoted exactly:\n\n{PARAGRAPH}",
+        f"Here is a text:\n\n{PARAGRAPH}\n\nGive the town's name, its founding year, a summary and every sentence of "
+        f"the text, in JSON.",
+        f"Split this text into its sentences and answer in JSON, with the town and the year it was founded:\n\n"
+        f"{TYPOS}",
+    ],
     "chat": [
         "What are three good habits for staying healthy?",
         "Write a short story about a robot who learns to paint.",
@@ -88,6 +99,15 @@ WORKLOADS = {
         "Write a poem about the ocean at night.",
     ],
 }
+
+
+JSON_SCHEMA = {"type": "object", "properties": {"town": {"type": "string"}, "founded": {"type": "integer"},
+                                                "summary": {"type": "string"},
+                                                "sentences": {"type": "array", "items": {"type": "string"}}},
+               "required": ["town", "founded", "summary", "sentences"], "additionalProperties": False}
+# the structured workloads: their schema, and a budget that leaves the answer whole (near the end of its budget a
+# JSON output follows its closing plan and is not proposed to: grammar/closing.py's window)
+STRUCTURED = {"json": (StructuredOutput(json_schema=json.dumps(JSON_SCHEMA)), 320)}
 
 
 def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -137,13 +157,15 @@ def engines(loaded: LoadedModel, max_num_seqs: int, options: SpeculativeOptions)
 
 def measure(loaded: LoadedModel, streams: int, rounds: int, max_tokens: int,
             options: SpeculativeOptions) -> list[dict[str, Any]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    base = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     pair = engines(loaded, max(streams, 1), options)
     speculation = pair["speculative"].speculation
     assert speculation is not None
     rows = []
     for workload, texts in WORKLOADS.items():
         prompts = [chat_prompt(loaded.tokenizer, text) for text in texts]
+        structured, budget = STRUCTURED.get(workload, (None, max_tokens))
+        params = replace(base, structured=structured, max_tokens=budget)
         # N streams: 3N requests into an engine that runs N at a time, so a finished one's seat is taken again
         batches = [[p] for p in prompts] if streams == 1 else [[prompts[i % len(prompts)] for i in range(3 * streams)]]
         per_round: dict[str, list[float]] = {name: [] for name in pair}

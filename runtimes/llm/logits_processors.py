@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from runtimes.llm.grammar import GrammarMatcher, allocate_bitmask, apply_bitmask
+from runtimes.llm.grammar import FixedMask, GrammarMatcher, allocate_bitmask, apply_bitmask
 from runtimes.llm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -37,7 +37,8 @@ class SamplingRow:
     # Suppressed with params.stop_token_ids while len(output_token_ids) < params.min_tokens
     # (EOS is not suppressed when params.ignore_eos, as in vLLM: it does not stop the sequence then).
     eos_token_ids: tuple[int, ...] = ()
-    grammar: GrammarMatcher | None = None  # constrained decoding: the tokens its grammar allows next
+    # constrained decoding: the tokens its grammar allows next (a verified position's: computed ahead, speculative.py)
+    grammar: GrammarMatcher | FixedMask | None = None
     max_tokens: int | None = None  # the sequence's budget of output tokens (None: unknown)
 
 

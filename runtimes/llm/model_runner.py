@@ -213,7 +213,7 @@ def _pack(items: Sequence[ScheduledRequest], block_tables: Mapping[str, list[int
             seq_lens.extend(range(start + 1, start + len(verified) + 1))
             tables.extend([table] * len(verified))
             first = len(input_ids) - len(verified)
-            for j, row in enumerate(verification_rows(sampling_row(request), item.draft)):
+            for j, row in enumerate(verification_rows(sampling_row(request), item.draft, item.draft_masks)):
                 sampling.add(first + j, row, request.request_id)
             sampling.drafts[request.request_id] = item.draft
             continue

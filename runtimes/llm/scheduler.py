@@ -21,10 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtimes.llm.kv_cache_manager import KVCacheManager
 from runtimes.llm.queue_policy import FCFSPolicy, QueuePolicy
 from runtimes.llm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from runtimes.llm.grammar import FixedMask
 
 
 @dataclass(slots=True)
@@ -35,6 +39,8 @@ class ScheduledRequest:
     # a decode's proposed next tokens, verified in the same step (runtimes/llm/speculative.py): computed after its
     # known token, each position sampled; their slots are allocated with it
     draft: list[int] = field(default_factory=list)
+    # under a grammar: the mask of each verified position (its known token's, then one after each proposed token)
+    draft_masks: list[FixedMask] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:

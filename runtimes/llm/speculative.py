@@ -29,9 +29,12 @@ replica's for proposals from a match of the same length: a long match is far lik
 the j that most exceeds its rows' cost by its expected gain: r + r**2 + ... + r**j tokens, each worth what a plain
 step spends per token (its time over its requests). So a lone stream proposes deep when its proposals keep being
 accepted, a request whose proposals fail stops (drifting back to try again now and then), and in a large batch,
-where a row costs about what a token is worth, only a request whose proposals are nearly always right proposes. Rows
-under a grammar are not verified (their matcher would have to advance along the proposal): they decode one token at
-a time.
+where a row costs about what a token is worth, only a request whose proposals are nearly always right proposes. A
+request under a grammar (structured outputs) is proposed to as well: its proposal stops before the first token the
+grammar refuses (it could never be sampled), and each verified position is sampled under the grammar's mask there,
+computed ahead by advancing the matcher along the proposal and rolling it back (`GrammarMatcher.masks_along`); the
+accepted tokens then advance it as plain decoding's do. Such a request proposes only while more than the closing
+window's tokens of its budget are left (grammar/closing.py: near the end a JSON output follows a closing plan).
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from runtimes.llm.grammar.closing import CLOSE_WINDOW
 from runtimes.llm.logits_processors import SamplingRow
 
 if TYPE_CHECKING:
     from registry.engine import SpeculativeOptions
+    from runtimes.llm.grammar import FixedMask
     from runtimes.llm.request import Request
     from runtimes.llm.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -149,14 +154,17 @@ class Lookup:
     key: int
 
 
-def verification_rows(row: SamplingRow, proposal: Sequence[int]) -> list[SamplingRow]:
+def verification_rows(row: SamplingRow, proposal: Sequence[int], masks: Sequence[FixedMask] = ()
+                      ) -> list[SamplingRow]:
     """The rows whose samples verify `proposal` for `row`: for j = 0 .. len(proposal), the row as plain decoding
-    would sample it after the first j proposed tokens (the target's logits at that position go with it)."""
-    if row.grammar is not None:
-        raise ValueError("a row under a grammar is not verified by proposal: its matcher would have to advance "
-                         "along the proposal")
+    would sample it after the first j proposed tokens (the target's logits at that position go with it). A row under
+    a grammar takes `masks[j]`, its grammar's mask there (`GrammarMatcher.masks_along`)."""
+    if row.grammar is not None and len(masks) != len(proposal) + 1:
+        raise ValueError(f"a row under a grammar needs the mask of each of its {len(proposal) + 1} verified "
+                         f"positions, got {len(masks)}")
     outputs = list(row.output_token_ids)
-    return [replace(row, output_token_ids=[*outputs, *proposal[:j]]) for j in range(len(proposal) + 1)]
+    return [replace(row, output_token_ids=[*outputs, *proposal[:j]],
+                    grammar=masks[j] if row.grammar is not None else None) for j in range(len(proposal) + 1)]
 
 
 def accepted(proposal: Sequence[int], sampled: Sequence[int]) -> list[int]:
@@ -327,13 +335,15 @@ class Speculation:
             request = item.request
             if budget <= 0:
                 break
-            if item.num_new_tokens != 1 or not item.samples or request.grammar is not None:
+            if item.num_new_tokens != 1 or not item.samples:
                 continue
             state = self.sequences.get(request)
             if state is None:
                 state = self.sequences[request] = SequenceState(self.proposer.index())
-            limit = min(self.options.k, budget, request.max_tokens - request.num_output_tokens - 1,
-                        scheduler.max_model_len - request.num_tokens - 1)
+            left = request.max_tokens - request.num_output_tokens
+            limit = min(self.options.k, budget, left - 1, scheduler.max_model_len - request.num_tokens - 1)
+            if request.grammar is not None:  # its verified masks stay clear of the closing plan's window
+                limit = min(limit, left - CLOSE_WINDOW - 1)
             if key is not None:  # decided before the proposal is made
                 if self.options.adaptive and limit > 0:
                     limit = self.depth(self.rate(state, key), limit, rows, base, len(plan.scheduled))
@@ -358,10 +368,17 @@ class Speculation:
                 self._take(item, state, found, limit)
 
     def _take(self, item: ScheduledRequest, state: SequenceState, found: Lookup | None, limit: int) -> bool:
-        """Give `item` the first `limit` tokens of `found` and the KV slots they need; False: it goes without."""
+        """Give `item` the first `limit` tokens of `found` and the KV slots they need; False: it goes without. Under
+        a grammar, the proposal stops before the first token the grammar refuses (it could never be sampled) and
+        each verified position gets its mask."""
         proposal = [] if found is None else found.tokens[:limit]
+        grammar = item.request.grammar
+        masks = grammar.masks_along(proposal) if grammar is not None and proposal else []
+        if grammar is not None:
+            proposal = proposal[:max(len(masks) - 1, 0)]
         if proposal and self.scheduler.kv.allocate_slots(item.request, 1 + len(proposal)):
             item.draft = proposal
+            item.draft_masks = masks
             state.key = found.key  # type: ignore[union-attr]
             return True
         self._none(item, state)

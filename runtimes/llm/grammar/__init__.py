@@ -4,8 +4,8 @@ sequence; each step the matchers fill a token bitmask (`allocate_bitmask`) and `
 the tokens it excludes to -inf. The grammars are llguidance's (backend.py); the bitmask is plain torch (bitmask.py).
 """
 
-from runtimes.llm.grammar.backend import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from runtimes.llm.grammar.backend import CompiledGrammar, FixedMask, GrammarCompiler, GrammarMatcher
 from runtimes.llm.grammar.bitmask import allocate_bitmask, apply_bitmask, bitmask_width
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher", "allocate_bitmask", "apply_bitmask",
-           "bitmask_width"]
+__all__ = ["CompiledGrammar", "FixedMask", "GrammarCompiler", "GrammarMatcher", "allocate_bitmask",
+           "apply_bitmask", "bitmask_width"]

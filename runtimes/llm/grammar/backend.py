@@ -36,7 +36,7 @@ from runtimes.llm.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of its type stubs only
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarMatcher"]
+__all__ = ["CompiledGrammar", "FixedMask", "GrammarCompiler", "GrammarMatcher"]
 
 # The JSON layout: `json.dumps`'s separators, no free whitespace (defaults: a schema's "x-guidance" may override).
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -118,6 +118,35 @@ class GrammarMatcher:
         if self._matcher.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
 
+    def masks_along(self, tokens: Sequence[int]) -> list[FixedMask]:
+        """The bitmasks of the next token after each prefix of `tokens` the grammar allows, as `fill_bitmask` would
+        write them with the matcher advanced that far (speculative decoding's verification rows): one for the
+        empty prefix, then one more for each token allowed, up to the first one it refuses, an EOS, or the end of
+        the grammar. The matcher is left where it was (llguidance's rollback). Away from the end of the budget only:
+        these masks never follow a closing plan."""
+        if self._ended:
+            return []
+        masks: list[FixedMask] = []
+        consumed = 0
+        try:
+            for token in [*tokens, None]:
+                bitmask = torch.empty(1, self._words, dtype=torch.int32)
+                self.fill_bitmask(bitmask, 0)
+                masks.append(FixedMask(bitmask[0]))
+                if token is None or not 0 <= token < self._vocab_size or self._matcher.is_stopped():
+                    break
+                if not (int(bitmask[0, token // 32]) >> (token % 32)) & 1 or token in self._eos:
+                    break  # refused, or the end: no row after it
+                if self._matcher.try_consume_tokens([token]) != 1:
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+            if self._matcher.is_error():
+                raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+        return masks
+
     def _closing_token(self, remaining: int | None) -> int | None:
         """The next token of the closing plan, when the output must follow it now (closing.py), else None."""
         if self._closing is None or remaining is None or remaining > CLOSE_WINDOW or self._ended:
@@ -147,6 +176,18 @@ class GrammarMatcher:
         """Nothing more may follow: EOS was accepted, or the grammar is complete and no token can extend it (then
         only EOS is allowed)."""
         return self._ended or bool(self._matcher.is_stopped())
+
+
+class FixedMask:
+    """The mask of one token position computed ahead (`GrammarMatcher.masks_along`): written as it was computed."""
+
+    __slots__ = ("words",)
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self.words = words  # int32 [ceil(V / 32)]
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, remaining: int | None = None) -> None:
+        bitmask[row] = self.words
 
 
 class CompiledGrammar:

@@ -145,6 +145,41 @@ def test_a_refused_token_changes_nothing(tok: Tokenizer, compiler: GrammarCompil
     assert matcher.is_terminated
 
 
+def test_masks_along_a_proposal_are_the_masks_of_advancing_and_leave_the_matcher_where_it_was(
+        tok: Tokenizer, compiler: GrammarCompiler):
+    """Speculative decoding's verified positions under a grammar (`masks_along`): the mask after each prefix of the
+    proposal is what a matcher advanced that far fills; the proposal's masks stop at the first token the grammar
+    refuses (and before an EOS); the matcher is left as it was."""
+    form = FORMS["json_schema"]
+    tokens = tok.encode(form.output, add_special_tokens=False)
+    matcher = compiler.compile(form.spec).matcher()
+    for token in tokens[:2]:
+        assert matcher.accept(token)
+    bitmask = allocate_bitmask(1, VOCAB)
+    matcher.fill_bitmask(bitmask, 0)
+    before = bitmask.clone()
+    proposal = tokens[2:9]
+    masks = matcher.masks_along(proposal)
+    assert len(masks) == len(proposal) + 1
+    walker = compiler.compile(form.spec).matcher()  # advanced for real, token by token
+    for token in tokens[:2]:
+        walker.accept(token)
+    for j, mask in enumerate(masks):
+        walker.fill_bitmask(bitmask, 0)
+        assert torch.equal(mask.words, bitmask[0])
+        if j < len(proposal):
+            assert walker.accept(proposal[j])
+    matcher.fill_bitmask(bitmask, 0)
+    assert torch.equal(bitmask, before)  # rolled back
+    refused = next(t for t in range(3, VOCAB) if not is_allowed(masks[3].words[None], 0, t))
+    cut = matcher.masks_along([*proposal[:3], refused, *proposal[4:]])
+    assert len(cut) == 4 and all(torch.equal(a.words, b.words) for a, b in zip(cut, masks[:4], strict=False))
+    assert len(matcher.masks_along([EOS, *proposal])) == 1  # an EOS ends the proposal (nothing is verified after it)
+    for token in [*tokens[2:], EOS]:  # and the matcher still takes the whole output
+        assert matcher.accept(token)
+    assert matcher.is_terminated and matcher.masks_along(proposal) == []
+
+
 def test_a_complete_output_allows_only_eos(tok: Tokenizer, compiler: GrammarCompiler):
     matcher = compiler.compile(FORMS["choice"].spec).matcher()
     for token in tok.encode("yes", add_special_tokens=False):

@@ -546,29 +546,40 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_loaded, smollm2_quantize
                   draft=tiny_loaded(seed=1))  # prompt lookup, and a draft
 
 
-def test_a_structured_request_decodes_without_proposals_beside_speculating_ones(engines):
-    """Rows under a grammar are not verified by proposal: a JSON-schema request beside speculating ones gets its
-    plain tokens and is never given a draft; the others still speculate."""
+@pytest.mark.parametrize("noise", [0.0, 0.3])
+def test_a_structured_request_is_proposed_to_and_keeps_its_tokens(engines, noise):
+    """Structured outputs under speculation: a JSON-schema request beside plain ones is given proposals, cut before
+    the first token its grammar refuses, each verified position sampled under the grammar's mask there; its tokens
+    are plain decoding's (greedy and seeded), and proposals stop where fewer than the closing window's tokens of its
+    budget are left."""
     import json
 
+    from runtimes.llm.grammar.closing import CLOSE_WINDOW
     from runtimes.llm.sampling_params import StructuredOutput
 
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
-              "required": ["ok", "n"], "additionalProperties": False}
-    requests = {"json": (random_prompt(70, 6), SamplingParams(temperature=0.0, max_tokens=40,
-                                                              structured=StructuredOutput(json_schema=json.dumps(schema)))),
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["ok", "n", "tags"], "additionalProperties": False}
+    structured = StructuredOutput(json_schema=json.dumps(schema))
+    budget = CLOSE_WINDOW + 40
+    requests = {"json": (random_prompt(70, 6), SamplingParams(temperature=0.0, max_tokens=budget,
+                                                              structured=structured)),
+                "json-seeded": (random_prompt(72, 6), SamplingParams(temperature=0.8, seed=5, max_tokens=budget,
+                                                                     structured=structured)),
                 **{f"g{i}": (random_prompt(71 + i, 5), GREEDY) for i in range(2)}}
     plain = run_to_completion(engines(None), requests)
     engine = engines()
-    engine.speculation.proposer = Oracle(_sequences(requests, plain), 0.0)
-    drafted_under_grammar: list[str] = []
+    engine.speculation.proposer = Oracle(_sequences(requests, plain), noise)
+    drafted: list[tuple[int, int]] = []  # (output tokens so far, proposal length) of the structured requests
     draft = engine.speculation.draft
 
     def spy(plan):  # type: ignore[no-untyped-def]
         draft(plan)
-        drafted_under_grammar.extend(i.request.request_id for i in plan.scheduled if i.draft and i.request.grammar)
+        drafted.extend((i.request.num_output_tokens, len(i.draft)) for i in plan.scheduled
+                       if i.draft and i.request.grammar is not None)
 
     engine.speculation.draft = spy  # type: ignore[method-assign]
     assert_same_outputs(plain, run_to_completion(engine, requests))
-    assert drafted_under_grammar == [] and engine.speculation.stats.num_accepted > 0
+    assert drafted and engine.speculation.stats.num_accepted > 0
+    assert all(done + length < budget - CLOSE_WINDOW for done, length in drafted)
     assert_no_leak(engine)
