@@ -57,6 +57,21 @@ def test_answers_and_streams_are_the_plain_replicas(plain, speculating):
         want["choices"][0]["text"]
 
 
+def test_a_structured_answer_is_the_plain_replicas(plain, speculating):
+    """A JSON-schema request to a speculating replica: proposals under its grammar, the same JSON as plain decoding."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array",
+                                                                              "items": {"type": "string"}}},
+              "required": ["a", "b"], "additionalProperties": False}
+    body = {**BODY, "max_tokens": 120, "ignore_eos": False, "structured_outputs": {"json": schema}}
+    del body["logprobs"]
+    want = plain[0].post(COMPLETIONS, json=body).json()
+    before = speculating[1].engine.speculation.stats.num_accepted
+    got = speculating[0].post(COMPLETIONS, json=body).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"] and got["usage"] == want["usage"]
+    assert want["usage"]["completion_tokens"] > 70  # long enough to be proposed to (the closing window is 64)
+    assert speculating[1].engine.speculation.stats.num_accepted > before  # and it was
+
+
 def test_metrics_count_proposals_and_every_token(speculating):
     client, engine = speculating
     before = metric_samples(client)
