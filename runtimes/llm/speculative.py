@@ -31,10 +31,12 @@ step spends per token (its time over its requests). So a lone stream proposes de
 accepted, a request whose proposals fail stops (drifting back to try again now and then), and in a large batch,
 where a row costs about what a token is worth, only a request whose proposals are nearly always right proposes. A
 request under a grammar (structured outputs) is proposed to as well: its proposal stops before the first token the
-grammar refuses (it could never be sampled), and each verified position is sampled under the grammar's mask there,
-computed ahead by advancing the matcher along the proposal and rolling it back (`GrammarMatcher.masks_along`); the
-accepted tokens then advance it as plain decoding's do. Such a request proposes only while more than the closing
-window's tokens of its budget are left (grammar/closing.py: near the end a JSON output follows a closing plan).
+grammar refuses (it could never be sampled), an EOS, or a token that completes the grammar (plain decoding ends the
+output there), and each verified position is sampled under the grammar's mask there, computed ahead by a copy of the
+matcher walking the proposal (`GrammarMatcher.masks_along`); the accepted tokens then advance the matcher as plain
+decoding's do. A JSON form proposes only while more than the closing window's tokens of its budget are left
+(grammar/closing.py: near the end its output follows a closing plan). A grammar that fails while its masks are made
+costs only the request's proposal (it fails the request where plain decoding would).
 """
 
 from __future__ import annotations
@@ -342,7 +344,7 @@ class Speculation:
                 state = self.sequences[request] = SequenceState(self.proposer.index())
             left = request.max_tokens - request.num_output_tokens
             limit = min(self.options.k, budget, left - 1, scheduler.max_model_len - request.num_tokens - 1)
-            if request.grammar is not None:  # its verified masks stay clear of the closing plan's window
+            if request.grammar is not None and request.grammar.plans_closing:  # its masks stay clear of the plan
                 limit = min(limit, left - CLOSE_WINDOW - 1)
             if key is not None:  # decided before the proposal is made
                 if self.options.adaptive and limit > 0:
@@ -373,8 +375,12 @@ class Speculation:
         each verified position gets its mask."""
         proposal = [] if found is None else found.tokens[:limit]
         grammar = item.request.grammar
-        masks = grammar.masks_along(proposal) if grammar is not None and proposal else []
-        if grammar is not None:
+        masks: list[FixedMask] = []
+        if grammar is not None and proposal:
+            try:
+                masks = grammar.masks_along(proposal)
+            except Exception as error:  # the grammar's own failure fails the request when it samples, not here
+                log.warning("speculative_grammar_failed", request_id=item.request.request_id, error=repr(error))
             proposal = proposal[:max(len(masks) - 1, 0)]
         if proposal and self.scheduler.kv.allocate_slots(item.request, 1 + len(proposal)):
             item.draft = proposal

@@ -105,47 +105,50 @@ class GrammarMatcher:
             bitmask[row, token // 32] = _bit(token % 32)
             self.closed_early = True
             return
+        self._write_mask(self._matcher, bitmask, row)
+
+    def _write_mask(self, matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+        """`matcher`'s allowed next tokens into `bitmask[row]` (a checked bitmask of this grammar's width)."""
         address = bitmask.data_ptr() + row * self._words * 4
         if self._scratch is None:
-            self._matcher.unsafe_compute_mask_ptr(address, self._words * 4)
+            matcher.unsafe_compute_mask_ptr(address, self._words * 4)
         else:
-            self._matcher.unsafe_compute_mask_ptr(self._scratch.data_ptr(), self._scratch.numel() * 4)
+            matcher.unsafe_compute_mask_ptr(self._scratch.data_ptr(), self._scratch.numel() * 4)
             target = bitmask[row]
             target.copy_(self._scratch[: self._words])
             tail = self._vocab_size % 32
             if tail:  # ids from vocab_size on, in the last word, are not the model's
                 target[-1] &= (1 << tail) - 1
-        if self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+        if matcher.is_error():
+            raise RuntimeError(f"grammar matcher failed: {matcher.get_error()}")
 
     def masks_along(self, tokens: Sequence[int]) -> list[FixedMask]:
         """The bitmasks of the next token after each prefix of `tokens` the grammar allows, as `fill_bitmask` would
         write them with the matcher advanced that far (speculative decoding's verification rows): one for the
-        empty prefix, then one more for each token allowed, up to the first one it refuses, an EOS, or the end of
-        the grammar. The matcher is left where it was (llguidance's rollback). Away from the end of the budget only:
-        these masks never follow a closing plan."""
+        empty prefix, then one more for each token allowed, up to the first one it refuses, an EOS, or one that
+        completes the grammar (plain decoding ends the output there: no position after it is sampled). A copy of
+        the matcher walks the tokens, so this one stays where it is whatever happens (llguidance's errors stick).
+        Away from the end of the budget only: these masks never follow a closing plan."""
         if self._ended:
             return []
-        masks: list[FixedMask] = []
-        consumed = 0
-        try:
-            for token in [*tokens, None]:
-                bitmask = torch.empty(1, self._words, dtype=torch.int32)
-                self.fill_bitmask(bitmask, 0)
-                masks.append(FixedMask(bitmask[0]))
-                if token is None or not 0 <= token < self._vocab_size or self._matcher.is_stopped():
-                    break
-                if not (int(bitmask[0, token // 32]) >> (token % 32)) & 1 or token in self._eos:
-                    break  # refused, or the end: no row after it
-                if self._matcher.try_consume_tokens([token]) != 1:
-                    break
-                consumed += 1
-        finally:
-            if consumed:
-                self._matcher.rollback(consumed)
-            if self._matcher.is_error():
-                raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
-        return masks
+        walker = self._matcher.deep_copy()
+        bitmask = torch.empty(len(tokens) + 1, self._words, dtype=torch.int32)
+        count = 0
+        for j, token in enumerate([*tokens, None]):
+            self._write_mask(walker, bitmask, j)
+            count = j + 1
+            if token is None or not 0 <= token < self._vocab_size or token in self._eos or walker.is_stopped():
+                break
+            if not (int(bitmask[j, token // 32]) >> (token % 32)) & 1:
+                break  # refused
+            if walker.try_consume_tokens([token]) != 1 or walker.is_error() or walker.is_stopped():
+                break  # refused after all, failed, or complete (the token is not proposed: see above)
+        return [FixedMask(bitmask[i]) for i in range(count)]
+
+    @property
+    def plans_closing(self) -> bool:
+        """Whether its output follows a closing plan near the end of its budget (a JSON form: closing.py)."""
+        return self._closing is not None
 
     def _closing_token(self, remaining: int | None) -> int | None:
         """The next token of the closing plan, when the output must follow it now (closing.py), else None."""

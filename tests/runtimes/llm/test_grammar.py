@@ -175,6 +175,11 @@ def test_masks_along_a_proposal_are_the_masks_of_advancing_and_leave_the_matcher
     cut = matcher.masks_along([*proposal[:3], refused, *proposal[4:]])
     assert len(cut) == 4 and all(torch.equal(a.words, b.words) for a, b in zip(cut, masks[:4], strict=False))
     assert len(matcher.masks_along([EOS, *proposal])) == 1  # an EOS ends the proposal (nothing is verified after it)
+    # a token that completes the grammar is not proposed: plain decoding ends the output there, sampling nothing after
+    assert len(matcher.masks_along(tokens[2:])) == len(tokens[2:])
+    choice = compiler.compile(StructuredOutput(choice=("positive", "negative"))).matcher()
+    label = tok.encode("positive", add_special_tokens=False)
+    assert len(choice.masks_along(label)) == len(label)
     for token in [*tokens[2:], EOS]:  # and the matcher still takes the whole output
         assert matcher.accept(token)
     assert matcher.is_terminated and matcher.masks_along(proposal) == []

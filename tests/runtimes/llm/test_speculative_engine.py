@@ -521,6 +521,48 @@ def test_a_draft_model_is_loaded_with_its_own_weights_choice(tmp_path):
     assert engine.speculation.stats.num_proposed > 0
 
 
+def test_a_proposal_that_completes_its_grammar_ends_the_output_where_plain_decoding_does(engines):
+    """Grammars without a closing plan (a regex, a choice) are proposed to up to their last tokens: the token that
+    completes the grammar is left out of a proposal (plain decoding ends the output there, sampling nothing after
+    it), so no EOS is added and the finish reason is plain decoding's. A grammar failing while proposals are made
+    costs only that request's proposals."""
+    from runtimes.llm.sampling_params import StructuredOutput
+
+    requests = {
+        "regex": (random_prompt(80, 5), SamplingParams(temperature=0.0, max_tokens=60,
+                                                       structured=StructuredOutput(regex="[a-z]{2,24}"))),
+        "regex-seeded": (random_prompt(81, 5), SamplingParams(temperature=0.9, seed=3, max_tokens=60,
+                                                              structured=StructuredOutput(regex="[a-z]{2,24}"))),
+        "choice": (random_prompt(82, 5), SamplingParams(temperature=0.0, max_tokens=60, structured=StructuredOutput(
+            choice=("abcdefghij", "abcdefxyzw")))),
+        "g": (random_prompt(83, 5), GREEDY)}
+    plain = run_to_completion(engines(None), requests)
+    for key in ("regex", "choice"):
+        assert plain[key].finish_reason == "stop" and len(plain[key].token_ids) < 30  # the grammar ended it
+    engine = engines()
+    engine.speculation.proposer = Oracle(_sequences(requests, plain), 0.0)
+    assert_same_outputs(plain, run_to_completion(engine, requests))
+    assert engine.speculation.stats.num_accepted > 20
+    assert_no_leak(engine)
+    failing = engines()  # and a grammar that fails while a proposal's masks are made
+    failing.speculation.proposer = Oracle(_sequences(requests, plain), 0.0)
+    add = failing.add_request
+
+    def add_broken(request_id, prompt, params, *args, **kwargs):  # type: ignore[no-untyped-def]
+        add(request_id, prompt, params, *args, **kwargs)
+        for request in failing.scheduler.requests.values():
+            if request.grammar is not None:
+                request.grammar.masks_along = _raise  # type: ignore[method-assign]
+
+    failing.add_request = add_broken  # type: ignore[method-assign]
+    assert_same_outputs(plain, run_to_completion(failing, requests))
+    assert_no_leak(failing)
+
+
+def _raise(*args: object) -> None:
+    raise RuntimeError("grammar matcher failed: a limit of its parser")
+
+
 def test_a_draft_that_stopped_paying_probes_now_and_then():
     spec = _speculation(k=8)
     due = [spec._probe_due() for _ in range(3 * PROBE_EVERY)]
