@@ -444,9 +444,9 @@ def test_a_draft_model_proposes_and_the_target_keeps_its_tokens(tiny_loaded, eng
         assert draft_engine.num_steps <= 4 * engine.num_steps
 
 
-def test_a_draft_that_fails_part_way_costs_only_its_proposals(tiny_loaded, engines):
-    """The draft's engine raising in the middle of a batch of proposals: that step's requests decode without them,
-    nothing of the batch stays in the draft's engine, and the tokens are the plain engine's."""
+def _self_drafting(tiny_loaded, engines):  # type: ignore[no-untyped-def]
+    """Six requests, the plain engine's results for them, and an engine drafting with its own model (k 4, always
+    proposed) with that draft's engine."""
     target = tiny_loaded(seed=0)
     requests = _requests(6)
     plain = run_to_completion(engines(None), requests)
@@ -454,7 +454,18 @@ def test_a_draft_that_fails_part_way_costs_only_its_proposals(tiny_loaded, engin
                           max_num_seqs=32, speculative=SpeculativeOptions(method="draft", draft_model="d", k=4,
                                                                           adaptive=False))
     engine = LLMEngine(target, config, draft=target)
-    draft_engine = engine.speculation.proposer.engine
+    return requests, plain, engine, engine.speculation.proposer.engine
+
+
+def _assert_nothing_left(engine: LLMEngine, draft_engine: LLMEngine) -> None:
+    assert_no_leak(engine)
+    assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
+
+
+def test_a_draft_that_fails_part_way_costs_only_its_proposals(tiny_loaded, engines):
+    """The draft's engine raising in the middle of a batch of proposals: that step's requests decode without them,
+    nothing of the batch stays in the draft's engine, and the tokens are the plain engine's."""
+    requests, plain, engine, draft_engine = _self_drafting(tiny_loaded, engines)
     real_step, calls = draft_engine.step, [0]
 
     def flaky_step():
@@ -467,8 +478,7 @@ def test_a_draft_that_fails_part_way_costs_only_its_proposals(tiny_loaded, engin
     draft_engine.step = flaky_step
     assert_same_outputs(plain, run_to_completion(engine, requests))
     assert calls[0] > 7 and engine.speculation.stats.num_proposed > 0
-    assert_no_leak(engine)
-    assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
+    _assert_nothing_left(engine, draft_engine)
 
 
 def test_a_sequence_the_draft_refuses_goes_without_and_the_rest_of_the_batch_keeps_theirs(tiny_loaded, engines):
@@ -476,14 +486,7 @@ def test_a_sequence_the_draft_refuses_goes_without_and_the_rest_of_the_batch_kee
     without a proposal, the others of the batch get theirs, and nothing is left queued in the draft's engine."""
     from foundation.request_errors import InvalidRequestError
 
-    target = tiny_loaded(seed=0)
-    requests = _requests(6)
-    plain = run_to_completion(engines(None), requests)
-    config = EngineConfig(kv_cache_bytes=2048 * KV_PER_TOKEN, block_size=4, max_num_batched_tokens=64,
-                          max_num_seqs=32, speculative=SpeculativeOptions(method="draft", draft_model="d", k=4,
-                                                                          adaptive=False))
-    engine = LLMEngine(target, config, draft=target)
-    draft_engine = engine.speculation.proposer.engine
+    requests, plain, engine, draft_engine = _self_drafting(tiny_loaded, engines)
     real_add, refused = draft_engine.add_request, [0]
     longest = max((prompt for prompt, _ in requests.values()), key=len)
 
@@ -497,8 +500,7 @@ def test_a_sequence_the_draft_refuses_goes_without_and_the_rest_of_the_batch_kee
     assert_same_outputs(plain, run_to_completion(engine, requests))
     stats = engine.speculation.stats
     assert refused[0] > 1 and stats.num_drafts > 10 and stats.num_accepted > 10  # the others' kept coming
-    assert_no_leak(engine)
-    assert not draft_engine.has_unfinished_requests() and not draft_engine.kv.block_tables
+    _assert_nothing_left(engine, draft_engine)
 
 
 def test_a_draft_model_is_loaded_with_its_own_weights_choice(tmp_path):
