@@ -62,6 +62,7 @@ class ReplicaDemand:
     weight: float = 1.0
     device: Device = "auto"
     mig_instance: str | None = None  # the MIG instance it shares with the other demands naming it (mps/timeslice)
+    draft_unsized: str | None = None  # its draft model, where that model's shape is unknown (so its memory is)
 
     @property
     def replica_id(self) -> str:
@@ -95,9 +96,10 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
             problems.append(f"models[{i}] {model.name}: {exc}")
             continue
         placement = model.placement
+        unsized = draft if draft is not None and draft_shape is None else None
         demands += [ReplicaDemand(model=model.name, replica=r, isolation=placement.isolation, memory_bytes=memory,
                                   kv_cache_bytes=kv, sm_percent=placement.sm_percent, weight=placement.weight,
-                                  device=model.device, mig_instance=placement.mig_instance)
+                                  device=model.device, mig_instance=placement.mig_instance, draft_unsized=unsized)
                     for r in range(model.max_replicas)]
     if problems:
         raise InfeasiblePlan(problems)

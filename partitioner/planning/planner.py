@@ -174,6 +174,10 @@ def _resolve(d: ReplicaDemand, managed: list[GpuState], inventory: Inventory,
             return f"{d.replica_id}: needs a GPU (device: cuda), but {why}"
         return Placed(d, "cpu", on_cpu)
     if d.memory_bytes is None:
+        if d.draft_unsized is not None:
+            return (f"{d.replica_id}: its memory is unknown, so it cannot be admitted to a GPU: the shape of its draft "
+                    f"model {d.draft_unsized!r} is not known (its files are not here): give that model's shape, or "
+                    f"set this model's placement.memory_gib")
         return (f"{d.replica_id}: its memory is unknown, so it cannot be admitted to a GPU: set the model's "
                 f"placement.memory_gib, or give its shape (layers, KV heads, head size, weight bytes)")
     if d.mig_instance is not None and not any(g.dev.mig_capable and plannable_profiles(g.dev) for g in managed):

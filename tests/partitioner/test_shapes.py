@@ -152,6 +152,12 @@ def test_a_draft_model_is_estimated_and_planned_inside_the_replicas_that_name_it
     replica = current.replica("smol/0")
     kv = 1008 * SMOLLM2_SHAPE.kv_bytes_per_token
     assert replica.kv_cache_bytes == kv  # the model's own cache, as its engine is given it
+    elsewhere = registry(smol={"source": SMOLLM2, "device": "cuda", "engine": {
+                             "max_model_len": 1000, "speculative": {"method": "draft", "draft_model": "helper"}}},
+                         helper={"source": {"path": str(tmp_path / "absent.gguf")}, "replicas": 0})
+    none, problems = planned(elsewhere, tmp_path)  # a draft whose files are not here: refused, naming the draft
+    assert none is None and "smol/0: its memory is unknown" in str(problems[0])
+    assert "the shape of its draft model 'helper' is not known" in str(problems[0])
     assert replica.memory_bytes == (2 * (SMOLLM2_SHAPE.weights_bytes + kv) + DEFAULT_OVERHEAD_BYTES
                                     + DRAFT_ENGINE_OVERHEAD_BYTES)
 
