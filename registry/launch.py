@@ -123,30 +123,21 @@ def replica_launch(spec: ModelSpec, index: int, placement: ReplicaPlacement | No
     its draft model, if it speculates with one."""
     queue = QueueOptions() if spec.type == "embedding" else QueueOptions.model_validate(
         spec.policy.model_dump(include=set(QueueOptions.model_fields)))
+    draft = draft_launch(spec, registry)
     return ReplicaLaunch(
         model=spec.name, index=index, type=spec.type, source=spec.source_ref(), aliases=tuple(spec.aliases),
         device=spec.device, engine=spec.engine, queue=queue, chat=spec.chat, placement=placement or ReplicaPlacement(),
         url=spec.urls[index] if index < len(spec.urls) else None,
         ray=(spec.ray or RayResources()) if spec.launcher == "ray" else None,
         command=spec.command, served_name=spec.served_name if spec.launcher == "command" else None,
-        draft_source=draft_source(spec, registry), draft_weights=draft_weights(spec, registry))
+        draft_source=draft[0], draft_weights=draft[1])
 
 
-def draft_model(spec: ModelSpec, registry: Registry | None) -> ModelSpec | None:
-    """The registry entry of the model's draft model, found by its name (None: it has none, or no registry)."""
+def draft_launch(spec: ModelSpec, registry: Registry | None) -> tuple[str, WeightsChoice]:
+    """The model's draft model as its launch carries it: its source and its own `engine.weights` (("", "auto") when
+    it has none, or no registry names it)."""
     name = draft_model_of(spec.engine)
-    if name is None or registry is None:
-        return None
-    return next((m for m in registry.models if m.name == name), None)
-
-
-def draft_source(spec: ModelSpec, registry: Registry | None) -> str:
-    """The source of the model's draft model ("" when it has none, or no registry names it)."""
-    draft = draft_model(spec, registry)
-    return "" if draft is None else draft.source_ref()
-
-
-def draft_weights(spec: ModelSpec, registry: Registry | None) -> WeightsChoice:
-    """How the model's draft model holds its weights: the draft's own `engine.weights`."""
-    draft = draft_model(spec, registry)
-    return draft.engine.weights if draft is not None and isinstance(draft.engine, EngineSpec) else "auto"
+    draft = None if name is None or registry is None else next((m for m in registry.models if m.name == name), None)
+    if draft is None:
+        return "", "auto"
+    return draft.source_ref(), draft.engine.weights if isinstance(draft.engine, EngineSpec) else "auto"

@@ -24,7 +24,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 from registry import yaml_edit
 from registry.errors import ModelNotFound, Problem, RegistryError
-from registry.launch import draft_source, draft_weights, launch_key
+from registry.launch import draft_launch, launch_key
 from registry.registry_file import (
     FileChanged,
     check_size,
@@ -95,12 +95,9 @@ def diff_registries(old: Registry, new: Registry) -> RegistryDiff:
     old_by_name, new_by_name = {m.name: m for m in old.models}, {m.name: m for m in new.models}
     common = [m.name for m in new.models if m.name in old_by_name]
     # a model whose own entry is unchanged changes when its draft model's weights move or are held otherwise
-    def draft(spec: ModelSpec, registry: Registry) -> tuple[str, str]:
-        return draft_source(spec, registry), draft_weights(spec, registry)
-
     changed = tuple(name for name in common if old_by_name[name].model_dump(exclude={"replicas"})
                     != new_by_name[name].model_dump(exclude={"replicas"})
-                    or draft(old_by_name[name], old) != draft(new_by_name[name], new))
+                    or draft_launch(old_by_name[name], old) != draft_launch(new_by_name[name], new))
     relaunched = tuple(name for name in changed
                        if launch_key(old_by_name[name], old) != launch_key(new_by_name[name], new))
     return RegistryDiff(

@@ -87,16 +87,16 @@ def replica_demands(registry: Registry, shapes: Mapping[str, ModelShape] | None 
         if not planned(model):
             continue
         draft = draft_model_of(model.engine)
-        shape, draft_shape = shapes.get(model.name), shapes.get(draft) if draft else None
+        draft_shape = shapes.get(draft) if draft else None
+        unsized = draft if draft is not None and draft_shape is None else None
         try:
-            # a draft of unknown size leaves the replica's own unknown (a GPU plan then asks for memory_gib)
-            memory, kv = replica_memory(model, shape if draft is None or draft_shape else None, overhead_bytes,
+            # a draft of unknown size leaves the replica's own unknown (a GPU plan then refuses it, naming the draft)
+            memory, kv = replica_memory(model, None if unsized else shapes.get(model.name), overhead_bytes,
                                         draft_shape)
         except ValueError as exc:
             problems.append(f"models[{i}] {model.name}: {exc}")
             continue
         placement = model.placement
-        unsized = draft if draft is not None and draft_shape is None else None
         demands += [ReplicaDemand(model=model.name, replica=r, isolation=placement.isolation, memory_bytes=memory,
                                   kv_cache_bytes=kv, sm_percent=placement.sm_percent, weight=placement.weight,
                                   device=model.device, mig_instance=placement.mig_instance, draft_unsized=unsized)

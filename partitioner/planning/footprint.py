@@ -20,7 +20,7 @@ from partitioner.devices.inventory import Inventory
 from partitioner.planning.plan import Plan
 from registry.engine import EngineSpec, kv_cache_budget
 from registry.fields import GIB, MIB
-from registry.launch import Footprint, draft_source
+from registry.launch import Footprint, draft_launch
 from registry.schema import ModelSpec, Registry
 from registry.sources import resolve_model_path
 
@@ -57,7 +57,7 @@ def cpu_bytes(spec: ModelSpec, registry: Registry | None = None) -> int | None:
     except (OSError, ValueError):
         return None
     kv = kv_cache_budget(spec.engine.kv_cache_bytes, device="cpu") if isinstance(spec.engine, EngineSpec) else 0
-    draft = draft_source(spec, registry)
+    draft, _ = draft_launch(spec, registry)
     if draft:
         kv *= 2
         with contextlib.suppress(OSError, ValueError):  # not on this machine (the replica will fail): its own bytes
