@@ -81,22 +81,20 @@ class DraftModelProposer:
         engine refuses (its pool cannot hold it) gets none; a failure of a step leaves nothing of the batch in the
         engine (and raises)."""
         engine = self.engine
-        ids: list[str | None] = []
-        tokens: dict[str, list[int]] = {}
+        ids = [f"draft-{next(self._ids)}" for _ in wanted]
+        tokens: dict[str, list[int]] = {}  # of the requests the engine took
         try:
-            for token_ids, _, limit in wanted:
+            for request_id, (token_ids, _, limit) in zip(ids, wanted, strict=True):
                 count = min(self.k, limit, engine.max_model_len - len(token_ids))
-                request_id = f"draft-{next(self._ids)}"
-                if count > 0:
-                    try:
-                        engine.add_request(request_id, list(token_ids),
-                                           SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True))
-                    except (ValueError, OverloadedError) as refused:  # e.g. longer than the draft's pool holds
-                        log.warning("draft_proposal_refused", tokens=len(token_ids), error=str(refused))
-                        count = 0
-                ids.append(request_id if count > 0 else None)
-                if count > 0:
-                    tokens[request_id] = []
+                if count <= 0:
+                    continue
+                try:
+                    engine.add_request(request_id, list(token_ids),
+                                       SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True))
+                except (ValueError, OverloadedError) as refused:  # e.g. longer than the draft's pool holds
+                    log.warning("draft_proposal_refused", tokens=len(token_ids), error=str(refused))
+                    continue
+                tokens[request_id] = []
             while any(not engine.is_finished(i) for i in tokens):
                 for out in engine.step():
                     tokens[out.request_id] += out.new_token_ids
@@ -104,4 +102,4 @@ class DraftModelProposer:
             for i in tokens:
                 if not engine.is_finished(i):  # a failure part-way: nothing of it stays
                     engine.abort_request(i)
-        return [Lookup(tokens[i], self.key) if i is not None and tokens[i] else None for i in ids]
+        return [Lookup(got, self.key) if (got := tokens.get(i)) else None for i in ids]

@@ -401,11 +401,7 @@ class Speculation:
         the proposals: the requests decode without them."""
         started = time.perf_counter()
         try:
-            if len(wanted) == 1:
-                request, state, limit = wanted[0]
-                found = [self.proposer.lookup(request.token_ids, state.index, limit)]
-            else:
-                found = self.proposer.lookup_many([(r.token_ids, s.index, limit) for r, s, limit in wanted])
+            found = self.proposer.lookup_many([(r.token_ids, s.index, limit) for r, s, limit in wanted])
         except Exception as error:
             log.warning("speculative_proposal_failed", request_ids=[r.request_id for r, _, _ in wanted],
                         error=repr(error))

@@ -139,10 +139,8 @@ class GrammarMatcher:
             count = j + 1
             if token is None or not 0 <= token < self._vocab_size or token in self._eos or walker.is_stopped():
                 break
-            if not (int(bitmask[j, token // 32]) >> (token % 32)) & 1:
-                break  # refused
             if walker.try_consume_tokens([token]) != 1 or walker.is_error() or walker.is_stopped():
-                break  # refused after all, failed, or complete (the token is not proposed: see above)
+                break  # refused, failed, or complete (the token is not proposed: see above)
         return [FixedMask(bitmask[i]) for i in range(count)]
 
     @property

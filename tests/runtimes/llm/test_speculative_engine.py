@@ -54,6 +54,9 @@ class Oracle:
     def lookup(self, token_ids: Sequence[int], index: object, limit: int | None = None) -> Lookup:
         return Lookup(self.propose(token_ids, limit), 0)
 
+    def lookup_many(self, wanted: Sequence[tuple[Sequence[int], object, int]]) -> list[Lookup]:
+        return [self.lookup(token_ids, index, limit) for token_ids, index, limit in wanted]
+
     def __init__(self, expected: Sequence[Sequence[int]], noise: float, seed: int = 0) -> None:
         self.expected = [list(s) for s in expected]
         self.noise = noise
